@@ -1,0 +1,216 @@
+"""``focus_attention``: the one attention API; backends plug in behind it.
+
+Layout ``[batch, seq, heads, head_dim]`` for queries and ``[batch, seq, heads_kv, head_dim]`` for
+keys and values (GQA when ``heads_kv < heads``). Causal self-attention with the Focus pattern
+(:mod:`focus_pretrain.focus.pattern`):
+
+* ``mode="soft"`` (training): every causal pair, with the soft gate on pairs beyond the window;
+  differentiable in ``q``, ``k``, ``v`` and the routing's soft assignments.
+* ``mode="hard"`` (inference): the window plus pairs whose ``top_k`` groups intersect.
+* ``local_only=True``: a sliding-window layer (interleaved local/global models); no routing.
+
+Every backend computes exactly the same function; ``backend="auto"`` picks the fastest exact
+one for the request. This release ships the ``reference`` backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
+from focus_pretrain.focus.reference import reference_attention
+from focus_pretrain.focus.router import Routing
+
+BackendFn = Callable[..., tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention backend.
+
+    Attributes:
+        name: what ``backend=`` selects.
+        fn: ``fn(q, k, v, *, probs, member, window, mode, gate_lambda, softcap, scale,
+            local_only) -> (out [b, s, H, D], lse [b, s, H] fp32)``.
+        supports: ``supports(q, mode, local_only) -> bool``: can it run this request exactly?
+        priority: ``auto`` picks the supported backend with the highest priority.
+    """
+
+    name: str
+    fn: BackendFn
+    supports: Callable[[Tensor, str, bool], bool]
+    priority: int
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Add (or replace) a backend under ``backend.name``."""
+    _BACKENDS[backend.name] = backend
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=`` (besides ``"auto"``)."""
+    return sorted(_BACKENDS)
+
+
+register_backend(Backend("reference", reference_attention, lambda q, m, lo: True, priority=0))
+
+
+def focus_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    routing: Routing | Tensor | None = None,
+    *,
+    window: int = 128,
+    mode: str = "soft",
+    top_k: int = 1,
+    backend: str = "auto",
+    gate_lambda: float = 10.0,
+    softcap: float | None = None,
+    scale: float | None = None,
+    local_only: bool = False,
+    return_lse: bool = False,
+    check_finite: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal Focus attention.
+
+    Args:
+        q: ``[batch, seq, heads, head_dim]``.
+        k, v: ``[batch, seq, heads_kv, head_dim]`` with ``heads % heads_kv == 0``.
+        routing: the layer's :class:`Routing` (or its soft assignments ``[batch, seq, K]``);
+            may be ``None`` only with ``local_only=True``.
+        window: local window ``w >= 0``: keys with ``0 <= i - j <= w`` are always attended.
+        mode: ``"soft"`` (training, soft gate) or ``"hard"`` (inference, top-k groups).
+        top_k: groups per token in hard mode, ``1 <= top_k <= K``.
+        backend: ``"auto"`` or one of :func:`available_backends`.
+        gate_lambda: sharpness of the soft gate (soft mode).
+        softcap: Gemma-2 logit soft-capping ``c * tanh(score / c)``, applied before the pattern.
+        scale: score scale, default ``1 / sqrt(head_dim)``.
+        local_only: sliding-window-only layer.
+        return_lse: also return the per-query log-sum-exp ``[batch, seq, heads]`` (fp32).
+        check_finite: raise ``ValueError`` on NaN/inf inputs (a device sync on GPU).
+
+    Returns:
+        ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
+    """
+    probs = routing.probs if isinstance(routing, Routing) else routing
+    _validate(
+        q,
+        k,
+        v,
+        probs,
+        window=window,
+        mode=mode,
+        top_k=top_k,
+        gate_lambda=gate_lambda,
+        softcap=softcap,
+        scale=scale,
+        local_only=local_only,
+        check_finite=check_finite,
+    )
+    member = None
+    if local_only:
+        probs = None
+    elif mode == "hard":
+        member = Routing(probs).membership(top_k)  # [b, s] int64
+        probs = None
+    chosen = _resolve_backend(backend, q, mode, local_only)
+    out, lse = chosen.fn(
+        q,
+        k,
+        v,
+        probs=probs,
+        member=member,
+        window=window,
+        mode=mode,
+        gate_lambda=gate_lambda,
+        softcap=softcap,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        local_only=local_only,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _resolve_backend(name: str, q: Tensor, mode: str, local_only: bool) -> Backend:
+    if name == "auto":
+        usable = [b for b in _BACKENDS.values() if b.supports(q, mode, local_only)]
+        return max(usable, key=lambda b: b.priority)
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
+    chosen = _BACKENDS[name]
+    if not chosen.supports(q, mode, local_only):
+        raise ValueError(
+            f"backend {name!r} cannot run mode={mode!r}, local_only={local_only} on "
+            f"{q.device.type} with {q.dtype}; use backend='auto'"
+        )
+    return chosen
+
+
+def _validate(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor | None,
+    *,
+    window: int,
+    mode: str,
+    top_k: int,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float | None,
+    local_only: bool,
+    check_finite: bool,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a 4-D tensor [batch, seq, heads, head_dim], got {shape}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    (b, s, h, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    for what, got, want in (("batch", bk, b), ("seq", sk, s), ("head_dim", dk, d)):
+        if got != want:
+            raise ValueError(f"k/v {what} must equal q's {what} ({want}), got {got}")
+    if hkv < 1 or h % hkv != 0:
+        raise ValueError(f"heads ({h}) must be divisible by heads_kv ({hkv})")
+    check_int("window", window, low=0)
+    check_choice("mode", mode, ATTENTION_MODES)
+    check_positive("gate_lambda", gate_lambda)
+    if softcap is not None:
+        check_positive("softcap", softcap)
+    if scale is not None:
+        check_positive("scale", scale)
+    if probs is None:
+        if not local_only:
+            raise ValueError("routing is required unless local_only=True (a sliding-window layer)")
+    elif not local_only:
+        if not isinstance(probs, Tensor) or probs.dim() != 3 or probs.shape[:2] != (b, s):
+            shape = tuple(probs.shape) if isinstance(probs, Tensor) else type(probs).__name__
+            raise ValueError(f"routing.probs must be [batch={b}, seq={s}, K], got {shape}")
+        if probs.device != q.device:
+            raise ValueError(f"routing.probs must be on {q.device}, got {probs.device}")
+        check_int("top_k", top_k, low=1, high=probs.shape[-1], high_name="K (number of groups)")
+    if check_finite:
+        named = [("q", q), ("k", k), ("v", v)]
+        if probs is not None and not local_only:
+            named.append(("routing.probs", probs))
+        for name, t in named:
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} contains NaN or inf values")

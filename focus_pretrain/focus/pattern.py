@@ -1,0 +1,152 @@
+"""The Focus pattern, in one place: which (query, key) pairs are allowed, and the soft gate.
+
+A query at position ``i`` may attend a key at position ``j`` when::
+
+    j <= i  and  ( i - j <= window   or   shares_group(i, j) )
+
+* **hard** (inference): ``shares_group`` is "the top-k group sets of ``i`` and ``j`` intersect",
+  tested on int64 membership bitmasks (one bit per group). Disallowed pairs get ``-inf``.
+* **soft** (training): every causal pair is allowed; pairs beyond the window get the additive
+  log-space gate ``log sigmoid(lambda * (g_i . g_j - 1/2))`` on their (soft-capped) score, where
+  ``g`` are the soft group assignments. As ``lambda -> inf`` the gate tends to ``0`` when
+  ``g_i . g_j > 1/2`` and to ``-inf`` when ``g_i . g_j < 1/2``: with near one-hot assignments,
+  exactly the hard top-1 mask.
+* **local only** (the sliding-window layers of interleaved local/global models): only
+  ``0 <= i - j <= window``; no routing.
+
+Positions are explicit so that the same functions serve a whole sequence, a block of it, or
+the shards of a context-parallel run. Every attention backend must compute this pattern.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def membership_bitmask(top_groups: Tensor) -> Tensor:
+    """Pack group indices into one int64 bitmask per token.
+
+    Args:
+        top_groups: ``[..., top_k]`` integer group indices in ``[0, 64)``, distinct per token.
+
+    Returns:
+        ``[...]`` int64, bit ``k`` set when the token belongs to group ``k``.
+    """
+    bits = torch.ones_like(top_groups, dtype=torch.int64) << top_groups.to(torch.int64)
+    return bits.sum(dim=-1)  # distinct bits: the sum is the bitwise or
+
+
+def shares_group(member_q: Tensor, member_k: Tensor) -> Tensor:
+    """``[b, Lq, Lk]`` bool: do the membership bitmasks ``[b, Lq]`` and ``[b, Lk]`` intersect?"""
+    return (member_q[:, :, None] & member_k[:, None, :]) != 0
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype Focus maths runs in: the promotion of ``dtypes`` and fp32 (never below fp32)."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+def at_least_fp32(t: Tensor) -> Tensor:
+    """``t`` in :func:`compute_dtype` of its dtype: fp32, or fp64 for fp64 inputs."""
+    return t.to(compute_dtype(t.dtype))
+
+
+def group_affinity(probs_q: Tensor, probs_k: Tensor) -> Tensor:
+    """``[b, Lq, Lk]`` soft co-membership ``g_i . g_j`` from assignments ``[b, Lq|Lk, K]``."""
+    return torch.einsum("bqk,bjk->bqj", at_least_fp32(probs_q), at_least_fp32(probs_k))
+
+
+def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
+    """The soft gate ``log sigmoid(lambda * (affinity - 1/2))``, elementwise, at least fp32."""
+    return F.logsigmoid(gate_lambda * (at_least_fp32(affinity) - 0.5))
+
+
+def causal_and_local(q_pos: Tensor, k_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
+    """``([Lq, Lk] causal, [Lq, Lk] local)`` from positions ``[Lq]`` and ``[Lk]``.
+
+    ``causal`` is ``j <= i``; ``local`` is ``0 <= i - j <= window`` (a subset of causal).
+    """
+    distance = q_pos[:, None] - k_pos[None, :]  # [Lq, Lk]
+    causal = distance >= 0
+    return causal, causal & (distance <= window)
+
+
+def allowed_pairs(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    *,
+    member_q: Tensor | None = None,
+    member_k: Tensor | None = None,
+    local_only: bool = False,
+) -> Tensor:
+    """Boolean pattern of allowed pairs.
+
+    Args:
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` integer positions (global positions under sharding).
+        window: the local window ``w >= 0``.
+        member_q, member_k: ``[b, Lq]``, ``[b, Lk]`` int64 membership bitmasks (hard mode);
+            when omitted and not ``local_only``, every causal pair is allowed (soft mode).
+        local_only: sliding-window layer: only the window.
+
+    Returns:
+        ``[b, Lq, Lk]`` bool (``b = 1`` without memberships).
+    """
+    causal, local = causal_and_local(q_pos, k_pos, window)
+    if local_only:
+        return local[None]
+    if member_q is None or member_k is None:
+        return causal[None]
+    return local[None] | (causal[None] & shares_group(member_q, member_k))
+
+
+def pair_bias(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    *,
+    mode: str,
+    probs_q: Tensor | None = None,
+    probs_k: Tensor | None = None,
+    member_q: Tensor | None = None,
+    member_k: Tensor | None = None,
+    gate_lambda: float = 10.0,
+    local_only: bool = False,
+) -> Tensor:
+    """Additive score bias (at least fp32) implementing the pattern: ``0``, gate or ``-inf``.
+
+    ``mode="hard"`` needs ``member_q/member_k``; ``mode="soft"`` needs ``probs_q/probs_k``
+    (``[b, L, K]``); ``local_only`` needs neither.
+
+    Returns:
+        ``[b, Lq, Lk]`` float32 (``b = 1`` when no routing is used).
+    """
+    neg_inf = torch.tensor(float("-inf"), device=q_pos.device)
+    if local_only or mode == "hard":
+        allowed = allowed_pairs(
+            q_pos, k_pos, window, member_q=member_q, member_k=member_k, local_only=local_only
+        )
+        return torch.where(allowed, torch.zeros((), device=q_pos.device), neg_inf)
+    if mode != "soft":
+        raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
+    causal, local = causal_and_local(q_pos, k_pos, window)
+    gate = soft_gate(group_affinity(probs_q, probs_k), gate_lambda)  # [b, Lq, Lk]
+    distant = (causal & ~local)[None]  # [1, Lq, Lk]
+    bias = torch.where(distant, gate, torch.zeros((), device=gate.device))
+    return torch.where(causal[None], bias, neg_inf)
+
+
+def pattern_density(member: Tensor, window: int) -> Tensor:
+    """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float.
+
+    The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
+    Materialises ``[b, n, n]`` booleans: for analysis at moderate lengths, not the hot path.
+    """
+    n = member.shape[1]
+    pos = torch.arange(n, device=member.device)
+    allowed = allowed_pairs(pos, pos, window, member_q=member, member_k=member)
+    return allowed.flatten(1).sum(dim=1).double() / (n * (n + 1) / 2)

@@ -1,0 +1,150 @@
+"""The reference backend: exact, differentiable, blockwise; the yardstick for every other backend.
+
+Queries are processed in blocks of ``q_block`` rows against all keys they may see (causal; only
+the window for local-only layers). Scores, the pattern bias and the softmax are computed in fp32
+(fp64 for fp64 inputs) from :mod:`focus_pretrain.focus.pattern`, so the transient memory of a
+block is ``b * heads * q_block * seq`` and never ``seq^2`` per head. Under autograd each block is
+activation-checkpointed: only the inputs are kept, and a block's scores are recomputed in the
+backward pass, so memory kept for backward is linear in ``seq`` too.
+
+Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
+``h // (heads / heads_kv)`` (Megatron's and HuggingFace's convention).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from focus_pretrain.focus.pattern import at_least_fp32, pair_bias
+
+DEFAULT_Q_BLOCK = 128
+
+
+def attend_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    *,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+) -> tuple[Tensor, Tensor]:
+    """Exact Focus attention of a block of queries on a block of keys.
+
+    Args:
+        q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
+        probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
+        member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions.
+
+    Returns:
+        ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a query with no
+        allowed key in this block gets ``out = 0`` and ``lse = -inf`` (blocks merge by
+        log-sum-exp).
+    """
+    b, lq, h, d = q.shape
+    hkv = k.shape[2]
+    q5 = at_least_fp32(q).reshape(b, lq, hkv, h // hkv, d)  # [b, Lq, Hkv, G, D]
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, at_least_fp32(k)) * scale  # [b, Hkv, G, Lq, Lk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    bias = pair_bias(
+        q_pos,
+        k_pos,
+        window,
+        mode=mode,
+        probs_q=probs_q,
+        probs_k=probs_k,
+        member_q=member_q,
+        member_k=member_k,
+        gate_lambda=gate_lambda,
+        local_only=local_only,
+    )  # [b|1, Lq, Lk]
+    scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
+    lse = torch.logsumexp(scores, dim=-1)  # [b, Hkv, G, Lq]
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(scores - finite_lse[..., None])  # rows with no allowed key: all zero
+    out = torch.einsum("bhgqk,bkhd->bqhgd", weights, at_least_fp32(v))  # [b, Lq, Hkv, G, D]
+    out = out.reshape(b, lq, h, d)  # [b, Lq, H, D]
+    lse = lse.permute(0, 3, 1, 2).reshape(b, lq, h)  # [b, Hkv, G, Lq] -> [b, Lq, H]
+    return out.to(q.dtype), lse
+
+
+def reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    probs: Tensor | None,
+    member: Tensor | None,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+    q_block: int = DEFAULT_Q_BLOCK,
+) -> tuple[Tensor, Tensor]:
+    """Focus self-attention over a whole sequence, query block by query block.
+
+    Args:
+        q: ``[b, s, H, D]``; k, v: ``[b, s, Hkv, D]`` (validated by ``focus_attention``).
+        probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
+        member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
+        q_block: rows per block (memory/speed trade-off; the result does not depend on it).
+
+    Returns:
+        ``(out [b, s, H, D], lse [b, s, H] fp32)``.
+    """
+    s = q.shape[1]
+    positions = torch.arange(s, device=q.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, probs)
+    )
+    block_fn_kwargs = dict(
+        window=window,
+        mode=mode,
+        gate_lambda=gate_lambda,
+        softcap=softcap,
+        scale=scale,
+        local_only=local_only,
+    )
+    outs, lses = [], []
+    for start in range(0, s, q_block):
+        end = min(s, start + q_block)
+        k_start = max(0, start - window) if local_only else 0
+        fn = partial(
+            attend_block,
+            q_pos=positions[start:end],
+            k_pos=positions[k_start:end],
+            **block_fn_kwargs,
+        )
+        args = (
+            q[:, start:end],
+            k[:, k_start:end],
+            v[:, k_start:end],
+            None if probs is None else probs[:, start:end],
+            None if probs is None else probs[:, k_start:end],
+            None if member is None else member[:, start:end],
+            None if member is None else member[:, k_start:end],
+        )
+        if needs_grad:
+            out, lse = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out, lse = fn(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)

@@ -1,0 +1,278 @@
+"""The Focus router: per-layer projection, learned centroids, balanced soft and hard groups.
+
+Layout: the router reads the layer's *normalised* hidden states ``[b, s, d]`` (the same tensor
+that feeds Q/K/V) and returns a :class:`Routing` holding the soft assignment ``[b, s, K]``.
+
+Routing logits are ``a_ik = <W_g h_i, c_k> / tau`` (``W_g``: ``d -> d_g``, no bias; ``c``:
+``K x d_g`` centroids), by default on unit vectors (cosine similarity, ``normalize=True``) so that
+``tau`` sets the sharpness and Sinkhorn converges in the paper's 10 iterations. Two balance
+modes:
+
+* ``causal`` (default): ``g_i = softmax(a_i + b)`` from the token's own logits only, so routing
+  never sees the future. ``b`` is a per-layer K-vector of *balance offsets*, not trained by
+  gradient: while training, each forward runs log-domain Sinkhorn over the (detached) logits of
+  the whole micro-batch and accumulates its column potentials, the offsets that would make
+  ``softmax(a + b)`` exactly balanced on that batch; :meth:`FocusRouter.update_balance`, called
+  after each optimizer step, moves ``b`` toward their mean by ``balance_rate``.
+* ``sinkhorn`` (the paper's): log-domain Sinkhorn over the tokens of each sequence, rows summing
+  to 1 and columns to ``n / K``. Token ``i``'s group depends on tokens after ``i`` through the
+  column sums: **not causal**; perplexity measured with it leaks the future.
+
+The hard pattern keeps each token's ``top_k`` groups (:meth:`Routing.membership`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from focus_pretrain.focus.config import (
+    BALANCE_MODES,
+    MAX_GROUPS,
+    FocusConfig,
+    check_choice,
+    check_int,
+    check_positive,
+)
+from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
+
+ColumnLogSumExp = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class Routing:
+    """One layer's routing.
+
+    Attributes:
+        probs: ``[b, s, K]`` soft group assignment ``g`` (each row sums to 1); differentiable.
+    """
+
+    probs: Tensor
+
+    @property
+    def num_groups(self) -> int:
+        return self.probs.shape[-1]
+
+    def top_groups(self, top_k: int) -> Tensor:
+        """``[b, s, top_k]`` int64: each token's ``top_k`` most probable groups, best first."""
+        check_int("top_k", top_k, low=1, high=self.num_groups, high_name="num_groups (K)")
+        return self.probs.detach().topk(top_k, dim=-1).indices
+
+    def membership(self, top_k: int) -> Tensor:
+        """``[b, s]`` int64 bitmask of each token's ``top_k`` groups (the hard pattern)."""
+        return membership_bitmask(self.top_groups(top_k))
+
+
+@dataclass
+class GroupLoad:
+    """How tokens spread over groups (for logging collapse).
+
+    Attributes:
+        fraction: ``[K]`` fraction of tokens whose top-1 group is ``k``.
+        soft_fraction: ``[K]`` mean soft assignment per group.
+        max_share: largest entry of ``fraction`` (``1/K`` is perfect balance, 1 is collapse).
+    """
+
+    fraction: Tensor
+    soft_fraction: Tensor
+    max_share: float
+
+
+def group_load(routing: Routing | Tensor) -> GroupLoad:
+    """Load statistics of a routing (or of soft assignments ``[b, s, K]``)."""
+    probs = (routing.probs if isinstance(routing, Routing) else routing).detach().float()
+    k = probs.shape[-1]
+    flat = probs.reshape(-1, k)  # [b*s, K]
+    counts = torch.bincount(flat.argmax(dim=-1), minlength=k).double()
+    fraction = counts / max(flat.shape[0], 1)
+    return GroupLoad(fraction, flat.mean(dim=0), float(fraction.max()))
+
+
+def sinkhorn_log(
+    logits: Tensor,
+    iters: int,
+    *,
+    column_logsumexp: ColumnLogSumExp | None = None,
+    num_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Log-domain Sinkhorn over the sequence: rows sum to 1, columns to ``n / K``.
+
+    Args:
+        logits: ``[b, s, K]`` routing logits (fp32 recommended).
+        iters: number of (column, row) normalisation rounds; the last step normalises rows, so
+            rows sum to 1 exactly and columns to ``n / K`` approximately.
+        column_logsumexp: replaces ``logsumexp`` over the sequence dim (``[b, s, K] -> [b, 1, K]``),
+            so a context-parallel caller can reduce over its whole sequence. Default: local.
+        num_tokens: the ``n`` of the column target (default ``s``; the global length under CP).
+
+    Returns:
+        ``(log_p [b, s, K], column_potential [b, K])``: ``log_p`` is the log assignment;
+        the potential ``v`` (centred) is such that ``softmax(logits + v)`` equals ``exp(log_p)``.
+    """
+    check_int("iters", iters, low=1)
+    lse_columns = column_logsumexp or (lambda x: torch.logsumexp(x, dim=1, keepdim=True))
+    n = logits.shape[1] if num_tokens is None else num_tokens
+    log_target = math.log(n / logits.shape[-1])
+    log_p = logits
+    potential = torch.zeros_like(logits[:, :1, :])  # [b, 1, K]
+    for _ in range(iters):
+        shift = log_target - lse_columns(log_p)  # [b, 1, K]
+        potential = potential + shift
+        log_p = log_p + shift
+        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # rows sum to 1
+    potential = potential.squeeze(1)  # [b, K]
+    return log_p, potential - potential.mean(dim=-1, keepdim=True)
+
+
+class FocusRouter(nn.Module):
+    """Per-layer router: ``[b, s, d]`` normalised hidden states -> :class:`Routing`.
+
+    Parameters: ``proj.weight`` ``[d_g, d]`` and ``centroids`` ``[K, d_g]``, i.e.
+    ``d * d_g + K * d_g`` per layer. Buffer ``balance_offsets`` ``[K]`` (``causal`` mode; saved in
+    checkpoints, never touched by the optimizer). Routing maths runs in fp32 whatever the
+    parameter dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_groups: int = 8,
+        group_dim: int = 16,
+        tau: float = 0.1,
+        balance: str = "causal",
+        sinkhorn_iters: int = 10,
+        balance_rate: float = 0.1,
+        normalize: bool = True,
+        check_finite: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_int("hidden_size", hidden_size, low=1)
+        check_int("num_groups (K)", num_groups, low=1, high=MAX_GROUPS)
+        check_int("group_dim (d_g)", group_dim, low=1)
+        check_int("sinkhorn_iters", sinkhorn_iters, low=1)
+        check_positive("tau", tau)
+        check_positive("balance_rate", balance_rate)
+        if balance_rate > 1:
+            raise ValueError(f"balance_rate must be in (0, 1], got {balance_rate}")
+        check_choice("balance", balance, BALANCE_MODES)
+        self.hidden_size, self.num_groups, self.group_dim = hidden_size, num_groups, group_dim
+        self.tau, self.balance, self.sinkhorn_iters = tau, balance, sinkhorn_iters
+        self.balance_rate, self.normalize, self.check_finite = balance_rate, normalize, check_finite
+        factory = {"device": device, "dtype": dtype}
+        self.proj = nn.Linear(hidden_size, group_dim, bias=False, **factory)
+        self.centroids = nn.Parameter(torch.empty(num_groups, group_dim, **factory))
+        self.register_buffer("balance_offsets", torch.zeros(num_groups, device=device))
+        # Sinkhorn column potentials accumulated since the last update_balance (not saved).
+        self.register_buffer("_target_sum", torch.zeros(num_groups, device=device), False)
+        self.register_buffer("_target_count", torch.zeros((), device=device), False)
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, config: FocusConfig, hidden_size: int, **factory) -> FocusRouter:
+        """Build from a :class:`FocusConfig` (``device``/``dtype`` may be passed through)."""
+        return cls(
+            hidden_size,
+            num_groups=config.num_groups,
+            group_dim=config.group_dim,
+            tau=config.tau,
+            balance=config.balance,
+            sinkhorn_iters=config.sinkhorn_iters,
+            balance_rate=config.balance_rate,
+            normalize=config.normalize,
+            check_finite=config.check_finite,
+            **factory,
+        )
+
+    def reset_parameters(self) -> None:
+        """``W_g ~ N(0, 1/d)`` (unit-variance projections of unit-RMS inputs) and centroids
+        ``~ N(0, 1/d_g)`` (unit-norm on average); offsets and accumulators to zero."""
+        nn.init.normal_(self.proj.weight, std=self.hidden_size**-0.5)
+        nn.init.normal_(self.centroids, std=self.group_dim**-0.5)
+        for buf in (self.balance_offsets, self._target_sum, self._target_count):
+            buf.zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, K={self.num_groups}, d_g={self.group_dim}, "
+            f"tau={self.tau}, balance={self.balance!r}"
+        )
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Routing logits ``<W_g h_i, c_k> / tau``: ``[b, s, d] -> [b, s, K]``, at least fp32."""
+        if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden must be [batch, seq, hidden_size={self.hidden_size}], "
+                f"got shape {tuple(hidden.shape)}"
+            )
+        if self.check_finite and not torch.isfinite(hidden).all():
+            raise ValueError("hidden (router input) contains NaN or inf values")
+        dtype = compute_dtype(hidden.dtype, self.proj.weight.dtype)
+        projected = F.linear(hidden.to(dtype), self.proj.weight.to(dtype))  # [b, s, d_g]
+        centroids = self.centroids.to(dtype)
+        if self.normalize:
+            projected = F.normalize(projected, dim=-1)
+            centroids = F.normalize(centroids, dim=-1)
+        return projected @ centroids.t() / self.tau  # [b, s, K]
+
+    def forward(
+        self,
+        hidden: Tensor,
+        *,
+        column_logsumexp: ColumnLogSumExp | None = None,
+        num_tokens: int | None = None,
+    ) -> Routing:
+        """Route ``hidden`` ``[b, s, d]``. ``column_logsumexp``/``num_tokens`` only matter in
+        ``sinkhorn`` mode (see :func:`sinkhorn_log`)."""
+        logits = self.logits(hidden)
+        if self.balance == "sinkhorn":
+            log_p, _ = sinkhorn_log(
+                logits,
+                self.sinkhorn_iters,
+                column_logsumexp=column_logsumexp,
+                num_tokens=num_tokens,
+            )
+            return Routing(log_p.exp())
+        if self.training:
+            self._accumulate_balance_target(logits.detach())
+        return Routing(torch.softmax(logits + self.balance_offsets, dim=-1))
+
+    @torch.no_grad()
+    def _accumulate_balance_target(self, logits: Tensor) -> None:
+        flat = logits.reshape(1, -1, self.num_groups)  # the whole micro-batch as one "sequence"
+        _, potential = sinkhorn_log(flat, self.sinkhorn_iters)
+        self._target_sum += potential[0]
+        self._target_count += 1
+
+    @torch.no_grad()
+    def balance_target(self) -> Tensor | None:
+        """Mean column potential since the last update (``[K]``), or ``None`` if none seen."""
+        if float(self._target_count) == 0:
+            return None
+        return self._target_sum / self._target_count
+
+    @torch.no_grad()
+    def update_balance(self, target: Tensor | None = None) -> None:
+        """Move ``balance_offsets`` toward equal load; call after each optimizer step.
+
+        ``target`` defaults to :meth:`balance_target` (a data-parallel trainer may pass the
+        mean of it over ranks). No-op in ``sinkhorn`` mode or when nothing was accumulated.
+        """
+        if self.balance != "causal":
+            return
+        target = self.balance_target() if target is None else target
+        if target is not None:
+            self.balance_offsets += self.balance_rate * (target - self.balance_offsets)
+        self._target_sum.zero_()
+        self._target_count.zero_()
+
+
+def router_parameter_count(num_layers: int, hidden_size: int, group_dim: int, k: int) -> int:
+    """Trainable parameters of a stack of routers: ``L * (d * d_g + K * d_g)``."""
+    return num_layers * (hidden_size * group_dim + k * group_dim)

@@ -1,0 +1,101 @@
+"""Test helpers: an independent brute-force Focus attention and random-input factories."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def log_sigmoid(x: float) -> float:
+    """Numerically stable ``log(1 / (1 + exp(-x)))`` in Python floats."""
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def brute_force_focus(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor | None,
+    *,
+    window: int,
+    mode: str,
+    top_k: int = 1,
+    gate_lambda: float = 10.0,
+    softcap: float | None = None,
+    scale: float | None = None,
+    local_only: bool = False,
+) -> Tensor:
+    """Focus attention as a scalar double loop over (i, j), written from the spec alone.
+
+    Shares no code with the package. ``q [b, s, H, D]``, ``k/v [b, s, Hkv, D]``,
+    ``probs [b, s, K]``. Returns ``[b, s, H, D]`` float64.
+    """
+    b, s, h, d = q.shape
+    group = h // k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qs, ks, vs = q.double().tolist(), k.double().tolist(), v.double().tolist()
+    out = torch.zeros(b, s, h, d, dtype=torch.float64)
+    for bi in range(b):
+        if probs is not None:
+            p = probs[bi].double().tolist()
+            n_groups = len(p[0])
+            sets = [
+                set(sorted(range(n_groups), key=lambda c, t=t: -p[t][c])[:top_k]) for t in range(s)
+            ]
+        for hi in range(h):
+            kv = hi // group
+            for i in range(s):
+                logits, keys = [], []
+                for j in range(i + 1):
+                    local = i - j <= window
+                    bias = 0.0
+                    if local_only:
+                        if not local:
+                            continue
+                    elif mode == "hard":
+                        if not local and not (sets[i] & sets[j]):
+                            continue
+                    elif not local:
+                        affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
+                        bias = log_sigmoid(gate_lambda * (affinity - 0.5))
+                    score = scale * sum(qs[bi][i][hi][c] * ks[bi][j][kv][c] for c in range(d))
+                    if softcap is not None:
+                        score = softcap * math.tanh(score / softcap)
+                    logits.append(score + bias)
+                    keys.append(j)
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                total = sum(weights)
+                for c in range(d):
+                    acc = sum(w * vs[bi][j][kv][c] for w, j in zip(weights, keys, strict=True))
+                    out[bi, i, hi, c] = acc / total
+    return out
+
+
+def random_qkv(
+    b: int,
+    s: int,
+    h: int,
+    hkv: int,
+    d: int,
+    *,
+    seed: int,
+    dtype=torch.float64,
+    requires_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Random ``q [b, s, h, d]``, ``k, v [b, s, hkv, d]`` (standard normal, never zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randn(b, s, heads, d, generator=gen, dtype=torch.float64).to(dtype)
+        for heads in (h, hkv, hkv)
+    ]
+    return tuple(t.requires_grad_(requires_grad) for t in tensors)
+
+
+def random_probs(b: int, s: int, k: int, *, seed: int, sharpness: float = 1.0) -> Tensor:
+    """Random soft assignments ``[b, s, k]`` (rows sum to 1); larger ``sharpness`` -> one-hot."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, s, k, generator=gen, dtype=torch.float64) * sharpness
+    return torch.softmax(logits, dim=-1)

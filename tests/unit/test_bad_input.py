@@ -1,0 +1,110 @@
+"""Bad input fails early with a ValueError that names the argument and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from focus_pretrain.focus import FocusConfig, FocusRouter, focus_attention
+from tests.helpers import random_probs, random_qkv
+
+
+@pytest.fixture
+def inputs():
+    q, k, v = random_qkv(2, 10, 4, 2, 8, seed=0, dtype=torch.float32)
+    return q, k, v, random_probs(2, 10, 4, seed=1).float()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, p: (q[:, :, :, :4], k, v, p), r"k/v head_dim must equal q's head_dim"),
+        (lambda q, k, v, p: (q, k[:, :9], v[:, :9], p), r"k/v seq must equal q's seq \(10\)"),
+        (lambda q, k, v, p: (q, k[:1], v[:1], p), r"k/v batch must equal q's batch \(2\)"),
+        (lambda q, k, v, p: (q, k, v[:, :, :1], p), r"k and v must have the same shape"),
+        (lambda q, k, v, p: (q[0], k, v, p), r"q must be a 4-D tensor \[batch, seq, heads"),
+        (lambda q, k, v, p: (q[:, :, :3], k, v, p), r"heads \(3\) must be divisible by heads_kv"),
+        (lambda q, k, v, p: (q, k, v, p[:, :7]), r"routing.probs must be \[batch=2, seq=10, K\]"),
+        (lambda q, k, v, p: (q, k.double(), v.double(), p), r"q, k, v must share a dtype"),
+        (lambda q, k, v, p: (q, k, v, None), r"routing is required unless local_only=True"),
+    ],
+)
+def test_shape_errors(inputs, change, message):
+    q, k, v, p = change(*inputs)
+    with pytest.raises(ValueError, match=message):
+        focus_attention(q, k, v, p, window=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(window=-1), r"window must be >= 0, got -1"),
+        (dict(window=2.5), r"window must be an integer"),
+        (dict(mode="fuzzy"), r"mode must be one of 'soft', 'hard'; got 'fuzzy'"),
+        (dict(mode="hard", top_k=5), r"top_k must be <= K \(number of groups\) \(4\), got 5"),
+        (dict(mode="hard", top_k=0), r"top_k must be >= 1, got 0"),
+        (dict(gate_lambda=0.0), r"gate_lambda must be > 0"),
+        (dict(softcap=-1.0), r"softcap must be > 0"),
+        (dict(backend="triton-magic"), r"backend must be 'auto' or one of \['reference'\]"),
+    ],
+)
+def test_argument_errors(inputs, kwargs, message):
+    q, k, v, p = inputs
+    kwargs = {"window": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        focus_attention(q, k, v, p, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "probs"])
+def test_nan_inputs_are_rejected(inputs, where):
+    q, k, v, p = (t.clone() for t in inputs)
+    target = dict(q=q, k=k, v=v, probs=p)[where]
+    target.view(-1)[7] = float("nan")
+    name = "routing.probs" if where == "probs" else where
+    with pytest.raises(ValueError, match=rf"{name} contains NaN or inf values"):
+        focus_attention(q, k, v, p, window=2)
+    out = focus_attention(q, k, v, p, window=2, check_finite=False)  # opt-out: no check
+    assert out.shape == q.shape
+
+
+def test_router_errors():
+    with pytest.raises(ValueError, match=r"num_groups \(K\) must be >= 1, got 0"):
+        FocusRouter(16, num_groups=0)
+    with pytest.raises(ValueError, match=r"num_groups \(K\) must be <= 64, got 65"):
+        FocusRouter(16, num_groups=65)
+    with pytest.raises(ValueError, match=r"tau must be > 0, got -0.1"):
+        FocusRouter(16, tau=-0.1)
+    with pytest.raises(ValueError, match=r"balance must be one of 'causal', 'sinkhorn'"):
+        FocusRouter(16, balance="softmax")
+    router = FocusRouter(16, num_groups=4)
+    with pytest.raises(ValueError, match=r"hidden must be \[batch, seq, hidden_size=16\]"):
+        router(torch.randn(2, 5, 12))
+    bad = torch.randn(2, 5, 16)
+    bad[1, 3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"hidden \(router input\) contains NaN or inf"):
+        router(bad)
+    with pytest.raises(ValueError, match=r"top_k must be <= num_groups \(K\) \(4\), got 5"):
+        router(torch.randn(1, 5, 16)).membership(5)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_groups", 0, r"focus.num_groups must be >= 1, got 0"),
+        ("top_k", 9, r"focus.top_k must be <= num_groups \(8\), got 9"),
+        ("window", -3, r"focus.window must be >= 0, got -3"),
+        ("tau", 0.0, r"focus.tau must be > 0, got 0.0"),
+        ("balance", "greedy", r"focus.balance must be one of 'causal', 'sinkhorn'; got 'greedy'"),
+        ("balance_rate", 2.0, r"focus.balance_rate must be in \(0, 1\], got 2.0"),
+        ("group_dim", "16", r"focus.group_dim must be an integer, got '16'"),
+    ],
+)
+def test_config_errors_name_the_key(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        FocusConfig(**{field: value})
+
+
+def test_config_defaults_follow_the_paper():
+    c = FocusConfig()
+    assert (c.num_groups, c.group_dim, c.window, c.tau, c.sinkhorn_iters) == (8, 16, 128, 0.1, 10)
+    assert c.balance == "causal" and c.top_k == 1
