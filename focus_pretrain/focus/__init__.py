@@ -13,6 +13,7 @@ from focus_pretrain.focus.attention import (
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.focus.pattern import (
     allowed_pairs,
+    count_allowed_pairs,
     membership_bitmask,
     pair_bias,
     pattern_density,
@@ -35,6 +36,7 @@ __all__ = [
     "Routing",
     "allowed_pairs",
     "available_backends",
+    "count_allowed_pairs",
     "focus_attention",
     "group_load",
     "membership_bitmask",

@@ -9,7 +9,9 @@ builds this dataclass from the ``focus:`` section). Defaults follow the paper's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 BALANCE_MODES = ("causal", "sinkhorn")
 ATTENTION_MODES = ("soft", "hard")
@@ -67,6 +69,16 @@ class FocusConfig:
         if self.balance_rate > 1:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], section: str = "focus") -> FocusConfig:
+        """Build from a mapping (a YAML section), rejecting unknown keys by name."""
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            names = ", ".join(f"{section}.{key}" for key in unknown)
+            raise ValueError(f"unknown key(s) {names}; allowed keys: {', '.join(allowed)}")
+        return cls(**values)
 
 
 def check_int(

@@ -140,13 +140,42 @@ def pair_bias(
     return torch.where(causal[None], bias, neg_inf)
 
 
-def pattern_density(member: Tensor, window: int) -> Tensor:
-    """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float.
+def count_allowed_pairs(member: Tensor, window: int) -> Tensor:
+    """Number of (query, key) pairs the hard pattern allows, per sample, without ``n x n`` memory.
 
-    The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
-    Materialises ``[b, n, n]`` booleans: for analysis at moderate lengths, not the hot path.
+    Counts by distinct membership value: with ``M`` distinct bitmasks in a sample (at most
+    ``C(K, top_k)``), it costs ``O(n * M)`` time and memory, so it scales to million-token
+    sequences.
+
+    Args:
+        member: ``[b, n]`` int64 membership bitmasks.
+        window: the local window ``w >= 0``.
+
+    Returns:
+        ``[b]`` int64 counts (local pairs plus same-group pairs beyond the window).
     """
     n = member.shape[1]
     pos = torch.arange(n, device=member.device)
-    allowed = allowed_pairs(pos, pos, window, member_q=member, member_k=member)
-    return allowed.flatten(1).sum(dim=1).double() / (n * (n + 1) / 2)
+    local = int(torch.clamp(pos + 1, max=window + 1).sum())  # keys 0..min(i, w) back
+    counts = []
+    for row in member:  # per sample: O(n * M)
+        values, inverse = torch.unique(row, return_inverse=True)  # [M], [n]
+        onehot = F.one_hot(inverse, values.numel()).double()  # [n, M]
+        before = torch.cumsum(onehot, dim=0)  # [n, M]: keys j <= i by membership
+        lag = window + 1  # distant keys of query i are j <= i - lag
+        distant = torch.zeros_like(before)
+        if lag < n:
+            distant[lag:] = before[: n - lag]
+        by_value = onehot.t() @ distant  # [M, M]: (query value, key value) distant pairs
+        compatible = (values[:, None] & values[None, :]) != 0  # [M, M]
+        counts.append(local + round(float(by_value[compatible].sum())))
+    return torch.tensor(counts, dtype=torch.int64)
+
+
+def pattern_density(member: Tensor, window: int) -> Tensor:
+    """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float64.
+
+    The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
+    """
+    n = member.shape[1]
+    return count_allowed_pairs(member, window).double() / (n * (n + 1) / 2)

@@ -108,3 +108,15 @@ def test_config_defaults_follow_the_paper():
     c = FocusConfig()
     assert (c.num_groups, c.group_dim, c.window, c.tau, c.sinkhorn_iters) == (8, 16, 128, 0.1, 10)
     assert c.balance == "causal" and c.top_k == 1
+
+
+def test_defaults_yaml_loads_into_the_config():
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).parents[2] / "configs" / "focus-defaults.yaml"
+    section = yaml.safe_load(path.read_text())["focus"]
+    assert FocusConfig.from_dict(section) == FocusConfig()
+    with pytest.raises(ValueError, match=r"unknown key\(s\) focus.groups; allowed keys: enabled"):
+        FocusConfig.from_dict({**section, "groups": 4})

@@ -12,8 +12,17 @@ import focus_pretrain
 
 @pytest.mark.parametrize(
     "module",
-    ["megatron.core", "deepspeed", "datasets", "sentencepiece", "tensorboard", "transformers",
-     "safetensors", "yaml", "pydantic"],
+    [
+        "megatron.core",
+        "deepspeed",
+        "datasets",
+        "sentencepiece",
+        "tensorboard",
+        "transformers",
+        "safetensors",
+        "yaml",
+        "pydantic",
+    ],
 )
 def test_dependency_imports(module):
     importlib.import_module(module)
