@@ -68,6 +68,20 @@ def test_reference_equals_brute_force(p):
     torch.testing.assert_close(public, expected, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2)])
+@pytest.mark.parametrize("heads, heads_kv", [(2, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [0, 2, 5])
+def test_reference_equals_brute_force_grid(mode, top_k, heads, heads_kv, softcap, window):
+    """Every combination the issue names, explicitly (the hypothesis test adds random shapes)."""
+    q, k, v = random_qkv(2, 9, heads, heads_kv, 3, seed=window + 10 * heads)
+    probs = random_probs(2, 9, 4, seed=window + 1, sharpness=2.0)
+    kwargs = dict(window=window, mode=mode, top_k=top_k, softcap=softcap, gate_lambda=6.0)
+    expected = brute_force_focus(q, k, v, probs, **kwargs)
+    got = focus_attention(q, k, v, Routing(probs), **kwargs)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_window_covering_sequence_equals_dense_sdpa(mode, softcap):
@@ -204,3 +218,16 @@ def dense_causal(q, k, v, softcap=None):
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     return (scores.softmax(-1) @ vh).transpose(1, 2)  # [b, s, H, D]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_reference_on_cuda_equals_cpu(mode):
+    q, k, v = random_qkv(2, 300, 8, 2, 32, seed=17, dtype=torch.float32)
+    probs = random_probs(2, 300, 8, seed=18).float()
+    cpu = focus_attention(q, k, v, probs, window=16, mode=mode, top_k=2, softcap=20.0)
+    cuda = focus_attention(
+        q.cuda(), k.cuda(), v.cuda(), probs.cuda(), window=16, mode=mode, top_k=2, softcap=20.0
+    )
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-5)
