@@ -24,8 +24,13 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -44,10 +49,14 @@ def run_workers(target: str, world_size: int, *args: object, timeout: float = 30
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(world_size, free_port(), target, args, out_dir), nprocs=world_size,
-            join=False, start_method="spawn",
+            _entry,
+            args=(world_size, free_port(), target, args, out_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         while not context.join(timeout=timeout):
             pass
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
-                for r in range(world_size)]
+        return [
+            torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
+        ]

@@ -35,6 +35,8 @@ class FocusConfig:
         balance_rate: step of the balance offsets toward the batch's Sinkhorn column
             potentials after each optimizer step (``causal`` mode), in ``(0, 1]``.
         top_k: groups kept per token by the hard (inference) pattern, 1 or 2.
+        inference_mode: the pattern a model uses in ``eval()``: ``"hard"`` (default) or
+            ``"soft"`` (training always uses the soft gate).
         gate_lambda: sharpness ``lambda`` of the soft gate
             ``log sigmoid(lambda * (g_i . g_j - 1/2))`` on pairs beyond the window.
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
@@ -53,6 +55,7 @@ class FocusConfig:
     sinkhorn_iters: int = 10
     balance_rate: float = 0.1
     top_k: int = 1
+    inference_mode: str = "hard"
     gate_lambda: float = 10.0
     normalize: bool = True
     check_finite: bool = True
@@ -69,6 +72,7 @@ class FocusConfig:
         if self.balance_rate > 1:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
+        check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], section: str = "focus") -> FocusConfig:

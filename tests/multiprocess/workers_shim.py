@@ -21,16 +21,23 @@ def tensor_parallel_linears_and_rng(rank: int, world_size: int) -> dict:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     model_parallel_cuda_manual_seed(1234)
-    config = ModelParallelConfig(tensor_model_parallel_size=world_size,
-                                 use_cpu_initialization=True)
+    config = ModelParallelConfig(tensor_model_parallel_size=world_size, use_cpu_initialization=True)
 
     def init(w):
         return torch.nn.init.normal_(w, std=0.2)
 
-    col = ColumnParallelLinear(16, 24, config=config, init_method=init, bias=True,
-                               gather_output=False)
-    row = RowParallelLinear(24, 8, config=config, init_method=init, bias=True,
-                            input_is_parallel=True, skip_bias_add=False)
+    col = ColumnParallelLinear(
+        16, 24, config=config, init_method=init, bias=True, gather_output=False
+    )
+    row = RowParallelLinear(
+        24,
+        8,
+        config=config,
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(7), requires_grad=True)
     hidden, _ = col(x)  # [5, 24 / tp]
     y, _ = row(torch.nn.functional.gelu(hidden))  # [5, 8], all-reduced

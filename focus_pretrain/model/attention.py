@@ -1,0 +1,212 @@
+"""Focus attention inside megatron-core: a SelfAttention subclass that owns the router, and a
+core-attention module that calls :func:`focus_pretrain.focus.focus_attention`.
+
+Layouts: Megatron hands core attention ``query [s, b, heads/tp, d]`` and
+``key/value [s, b, groups/tp, d]`` and wants ``[s, b, heads/tp * d]`` back; our attention API is
+``[b, s, h, d]``. The conversion happens here, once, in :class:`FocusCoreAttention`.
+
+The routing is computed from the layer's normalised input (the tensor that feeds ``linear_qkv``)
+and passed to core attention as an explicit argument, also through selective activation
+recompute, never stashed on a module.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
+
+UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: dense causal attention
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous.
+
+    Megatron's ``_reduce`` all-reduces ``grad.contiguous()`` but returns the original tensor, so
+    a non-contiguous gradient would silently skip the tensor-parallel reduction of router grads.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+class FocusCoreAttention(MegatronModule):
+    """Core attention with the Focus pattern (or dense causal when Focus is disabled).
+
+    Constructed by Megatron's ``SelfAttention`` with the same arguments as its
+    ``DotProductAttention``; ``focus``, ``local_only`` and ``softcap`` come from the layer spec.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        *,
+        focus: FocusConfig,
+        local_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context_parallel_size > 1 needs the Focus context-parallel path")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"Focus attention is causal; got attn_mask_type={attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout must be 0 with Focus attention, got {dropout}")
+        self.focus = focus
+        self.local_window = local_window
+        self.softcap = softcap
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None = None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+        routing: Routing | None = None,
+        mode: str = "soft",
+    ) -> Tensor:
+        """``query [s, b, np, d]``, ``key/value [s, b, ng, d]`` -> ``[s, b, np * d]``."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("Focus attention supports neither packed sequences nor bias here")
+        s, b = query.shape[:2]
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [s, b, h, d] -> [b, s, h, d]
+        local_only = routing is None
+        if local_only:
+            window = UNLIMITED_WINDOW if self.local_window is None else self.local_window
+        else:
+            window = self.focus.window
+        out = focus_attention(
+            q,
+            k,
+            v,
+            routing,
+            window=window,
+            mode=mode,
+            top_k=self.focus.top_k,
+            gate_lambda=self.focus.gate_lambda,
+            softcap=self.softcap,
+            scale=self.softmax_scale,
+            local_only=local_only,
+            check_finite=self.focus.check_finite,
+        )  # [b, s, np, d]
+        return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]
+
+
+class FocusSelfAttention(SelfAttention):
+    """Megatron ``SelfAttention`` whose core attention is Focus; owns the layer's router.
+
+    ``focus.enabled = False`` or a sliding-window layer (``local_window`` set on the core
+    attention) builds no router. Training uses the soft gate; ``eval()`` uses
+    ``focus.inference_mode``.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=AttnMaskType.causal,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        focus: FocusConfig,
+    ) -> None:
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type=attn_mask_type,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        local = getattr(self.core_attention, "local_window", None) is not None
+        self.router = None
+        if focus.enabled and not local:
+            device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+            # Router init draws from its own seeded stream so that the rest of the model gets
+            # the same weights as its dense twin (focus.enabled=false) for the same seed.
+            with torch.random.fork_rng(devices=[] if device == "cpu" else [device]):
+                torch.manual_seed(torch.initial_seed() + 7919 * layer_number)
+                self.router = FocusRouter.from_config(
+                    focus, config.hidden_size, device=device, dtype=config.params_dtype
+                )
+            for p in self.router.parameters():  # replicated over TP ranks
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        self.focus = focus
+
+    def route(self, hidden_states: Tensor) -> Routing | None:
+        """Route the normalised layer input ``[s, b, hidden]``; ``None`` without a router."""
+        if self.router is None:
+            return None
+        routing = self.router(hidden_states.transpose(0, 1))  # [s, b, h] -> [b, s, h]
+        # Each TP rank back-propagates through its own heads only: sum router grads over TP.
+        probs = tensor_parallel.copy_to_tensor_model_parallel_region(
+            _ContiguousGrad.apply(routing.probs)
+        )
+        return Routing(probs)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``hidden_states [s, b, hidden]`` -> ``(output [s, b, hidden], bias)``."""
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("Focus layers do not support Megatron's inference KV cache yet")
+        if packed_seq_params is not None or key_value_states is not None:
+            raise ValueError("Focus layers support neither packed sequences nor cross attention")
+        routing = self.route(hidden_states)
+        query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, d]
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            query = apply_rotary_pos_emb(query, q_emb, config=self.config)
+            key = apply_rotary_pos_emb(key, k_emb, config=self.config)
+        mode = "soft" if self.training else self.focus.inference_mode
+        if self.checkpoint_core_attention and self.training:
+            probs = None if routing is None else routing.probs
+
+            def core(q, k, v, p):
+                return self.core_attention(
+                    q, k, v, attention_mask, routing=None if p is None else Routing(p), mode=mode
+                )
+
+            out = tensor_parallel.checkpoint(core, False, query, key, value, probs)
+        else:
+            out = self.core_attention(query, key, value, attention_mask, routing=routing, mode=mode)
+        return self.linear_proj(out)
