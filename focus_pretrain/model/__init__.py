@@ -1,5 +1,6 @@
-"""The megatron-core model with Focus attention layers (work in progress: see build.py)."""
+"""The megatron-core model with Focus attention layers."""
 
-from focus_pretrain.model.build import ModelConfig, build_model
+from focus_pretrain.model.build import build_model, count_parameters
+from focus_pretrain.model.config import FAMILIES, ModelConfig
 
-__all__ = ["ModelConfig", "build_model"]
+__all__ = ["FAMILIES", "ModelConfig", "build_model", "count_parameters"]

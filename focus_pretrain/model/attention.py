@@ -18,6 +18,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
@@ -119,7 +120,8 @@ class FocusSelfAttention(SelfAttention):
     """Megatron ``SelfAttention`` whose core attention is Focus; owns the layer's router.
 
     ``focus.enabled = False`` or a sliding-window layer (``local_window`` set on the core
-    attention) builds no router. Training uses the soft gate; ``eval()`` uses
+    attention) builds no router. ``post_norm`` (a norm class) normalises the attention output
+    before the residual add (OLMo-2, Gemma-2). Training uses the soft gate; ``eval()`` uses
     ``focus.inference_mode``.
     """
 
@@ -133,6 +135,7 @@ class FocusSelfAttention(SelfAttention):
         pg_collection=None,
         *,
         focus: FocusConfig,
+        post_norm: type | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -142,6 +145,14 @@ class FocusSelfAttention(SelfAttention):
             cp_comm_type=cp_comm_type,
             pg_collection=pg_collection,
         )
+        self.post_norm = None  # OLMo-2 / Gemma-2: normalise the attention output
+        if post_norm is not None:
+            self.post_norm = build_module(
+                post_norm,
+                config=config,
+                hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
         local = getattr(self.core_attention, "local_window", None) is not None
         self.router = None
         if focus.enabled and not local:
@@ -162,9 +173,11 @@ class FocusSelfAttention(SelfAttention):
         if self.router is None:
             return None
         routing = self.router(hidden_states.transpose(0, 1))  # [s, b, h] -> [b, s, h]
-        # Each TP rank back-propagates through its own heads only: sum router grads over TP.
-        probs = tensor_parallel.copy_to_tensor_model_parallel_region(
-            _ContiguousGrad.apply(routing.probs)
+        # Each TP rank back-propagates through its own heads only: the copy's backward sums the
+        # routing gradient over TP. _ContiguousGrad sits *after* the copy so that the gradient
+        # reaching the copy's all-reduce is contiguous (else it is silently not reduced).
+        probs = _ContiguousGrad.apply(
+            tensor_parallel.copy_to_tensor_model_parallel_region(routing.probs)
         )
         return Routing(probs)
 
@@ -209,4 +222,9 @@ class FocusSelfAttention(SelfAttention):
             out = tensor_parallel.checkpoint(core, False, query, key, value, probs)
         else:
             out = self.core_attention(query, key, value, attention_mask, routing=routing, mode=mode)
-        return self.linear_proj(out)
+        output, bias = self.linear_proj(out)
+        if self.post_norm is not None:
+            if bias is not None:
+                raise ValueError("a post-normed attention cannot have an output bias")
+            output = self.post_norm(output)
+        return output, bias

@@ -1,14 +1,12 @@
 """``build_model(config)``: a megatron-core ``GPTModel`` whose self-attention is Focus.
 
-Work in progress (issue 3): the GQA/RoPE/RMSNorm/SwiGLU family (Llama, Mistral) is built here;
-the GPT-2, Qwen2, OLMo-2 and Gemma-2 switches, meta-device counting and recipe files follow.
-Megatron's parallel state must be initialised by the caller (and, without CUDA,
-:func:`focus_pretrain.parallel.apply_cpu_shim` applied first).
+Megatron's parallel state must be initialised by the caller (without CUDA, after
+:func:`focus_pretrain.parallel.apply_cpu_shim`). Build under ``torch.device("meta")`` to count
+parameters of a large config without allocating memory (:func:`count_parameters`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -19,104 +17,52 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from focus_pretrain.focus import FocusConfig
-from focus_pretrain.focus.config import check_choice, check_int
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
+from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.layers import FullWidthQKNorm, PostNormMLP
 
-FAMILIES = ("llama",)
-RECOMPUTE = ("none", "full", "selective")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of the model (the ``model:`` section of a recipe)."""
-
-    family: str = "llama"
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 128
-    vocab_size: int = 256
-    max_seq_length: int = 512
-    rotary_base: float = 10000.0
-    norm_epsilon: float = 1e-5
-    init_std: float = 0.02
-    tie_embeddings: bool = False
-    tensor_parallel_size: int = 1
-    recompute: str = "none"
-    focus: FocusConfig = field(default_factory=FocusConfig)
-
-    def __post_init__(self) -> None:
-        check_choice("model.family", self.family, FAMILIES)
-        check_choice("model.recompute", self.recompute, RECOMPUTE)
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-            "vocab_size",
-            "max_seq_length",
-            "tensor_parallel_size",
-        ):
-            check_int(f"model.{name}", getattr(self, name), low=1)
-        heads, groups, tp = (
-            self.num_attention_heads,
-            self.num_query_groups,
-            self.tensor_parallel_size,
-        )
-        if self.hidden_size % heads:
-            raise ValueError(
-                f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                f"model.num_attention_heads ({heads})"
-            )
-        if heads % groups:
-            raise ValueError(
-                f"model.num_attention_heads ({heads}) must be divisible by "
-                f"model.num_query_groups ({groups})"
-            )
-        if heads % tp or groups % tp:
-            raise ValueError(
-                f"model.num_attention_heads ({heads}) and model.num_query_groups "
-                f"({groups}) must be divisible by model.tensor_parallel_size ({tp})"
-            )
+_RMS = ("llama", "mistral", "qwen2", "olmo2", "gemma2")
 
 
 def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.float32):
     """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels)."""
-    recompute = (
-        {}
-        if config.recompute == "none"
-        else dict(
-            recompute_granularity=config.recompute,
-            **(
-                {"recompute_method": "uniform", "recompute_num_layers": 1}
-                if config.recompute == "full"
-                else {"recompute_modules": ["core_attn"]}
-            ),
+    family = config.family
+    recompute = {}
+    if config.recompute == "full":
+        recompute = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    )
+    elif config.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    scale = None
+    if config.query_pre_attn_scalar is not None:
+        scale = config.query_pre_attn_scalar**-0.5
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
+        num_query_groups=config.kv_heads,
+        kv_channels=config.kv_channels,
         ffn_hidden_size=config.ffn_hidden_size,
         tensor_model_parallel_size=config.tensor_parallel_size,
-        normalization="RMSNorm",
+        normalization="RMSNorm" if family in _RMS else "LayerNorm",
         layernorm_epsilon=config.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        gated_linear_unit=family != "gpt2",
+        activation_func=partial(F.gelu, approximate="tanh")
+        if family in ("gpt2", "gemma2")
+        else F.silu,
+        add_bias_linear=family == "gpt2",
+        add_qkv_bias=family in ("gpt2", "qwen2"),
+        softmax_scale=scale,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=config.init_std,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        use_cpu_initialization=True,
+        use_cpu_initialization=config.cpu_initialization,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -127,32 +73,106 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
     )
 
 
-def focus_layer_spec(config: ModelConfig) -> ModuleSpec:
-    """Megatron's local GPT layer spec with ``self_attention`` swapped for Focus."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    attention = spec.submodules.self_attention
+def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
+    """Megatron's local GPT layer spec with Focus self-attention and the family's norms."""
+    family = config.family
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if family in _RMS else "LayerNorm")
+    norm = spec.submodules.input_layernorm
+    local = config.is_local_layer(layer_number)
+    core = partial(
+        FocusCoreAttention,
+        focus=config.focus,
+        softcap=config.attn_softcap,
+        local_window=config.sliding_window - 1 if local else None,
+    )
+    qk_norm = family == "olmo2"
+    post_norm = family in ("olmo2", "gemma2")
     spec.submodules.self_attention = ModuleSpec(
         module=FocusSelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal, "focus": config.focus},
-        submodules=type(attention.submodules)(
+        params={
+            "attn_mask_type": AttnMaskType.causal,
+            "focus": config.focus,
+            "post_norm": norm if post_norm else None,
+        },
+        submodules=type(spec.submodules.self_attention.submodules)(
             linear_qkv=ColumnParallelLinear,
-            core_attention=partial(FocusCoreAttention, focus=config.focus),
+            core_attention=core,
             linear_proj=RowParallelLinear,
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
+            q_layernorm=ModuleSpec(module=FullWidthQKNorm, params={"which": "q"})
+            if qk_norm
+            else IdentityOp,
+            k_layernorm=ModuleSpec(module=FullWidthQKNorm, params={"which": "k"})
+            if qk_norm
+            else IdentityOp,
         ),
     )
+    if family == "olmo2":  # norms after attention and MLP only
+        spec.submodules.input_layernorm = IdentityOp
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+    if post_norm:
+        mlp = spec.submodules.mlp
+        spec.submodules.mlp = ModuleSpec(
+            module=PostNormMLP, params={"post_norm": norm}, submodules=mlp.submodules
+        )
     return spec
 
 
+def block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
+    """One layer spec per layer (Gemma-2 alternates local and global layers)."""
+    specs = [layer_spec(config, n) for n in range(1, config.num_layers + 1)]
+    return TransformerBlockSubmodules(
+        layer_specs=specs,
+        layer_norm=specs[0].submodules.input_layernorm
+        if config.family != "olmo2"
+        else get_gpt_layer_local_spec(normalization="RMSNorm").submodules.input_layernorm,
+    )
+
+
 def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """Build the ``GPTModel`` (parallel state must already be initialised)."""
-    return GPTModel(
+    """Build the ``GPTModel`` for ``config`` (parallel state must already be initialised)."""
+    model = GPTModel(
         config=transformer_config(config, params_dtype),
-        transformer_layer_spec=focus_layer_spec(config),
+        transformer_layer_spec=block_spec(config),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_seq_length,
-        position_embedding_type="rope",
+        position_embedding_type="learned_absolute" if config.family == "gpt2" else "rope",
         rotary_base=config.rotary_base,
-        share_embeddings_and_output_weights=config.tie_embeddings,
+        share_embeddings_and_output_weights=config.tied,
     )
+    if config.family == "gemma2":
+        model.embedding.register_forward_hook(_scale_embeddings(config.hidden_size**0.5))
+        if config.final_softcap is not None:
+            model.output_layer.register_forward_hook(_softcap_logits(config.final_softcap))
+    return model
+
+
+def _scale_embeddings(factor: float):
+    """Gemma-2 multiplies the embeddings by ``sqrt(hidden)`` (rounded to their dtype)."""
+
+    def hook(module, args, output):
+        return output * torch.tensor(factor, dtype=output.dtype, device=output.device)
+
+    return hook
+
+
+def _softcap_logits(cap: float):
+    """Gemma-2's final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)``."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        return cap * torch.tanh(logits / cap), bias
+
+    return hook
+
+
+def count_parameters(config: ModelConfig) -> dict[str, int]:
+    """Parameter counts of ``config`` built on the meta device (no memory is allocated).
+
+    Counts are of this rank's shards (``tensor_parallel_size`` must match the initialised
+    parallel state). Returns ``{"total", "router", "without_router"}``.
+    """
+    with torch.device("meta"):
+        model = build_model(config)
+    router = sum(p.numel() for n, p in model.named_parameters() if ".router." in n)
+    total = sum(p.numel() for p in model.parameters())
+    return {"total": total, "router": router, "without_router": total - router}

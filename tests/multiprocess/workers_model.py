@@ -2,53 +2,151 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+import torch.distributed as dist
 
 
-def _setup(world_size: int, **model_kwargs):
+def _init(world_size: int) -> None:
     from focus_pretrain.parallel import apply_cpu_shim
 
     apply_cpu_shim()
     from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+
+
+def _build(world_size: int, model_kwargs: dict, focus_kwargs: dict, seed: int = 0):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from focus_pretrain.focus import FocusConfig
     from focus_pretrain.model import ModelConfig, build_model
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    model_parallel_cuda_manual_seed(42)
-    config = ModelConfig(tensor_parallel_size=world_size, **model_kwargs)
-    torch.manual_seed(0)
-    return config, build_model
+    config = ModelConfig(
+        tensor_parallel_size=world_size, focus=FocusConfig(**focus_kwargs), **model_kwargs
+    )
+    model_parallel_cuda_manual_seed(42 + seed)
+    torch.manual_seed(seed)
+    return config, build_model(config)
 
 
-def _batch(config, b=2, s=48, seed=3):
+def _batch(config, b: int = 2, s: int = 40, seed: int = 3):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.vocab_size, (b, s), generator=gen)
     labels = torch.randint(0, config.vocab_size, (b, s), generator=gen)
-    position_ids = torch.arange(s)[None].expand(b, s)
-    return tokens, position_ids, labels
+    return tokens, torch.arange(s)[None].expand(b, s), labels
 
 
-def forward_backward(rank: int, world_size: int, model_kwargs: dict, focus_kwargs: dict) -> dict:
-    """Loss, logits and all gradients of one forward/backward (train mode)."""
-    from focus_pretrain.focus import FocusConfig
+def _gather_full(param: torch.Tensor, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Reassemble a tensor-parallel shard into the TP=1 layout (strided shards included)."""
+    if world_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = [p.chunk(stride, dim=dim) for p in parts]  # [rank][stride]
+    return torch.cat([chunks[r][s] for s in range(stride) for r in range(world_size)], dim=dim)
 
-    config, build_model = _setup(world_size, focus=FocusConfig(**focus_kwargs), **model_kwargs)
-    model = build_model(config)
-    tokens, position_ids, labels = _batch(config)
-    model.train()
-    loss = model(tokens, position_ids, None, labels=labels).float().mean()  # [b, s] -> scalar
-    loss.backward()
-    model.eval()
+
+def forward_backward(rank: int, world_size: int, cases: list) -> list[dict]:
+    """For each ``(model_kwargs, focus_kwargs)``: loss, full logits, every full gradient."""
+    _init(world_size)
+    results = []
+    for model_kwargs, focus_kwargs in cases:
+        config, model = _build(world_size, model_kwargs, focus_kwargs)
+        tokens, positions, labels = _batch(config)
+        model.train()
+        loss = model(tokens, positions, None, labels=labels).float().mean()  # [b, s] -> []
+        loss.backward()
+        model.eval()
+        with torch.no_grad():
+            logits = model(tokens, positions, None)  # [b, s, vocab / tp]
+            logits = _gather_last_dim(logits, world_size)
+        params = dict(model.named_parameters())
+        grads = {
+            n: _gather_full(p, p.grad, world_size) for n, p in params.items() if p.grad is not None
+        }
+        results.append(
+            dict(
+                loss=loss.detach(),
+                logits=logits,
+                grads=grads,
+                shapes={n: tuple(p.shape) for n, p in params.items()},
+            )
+        )
+    return results
+
+
+def _gather_last_dim(t: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def causality(rank: int, world_size: int, model_kwargs: dict, position: int) -> dict:
+    """Max change of logits at positions <= ``position`` when later tokens change."""
+    _init(world_size)
+    config, model = _build(world_size, model_kwargs, dict(window=3, num_groups=4, top_k=2))
+    tokens, positions, _ = _batch(config)
+    changed = tokens.clone()
+    changed[:, position + 1 :] = (changed[:, position + 1 :] + 7) % config.vocab_size
+    out = {}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        with torch.no_grad():
+            a, b = model(tokens, positions, None), model(changed, positions, None)
+        out[mode] = (
+            (a[:, : position + 1] - b[:, : position + 1]).abs().max().item(),
+            (a[:, position + 1 :] - b[:, position + 1 :]).abs().max().item(),
+        )
+    return out
+
+
+def layer_against_manual_attention(rank: int, world_size: int, model_kwargs: dict) -> dict:
+    """One Focus-disabled self-attention layer against attention written out by hand."""
+    _init(world_size)
+    config, model = _build(world_size, model_kwargs, dict(enabled=False))
+    layer = model.decoder.layers[0].self_attention
+    s, b = 24, 2
+    hidden = torch.randn(s, b, config.hidden_size)  # [s, b, h] Megatron layout
+    rope = model.rotary_pos_emb(s)  # [s, 1, 1, d]
     with torch.no_grad():
-        logits = model(tokens, position_ids, None)  # [b, s, vocab / tp]
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        got, _ = layer(hidden, None, rotary_pos_emb=rope)
     return dict(
-        loss=loss.detach(),
-        logits=logits,
-        grads=grads,
-        params=dict(model.named_parameters()).keys().__len__(),
-        config=dataclasses.asdict(config),
+        got=got,
+        hidden=hidden,
+        qkv=layer.linear_qkv.weight.detach().clone(),
+        qkv_bias=None if layer.linear_qkv.bias is None else layer.linear_qkv.bias.detach(),
+        proj=layer.linear_proj.weight.detach().clone(),
     )
+
+
+def parameter_counts(rank: int, world_size: int, paths: list[str]) -> list[dict]:
+    """``count_parameters`` of the ``model:`` section of each YAML recipe, on the meta device."""
+    import resource
+
+    import yaml
+
+    from focus_pretrain.model import ModelConfig, count_parameters
+
+    _init(world_size)
+    out = []
+    for path in paths:
+        with open(path) as f:
+            config = ModelConfig.from_dict(yaml.safe_load(f)["model"])
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        counts = count_parameters(config)
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        out.append(
+            dict(
+                counts=counts,
+                grown_kib=grown_kib,
+                layers=config.num_layers,
+                hidden=config.hidden_size,
+                k=config.focus.num_groups,
+                d_g=config.focus.group_dim,
+            )
+        )
+    return out

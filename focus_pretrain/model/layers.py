@@ -1,0 +1,90 @@
+"""Layer pieces megatron-core lacks for some attention families.
+
+* :class:`PostNormMLP`: an MLP whose output is normalised before the residual add (OLMo-2's
+  ``post_feedforward_layernorm``, Gemma-2's sandwich norm).
+* :class:`FullWidthQKNorm`: OLMo-2 normalises the *whole* query (key) projection, all heads
+  together, not each head (Megatron's ``qk_layernorm`` is per head). Under tensor parallelism a
+  rank holds only its heads, so the sum of squares is all-reduced over the TP group, forward and
+  backward.
+
+Layout: Megatron's ``[s, b, ...]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from torch import Tensor, nn
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the tensor-parallel group in forward *and* backward.
+
+    Every rank's output depends on every rank's input through the sum, so the gradient of the
+    local input is the sum of all ranks' output gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+class FullWidthQKNorm(MegatronModule):
+    """RMSNorm over all heads of the query (or key) projection, TP-aware.
+
+    Megatron builds q/k norms with ``hidden_size = head_dim``; this module ignores that and
+    normalises ``[s, b, n_local, d]`` over ``n * d`` (all ranks' heads). Its weight
+    ``[n_local * d]`` is the rank's slice of the full ``[n * d]`` weight (``partition_dim = 0``).
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, *, which: str) -> None:
+        super().__init__(config=config)
+        tp = config.tensor_model_parallel_size
+        heads = config.num_attention_heads if which == "q" else config.num_query_groups
+        self.local_heads, self.head_dim, self.eps = heads // tp, config.kv_channels, eps
+        self.full_width = heads * config.kv_channels
+        self.weight = nn.Parameter(
+            torch.ones(self.local_heads * self.head_dim, dtype=config.params_dtype)
+        )
+        self.weight.tensor_model_parallel = tp > 1
+        self.weight.partition_dim = 0
+        self.weight.partition_stride = 1
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[s, b, n_local, d]`` -> same shape, normalised over the full projection width."""
+        x32 = x.float()
+        squares = x32.square().sum(dim=(-2, -1), keepdim=True)  # [s, b, 1, 1] local heads
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            squares = _AllReduceSum.apply(squares)
+        normed = x32 * torch.rsqrt(squares / self.full_width + self.eps)
+        weight = self.weight.view(self.local_heads, self.head_dim)  # [n_local * d] -> [n_local, d]
+        return weight * normed.to(x.dtype)
+
+
+class PostNormMLP(MLP):
+    """Megatron ``MLP`` followed by a norm on its output (no output bias allowed)."""
+
+    def __init__(self, config, submodules, *args, post_norm: type, **kwargs) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        self.post_norm = build_module(
+            post_norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+        )
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> tuple[Tensor, None]:
+        """``[s, b, hidden]`` -> ``(norm(mlp(x)) [s, b, hidden], None)``."""
+        out, bias = super().forward(hidden_states, *args, **kwargs)
+        if bias is not None:
+            raise ValueError("a post-normed MLP cannot have an output bias (add_bias_linear)")
+        return self.post_norm(out), None

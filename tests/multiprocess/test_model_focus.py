@@ -1,0 +1,64 @@
+"""Focus inside the model: the dense twin, the window, activation recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+pytestmark = pytest.mark.multiprocess
+WORKER = "tests.multiprocess.workers_model:forward_backward"
+LLAMA = dict(
+    family="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=128,
+)
+GEMMA = dict(
+    LLAMA, family="gemma2", head_dim=16, sliding_window=6, attn_softcap=5.0, final_softcap=3.0
+)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases = {
+        "wide": (LLAMA, dict(window=1000, num_groups=4)),
+        "dense": (LLAMA, dict(enabled=False)),
+        "narrow": (LLAMA, dict(window=2, num_groups=4)),
+        "gemma_wide": (GEMMA, dict(window=1000, num_groups=4)),
+        "gemma_dense": (GEMMA, dict(enabled=False)),
+        "plain": (LLAMA, dict(window=4, num_groups=4)),
+        "selective": (dict(LLAMA, recompute="selective"), dict(window=4, num_groups=4)),
+        "full": (dict(LLAMA, recompute="full"), dict(window=4, num_groups=4)),
+    }
+    results = run_workers(WORKER, 1, list(cases.values()))[0]
+    return dict(zip(cases, results, strict=True))
+
+
+@pytest.mark.parametrize("wide, dense", [("wide", "dense"), ("gemma_wide", "gemma_dense")])
+def test_window_covering_sequence_equals_focus_disabled(runs, wide, dense):
+    """w >= s: nothing is beyond the window, so Focus is exactly the dense twin (same weights:
+    router initialisation does not disturb the model's random stream)."""
+    focus, plain = runs[wide], runs[dense]
+    torch.testing.assert_close(focus["loss"], plain["loss"], rtol=0, atol=0)
+    torch.testing.assert_close(focus["logits"], plain["logits"], rtol=0, atol=0)
+    assert not any(".router." in n for n in plain["grads"])
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(focus["grads"][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_small_window_changes_the_model(runs):
+    assert not torch.allclose(runs["narrow"]["logits"], runs["dense"]["logits"])
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(runs, recompute):
+    plain, again = runs["plain"], runs[recompute]
+    torch.testing.assert_close(again["loss"], plain["loss"])
+    assert set(again["grads"]) == set(plain["grads"])
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(again["grads"][name], grad, msg=name)
