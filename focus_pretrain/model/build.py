@@ -57,7 +57,7 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         add_bias_linear=family == "gpt2",
         add_qkv_bias=family in ("gpt2", "qwen2"),
         softmax_scale=scale,
-        hidden_dropout=0.0,
+        hidden_dropout=config.hidden_dropout,
         attention_dropout=0.0,
         init_method_std=config.init_std,
         params_dtype=params_dtype,

@@ -42,6 +42,8 @@ class ModelConfig:
             (1-based) are local, the others global (Focus).
         attn_softcap, final_softcap: gemma2 logit soft-capping (``None`` disables).
         query_pre_attn_scalar: gemma2 attention scale ``query_pre_attn_scalar ** -0.5``.
+        hidden_dropout: dropout on the attention and MLP outputs (attention-probability
+            dropout is not supported by Focus attention).
         recompute: activation recompute ``none``, ``full`` (every layer) or ``selective``
             (core attention).
         cpu_initialization: build weights on the CPU from one master copy (exact across TP
@@ -60,6 +62,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     init_std: float = 0.02
+    hidden_dropout: float = 0.0
     tie_embeddings: bool | None = None
     sliding_window: int | None = None
     attn_softcap: float | None = None
@@ -88,6 +91,8 @@ class ModelConfig:
                 check_int(f"model.{name}", getattr(self, name), low=1)
         for name in ("rotary_base", "norm_epsilon", "init_std"):
             check_positive(f"model.{name}", getattr(self, name))
+        if not 0.0 <= self.hidden_dropout < 1.0:
+            raise ValueError(f"model.hidden_dropout must be in [0, 1), got {self.hidden_dropout}")
         for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
             if getattr(self, name) is not None:
                 check_positive(f"model.{name}", getattr(self, name))

@@ -62,3 +62,13 @@ def test_recompute_gives_the_same_gradients(runs, recompute):
     assert set(again["grads"]) == set(plain["grads"])
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(again["grads"][name], grad, msg=name)
+
+
+def test_bf16_with_dropout_trains():
+    (out,) = run_workers(
+        "tests.multiprocess.workers_model:bf16_train_step", 1, dict(LLAMA, hidden_dropout=0.1)
+    )
+    assert torch.isfinite(out["loss"])
+    # Megatron's local norms keep fp32 weights; every linear and the routers are bf16
+    assert all(d == "torch.bfloat16" for n, d in out["dtypes"].items() if "layernorm" not in n)
+    assert out["router"] and all(g.abs().sum() > 0 for g in out["router"].values())

@@ -16,7 +16,13 @@ def _init(world_size: int) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
 
 
-def _build(world_size: int, model_kwargs: dict, focus_kwargs: dict, seed: int = 0):
+def _build(
+    world_size: int,
+    model_kwargs: dict,
+    focus_kwargs: dict,
+    seed: int = 0,
+    params_dtype: torch.dtype = torch.float32,
+):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from focus_pretrain.focus import FocusConfig
@@ -27,7 +33,7 @@ def _build(world_size: int, model_kwargs: dict, focus_kwargs: dict, seed: int = 
     )
     model_parallel_cuda_manual_seed(42 + seed)
     torch.manual_seed(seed)
-    return config, build_model(config)
+    return config, build_model(config, params_dtype)
 
 
 def _batch(config, b: int = 2, s: int = 40, seed: int = 3):
@@ -150,3 +156,21 @@ def parameter_counts(rank: int, world_size: int, paths: list[str]) -> list[dict]
             )
         )
     return out
+
+
+def bf16_train_step(rank: int, world_size: int, model_kwargs: dict) -> dict:
+    """One bf16 forward/backward with dropout on: finite loss, router gradients in bf16."""
+    _init(world_size)
+    config, model = _build(
+        world_size, model_kwargs, dict(window=4, num_groups=4), params_dtype=torch.bfloat16
+    )
+    tokens, positions, labels = _batch(config)
+    model.train()
+    loss = model(tokens, positions, None, labels=labels).float().mean()
+    loss.backward()
+    router = {n: p.grad for n, p in model.named_parameters() if ".router." in n}
+    return dict(
+        loss=loss.detach(),
+        router=router,
+        dtypes={n: str(p.dtype) for n, p in model.named_parameters()},
+    )
