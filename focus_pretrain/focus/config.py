@@ -9,9 +9,7 @@ builds this dataclass from the ``focus:`` section). Defaults follow the paper's 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 BALANCE_MODES = ("causal", "sinkhorn")
 ATTENTION_MODES = ("soft", "hard")
@@ -73,16 +71,6 @@ class FocusConfig:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], section: str = "focus") -> FocusConfig:
-        """Build from a mapping (a YAML section), rejecting unknown keys by name."""
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            names = ", ".join(f"{section}.{key}" for key in unknown)
-            raise ValueError(f"unknown key(s) {names}; allowed keys: {', '.join(allowed)}")
-        return cls(**values)
 
 
 def check_int(

@@ -17,9 +17,7 @@ Validation happens at construction, before anything is allocated, and names the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 from focus_pretrain.focus import FocusConfig
 from focus_pretrain.focus.config import check_choice, check_int, check_positive
@@ -154,16 +152,3 @@ class ModelConfig:
     def is_local_layer(self, layer_number: int) -> bool:
         """Gemma-2 interleaving: 1-based odd layers are sliding-window layers."""
         return self.family == "gemma2" and layer_number % 2 == 1
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], section: str = "model") -> ModelConfig:
-        """Build from a mapping (a YAML ``model:`` section with an optional ``focus:`` one)."""
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            names = ", ".join(f"{section}.{key}" for key in unknown)
-            raise ValueError(f"unknown key(s) {names}; allowed keys: {', '.join(allowed)}")
-        values = dict(values)
-        if isinstance(values.get("focus"), Mapping):
-            values["focus"] = FocusConfig.from_dict(values["focus"], f"{section}.focus")
-        return cls(**values)

@@ -133,15 +133,13 @@ def parameter_counts(rank: int, world_size: int, paths: list[str]) -> list[dict]
     """``count_parameters`` of the ``model:`` section of each YAML recipe, on the meta device."""
     import resource
 
-    import yaml
-
-    from focus_pretrain.model import ModelConfig, count_parameters
+    from focus_pretrain.config import load_config
+    from focus_pretrain.model import count_parameters
 
     _init(world_size)
     out = []
     for path in paths:
-        with open(path) as f:
-            config = ModelConfig.from_dict(yaml.safe_load(f)["model"])
+        config = load_config(path).model
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         counts = count_parameters(config)
         grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before

@@ -115,8 +115,10 @@ def test_defaults_yaml_loads_into_the_config():
 
     import yaml
 
+    from focus_pretrain.config import from_mapping
+
     path = pathlib.Path(__file__).parents[2] / "configs" / "focus-defaults.yaml"
     section = yaml.safe_load(path.read_text())["focus"]
-    assert FocusConfig.from_dict(section) == FocusConfig()
+    assert from_mapping(FocusConfig, section, "focus") == FocusConfig()
     with pytest.raises(ValueError, match=r"unknown key\(s\) focus.groups; allowed keys: enabled"):
-        FocusConfig.from_dict({**section, "groups": 4})
+        from_mapping(FocusConfig, {**section, "groups": 4}, "focus")

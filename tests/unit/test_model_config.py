@@ -5,8 +5,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import yaml
 
+from focus_pretrain.config import load_config
 from focus_pretrain.model import ModelConfig
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -44,19 +44,9 @@ def test_bad_model_config(kwargs, message):
         ModelConfig(**kwargs)
 
 
-def test_bad_nested_focus_key_and_window():
-    with pytest.raises(ValueError, match=r"unknown key\(s\) model.focus.windw"):
-        ModelConfig.from_dict({"focus": {"windw": 3}})
-    with pytest.raises(ValueError, match=r"focus.window must be >= 0, got -1"):
-        ModelConfig.from_dict({"focus": {"window": -1}})
-    with pytest.raises(ValueError, match=r"unknown key\(s\) model.hidden; allowed keys: family"):
-        ModelConfig.from_dict({"hidden": 3})
-
-
 def test_recipe_model_sections_load():
     for name in ("7b.yaml", "gpt2-124m-retrofit.yaml"):
-        section = yaml.safe_load((ROOT / "configs" / name).read_text())["model"]
-        config = ModelConfig.from_dict(section)
+        config = load_config(ROOT / "configs" / name).model
         assert config.focus.num_groups == 4
     head_dim_only = ModelConfig(hidden_size=66, num_attention_heads=4, head_dim=16)
     assert head_dim_only.kv_channels == 16

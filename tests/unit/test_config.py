@@ -1,0 +1,76 @@
+"""Recipe loading: YAML + dotted overrides -> typed config, with errors naming the key."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from focus_pretrain.config import Config, load_config, save_config
+
+ROOT = pathlib.Path(__file__).parents[2]
+RECIPE = ROOT / "configs" / "7b.yaml"
+
+
+def test_recipe_and_overrides_are_typed():
+    config = load_config(
+        RECIPE,
+        [
+            "run.output_dir=runs/x",
+            "model.focus.window=256",
+            "model.rotary_base=500000",
+            "model.num_layers=4",
+            "model.focus.normalize=false",
+            "run.name=seven b",
+        ],
+    )
+    assert isinstance(config, Config)
+    assert config.run.output_dir == "runs/x" and config.run.name == "seven b"
+    assert config.model.family == "mistral" and config.model.num_layers == 4
+    assert config.model.focus.window == 256 and config.model.focus.num_groups == 4
+    assert config.model.rotary_base == 500000.0 and isinstance(config.model.rotary_base, float)
+    assert config.model.focus.normalize is False
+    assert load_config(None) == Config()
+
+
+@pytest.mark.parametrize(
+    "override, error",
+    [
+        ("model.focus.windw=3", r"unknown key\(s\) model.focus.windw; allowed keys: enabled"),
+        ("trian.steps=3", r"unknown key\(s\) trian; allowed keys: run, model"),
+        ("model.num_layers=abc", r"model.num_layers must be int, got 'abc'"),
+        ("model.num_layers=2.5", r"model.num_layers must be int, got 2.5"),
+        ("model.focus.normalize=1", r"model.focus.normalize must be bool, got 1"),
+        ("model.focus.window=-1", r"focus.window must be >= 0, got -1"),
+        ("model.family=bert", r"model.family must be one of 'gpt2'"),
+        ("model.num_layers", r"override 'model.num_layers' must look like section.key=value"),
+        ("model.num_layers.x=1", r"model.num_layers is a value, not a section"),
+        ("model=3", r"model must be a mapping, got 3"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, error):
+    with pytest.raises(ValueError, match=error):
+        load_config(RECIPE, [override])
+
+
+def test_missing_recipe_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config file .*nope.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"must hold a mapping of sections, got list"):
+        load_config(bad)
+
+
+def test_optional_fields_take_null():
+    config = load_config(RECIPE, ["model.num_query_groups=null"])
+    assert config.model.num_query_groups is None and config.model.kv_heads == 32
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(RECIPE, ["model.focus.top_k=2"])
+    path = save_config(config, tmp_path / "run" / "config.yaml")
+    text = path.read_text()
+    assert "gate_lambda: 10.0" in text  # every default is written out
+    assert load_config(path) == config
+    assert not list(path.parent.glob(".config.yaml.*"))  # no temporary file left behind
