@@ -1,0 +1,151 @@
+"""Corpora to token files: read text with ``datasets``, tokenise in parallel, write a Megatron
+indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
+
+Sources (:func:`load_texts`):
+
+* ``demo`` or ``demo:N``: the embedded demo corpus (N documents, default 2000);
+* a local ``.jsonl``/``.json`` (a ``text`` field per record), ``.parquet`` or ``.txt`` file, a
+  glob of them, or a directory of them (one ``.txt`` file is one document);
+* anything else is a HuggingFace hub dataset name (needs a machine that is online).
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents
+from focus_pretrain.data.tokenizer import Tokenizer
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+DEFAULT_DEMO_DOCUMENTS = 2000
+
+
+def load_texts(source: str, *, text_key: str = "text", seed: int = 0):
+    """A ``datasets.Dataset`` with one document per row in column ``text``."""
+    import datasets
+
+    if source == "demo" or source.startswith("demo:"):
+        count = int(source.partition(":")[2] or DEFAULT_DEMO_DOCUMENTS)
+        return datasets.Dataset.from_dict({"text": list(demo_documents(count, seed, DemoSpec()))})
+    files = _local_files(source)
+    if files is None:  # not a local path: a hub dataset
+        dataset = datasets.load_dataset(source, split="train")
+    else:
+        kinds = {Path(f).suffix for f in files}
+        if len(kinds) != 1 or next(iter(kinds)) not in _BUILDERS:
+            raise ValueError(
+                f"{source}: mix or unknown kind of files {sorted(kinds)}; "
+                f"use one of {sorted(_BUILDERS)}"
+            )
+        builder = _BUILDERS[next(iter(kinds))]
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        dataset = datasets.load_dataset(builder, data_files=files, split="train", **extra)
+    if text_key not in dataset.column_names:
+        raise ValueError(f"{source} has no column {text_key!r} (columns: {dataset.column_names})")
+    dataset = dataset.select_columns([text_key])
+    return dataset if text_key == "text" else dataset.rename_column(text_key, "text")
+
+
+def _local_files(source: str) -> list[str] | None:
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(str(p) for p in path.iterdir() if p.suffix in _BUILDERS)
+        if not files:
+            raise FileNotFoundError(f"{source} holds no {'/'.join(sorted(_BUILDERS))} files")
+        return files
+    if path.is_file():
+        return [str(path)]
+    if any(ch in source for ch in "*?["):
+        files = sorted(glob.glob(source))
+        if not files:
+            raise FileNotFoundError(f"no file matches {source}")
+        return files
+    if path.suffix in _BUILDERS or os.sep in source:
+        raise FileNotFoundError(f"corpus file {source} does not exist")
+    return None
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(model_path: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = Tokenizer(model_path)
+
+
+def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+    assert _WORKER_TOKENIZER is not None
+    eod = _WORKER_TOKENIZER.eod
+    return [np.array([*_WORKER_TOKENIZER.encode(t), eod], dtype=np.int64) for t in texts]
+
+
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenize_to_indexed(
+    texts: Iterable[str],
+    tokenizer_path: str | os.PathLike,
+    output_prefix: str | os.PathLike,
+    *,
+    workers: int = 1,
+    batch_size: int = 64,
+    total: int | None = None,
+) -> dict[str, int]:
+    """Tokenise ``texts`` (each document ends with ``</s>``) into ``PREFIX.bin``/``PREFIX.idx``.
+
+    Documents keep their order whatever ``workers`` is. Both files are written under a temporary
+    prefix and renamed at the end, so an interrupted run never leaves a half-written dataset.
+
+    Returns:
+        ``{"documents": ..., "tokens": ...}``.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    tokenizer = Tokenizer(tokenizer_path)
+    dtype = np.uint16 if tokenizer.vocab_size < np.iinfo(np.uint16).max else np.int32
+    prefix = Path(output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    documents = tokens = 0
+    progress = tqdm(total=total, unit="doc", desc=f"tokenising -> {prefix.name}")
+    pool = None
+    if workers > 1:
+        pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_path),))
+    try:
+        if pool is None:
+            _init_worker(str(tokenizer_path))
+            encoded = map(_encode_batch, _batches(texts, batch_size))
+        else:
+            encoded = pool.imap(_encode_batch, _batches(texts, batch_size))
+        for batch in encoded:
+            for doc in batch:
+                builder.add_document(doc, [len(doc)])
+                tokens += len(doc)
+            documents += len(batch)
+            progress.update(len(batch))
+        builder.finalize(f"{tmp}.idx")
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    Path(f"{prefix}.idx").unlink(missing_ok=True)  # never pair an old index with new data
+    for suffix in (".bin", ".idx"):  # .idx last: a dataset is complete once its .idx exists
+        os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    return {"documents": documents, "tokens": tokens}

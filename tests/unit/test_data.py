@@ -1,0 +1,139 @@
+"""Data: the demo corpus, SentencePiece training, corpora to Megatron indexed datasets."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from focus_pretrain.data import (
+    DemoSpec,
+    Tokenizer,
+    demo_document,
+    demo_documents,
+    load_texts,
+    tokenize_to_indexed,
+    train_tokenizer,
+)
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory) -> pathlib.Path:
+    prefix = tmp_path_factory.mktemp("tok") / "demo"
+    return train_tokenizer(demo_documents(120, seed=1), prefix, vocab_size=384)
+
+
+def test_demo_corpus_is_deterministic_and_varied():
+    assert demo_document(5, seed=2) == demo_document(5, seed=2)
+    assert demo_document(5, seed=2) != demo_document(6, seed=2)
+    assert demo_document(5, seed=2) != demo_document(5, seed=3)
+    assert list(demo_documents(3)) == [demo_document(i) for i in range(3)]
+
+
+def test_demo_recalls_lie_beyond_the_window(tokenizer_path):
+    """Every recalled value is defined more than 128 tokens earlier: a 128-token sliding window
+    cannot see the definition, Focus's same-group attention can."""
+    tok = Tokenizer(tokenizer_path)
+    for index in range(20):
+        doc = demo_document(index, spec=DemoSpec(pairs=3, filler_sentences=16))
+        definitions = dict(re.findall(r"^the code of (\w+) is (\d+)\.$", doc, re.M))
+        recalls = re.findall(r"^recall: the code of (\w+) is (\d+)\.$", doc, re.M)
+        assert len(definitions) == 3 and sorted(recalls) == sorted(definitions.items())
+        for key, _ in recalls:
+            before_def = doc.index(f"the code of {key} is")
+            before_recall = doc.index(f"recall: the code of {key} is")
+            gap = len(tok.encode(doc[:before_recall])) - len(tok.encode(doc[:before_def]))
+            assert gap > 128, (index, key, gap)
+
+
+def test_tokenizer_is_llama_style_and_round_trips(tokenizer_path):
+    tok = Tokenizer(tokenizer_path)
+    assert (tok.vocab_size, tok.bos, tok.eod) == (384, 1, 2)
+    assert tok.pad == tok.vocab_size  # outside the real ids
+    pieces = [tok.processor.id_to_piece(i) for i in tok.encode("code 4821")]
+    assert pieces[-4:] == ["4", "8", "2", "1"]  # one token per digit
+    for text in [demo_document(200), "Unseen: ünïcödé ☃ text\twith  spaces\n"]:
+        assert tok.decode(tok.encode(text)) == text  # identity normalisation, byte fallback
+    assert (
+        tok.unique_identifiers["sha256"] == Tokenizer(tokenizer_path).unique_identifiers["sha256"]
+    )
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer model .*nope.model does not exist"):
+        Tokenizer(tmp_path / "nope.model")
+
+
+def test_indexed_dataset_matches_direct_tokenisation(tokenizer_path, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = [demo_document(i) for i in range(30)] + ["a tiny one", ""]
+    serial = tokenize_to_indexed(texts, tokenizer_path, tmp_path / "serial", batch_size=7)
+    parallel = tokenize_to_indexed(texts, tokenizer_path, tmp_path / "par", workers=2, batch_size=5)
+    assert serial == parallel and serial["documents"] == 32
+    for suffix in (".bin", ".idx"):  # identical bytes whatever the worker count
+        assert (tmp_path / f"serial{suffix}").read_bytes() == (
+            tmp_path / f"par{suffix}"
+        ).read_bytes()
+    dataset = IndexedDataset(str(tmp_path / "serial"))
+    tok = Tokenizer(tokenizer_path)
+    assert len(dataset) == 32
+    for i, text in enumerate(texts):
+        np.testing.assert_array_equal(dataset[i], [*tok.encode(text), tok.eod])
+    assert not list(tmp_path.glob(".*tmp*"))  # temporary files renamed away
+
+
+def test_load_texts_from_local_files(tmp_path):
+    rows = [{"text": f"doc {i}", "id": i} for i in range(3)]
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert load_texts(str(jsonl))["text"] == ["doc 0", "doc 1", "doc 2"]
+    body = tmp_path / "body.jsonl"
+    body.write_text("".join(json.dumps({"body": r["text"]}) + "\n" for r in rows))
+    assert load_texts(str(body), text_key="body")["text"][2] == "doc 2"
+    with pytest.raises(ValueError, match=r"has no column 'text'"):
+        load_texts(str(body))
+    txt_dir = tmp_path / "txt"
+    txt_dir.mkdir()
+    (txt_dir / "a.txt").write_text("line one\nline two\n")
+    (txt_dir / "b.txt").write_text("other\n")
+    assert len(load_texts(str(txt_dir))) == 2  # one .txt file is one document
+    assert len(load_texts("demo:7")) == 7
+    with pytest.raises(FileNotFoundError, match=r"corpus file .*missing.jsonl does not exist"):
+        load_texts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"no file matches"):
+        load_texts(str(tmp_path / "*.parquet"))
+
+
+def test_preprocess_tool_end_to_end(tmp_path):
+    prefix = tmp_path / "demo"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "preprocess_data.py"),
+            "--input",
+            "demo:40",
+            "--output-prefix",
+            str(prefix),
+            "--train-tokenizer",
+            "--vocab-size",
+            "300",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    assert stats["documents"] == 40 and stats["tokens"] > 40 * 300
+    assert (tmp_path / "demo.model").is_file() and (tmp_path / "demo.idx").is_file()
+    assert "tokenising" in result.stderr  # the progress bar
