@@ -137,3 +137,50 @@ def test_preprocess_tool_end_to_end(tmp_path):
     assert stats["documents"] == 40 and stats["tokens"] > 40 * 300
     assert (tmp_path / "demo.model").is_file() and (tmp_path / "demo.idx").is_file()
     assert "tokenising" in result.stderr  # the progress bar
+
+
+def test_prepare_and_build_gpt_datasets(tmp_path):
+    """demo -> tokenizer + token files (cached) -> Megatron GPTDataset train/valid splits."""
+    from focus_pretrain.data.datasets import DataConfig, build_datasets, prepare_data
+
+    config = DataConfig(
+        sources=["demo:60"],
+        vocab_size=300,
+        seq_length=64,
+        cache_dir=str(tmp_path / "cache"),
+        split="90,10,0",
+    )
+    tokenizer_path, prefixes = prepare_data(config)
+    stamp = pathlib.Path(f"{prefixes[0]}.idx").stat().st_mtime_ns
+    assert prepare_data(config) == (tokenizer_path, prefixes)  # cached, not rebuilt
+    assert pathlib.Path(f"{prefixes[0]}.idx").stat().st_mtime_ns == stamp
+    tok = Tokenizer(tokenizer_path)
+    train, valid = build_datasets(config, tok, prefixes, train_samples=50, valid_samples=8)
+    assert len(train) >= 50 and len(valid) >= 8
+    sample = train[0]
+    assert sample["tokens"].shape == (64,) and sample["labels"].shape == (64,)
+    assert (sample["tokens"][1:] == sample["labels"][:-1]).all()  # next-token labels
+    assert int(sample["tokens"].max()) < tok.vocab_size
+
+
+def test_data_config_errors():
+    from focus_pretrain.data.datasets import DataConfig
+
+    with pytest.raises(ValueError, match=r"data.weights has 1 entries for 2 data.sources"):
+        DataConfig(sources=["a", "b"], weights=[1.0])
+    with pytest.raises(ValueError, match=r"data.split must be three numbers like '98,2,0'"):
+        DataConfig(split="90,10")
+    with pytest.raises(FileNotFoundError, match=r"tokenizer model .*x.model does not exist"):
+        from focus_pretrain.data.datasets import prepare_data
+
+        prepare_data(DataConfig(tokenizer="/nonexistent/x.model"))
+
+
+def test_resumable_sampler_continues_the_same_stream():
+    from focus_pretrain.data.datasets import ResumableSampler
+
+    full = [list(ResumableSampler(40, 0, 3, rank, 2)) for rank in (0, 1)]
+    assert full[0][:2] == [[0, 1, 2], [6, 7, 8]] and full[1][0] == [3, 4, 5]
+    resumed = [list(ResumableSampler(40, 2 * 3 * 2, 3, rank, 2)) for rank in (0, 1)]
+    assert resumed[0] == full[0][2:] and resumed[1] == full[1][2:]
+    assert len(ResumableSampler(40, 12, 3, 0, 2)) == len(resumed[0])

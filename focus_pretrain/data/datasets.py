@@ -1,0 +1,167 @@
+"""Training data: the ``data:`` section, preparing token files, Megatron's ``GPTDataset`` splits
+and blends, and a sampler that resumes exactly from a consumed-sample count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents
+from focus_pretrain.data.preprocess import load_texts, tokenize_to_indexed
+from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from focus_pretrain.focus.config import check_int, check_positive
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The ``data:`` section of a recipe.
+
+    Attributes:
+        sources: corpora; each is a token-file prefix (``PREFIX.idx`` exists), ``demo[:N]``, a
+            local file/glob/directory, or a hub name; non-prefixes are tokenised once into
+            ``cache_dir``.
+        weights: blend weights, one per source (``None``: proportional to size).
+        tokenizer: a SentencePiece ``.model``; ``None`` trains one on the first source
+            (Llama-style options) into ``cache_dir``.
+        vocab_size: size of a tokenizer trained here.
+        seq_length: tokens per training sample.
+        split: train/valid/test split of each source's documents, e.g. ``"98,2,0"``.
+        cache_dir: where token files, tokenizers and Megatron's index caches go.
+        workers: tokenisation processes.
+        demo_filler_sentences: filler between definitions and recalls in the demo corpus.
+    """
+
+    sources: list[str] = field(default_factory=lambda: ["demo:2000"])
+    weights: list[float] | None = None
+    tokenizer: str | None = None
+    vocab_size: int = 1024
+    seq_length: int = 512
+    split: str = "98,2,0"
+    cache_dir: str = "data/cache"
+    workers: int = 1
+    demo_filler_sentences: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("data.sources must list at least one corpus")
+        if self.weights is not None:
+            if len(self.weights) != len(self.sources):
+                raise ValueError(
+                    f"data.weights has {len(self.weights)} entries for "
+                    f"{len(self.sources)} data.sources"
+                )
+            for w in self.weights:
+                check_positive("data.weights[]", w)
+        for name in ("vocab_size", "seq_length", "workers", "demo_filler_sentences"):
+            check_int(f"data.{name}", getattr(self, name), low=1)
+        parts = self.split.split(",")
+        if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
+            raise ValueError(f"data.split must be three numbers like '98,2,0', got {self.split!r}")
+
+
+def _slug(source: str) -> str:
+    name = "".join(c if c.isalnum() else "_" for c in Path(source).name)[:40]
+    return f"{name}-{hashlib.sha256(source.encode()).hexdigest()[:10]}"
+
+
+def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
+    """Make sure a tokenizer and token files exist; returns ``(tokenizer_path, prefixes)``.
+
+    Idempotent: existing tokenizers and token files in ``cache_dir`` are reused. Run it on one
+    process per machine (the trainer does it on rank 0 behind a barrier).
+    """
+    cache = Path(config.cache_dir)
+    spec = DemoSpec(filler_sentences=config.demo_filler_sentences)
+
+    def texts(source: str):
+        if source == "demo" or source.startswith("demo:"):
+            count = int(source.partition(":")[2] or 2000)
+            return list(demo_documents(count, seed, spec))
+        return load_texts(source)["text"]
+
+    if config.tokenizer is not None:
+        tokenizer_path = Path(config.tokenizer)
+        Tokenizer(tokenizer_path)  # fails early, naming the missing file
+    else:
+        tokenizer_path = cache / f"tokenizer-{_slug(config.sources[0])}-{config.vocab_size}.model"
+        if not tokenizer_path.is_file():
+            train_tokenizer(
+                texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size
+            )
+    prefixes = []
+    for source in config.sources:
+        if Path(f"{source}.idx").is_file():
+            prefixes.append(source)
+            continue
+        prefix = cache / f"{_slug(source)}-{tokenizer_path.stem}"
+        if not Path(f"{prefix}.idx").is_file():
+            documents = texts(source)
+            tokenize_to_indexed(
+                documents, tokenizer_path, prefix, workers=config.workers, total=len(documents)
+            )
+        prefixes.append(str(prefix))
+    return tokenizer_path, prefixes
+
+
+def build_datasets(
+    config: DataConfig,
+    tokenizer: Tokenizer,
+    prefixes: list[str],
+    train_samples: int,
+    valid_samples: int,
+    seed: int = 0,
+):
+    """Megatron ``GPTDataset`` train/valid splits (blended when several sources)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    blend = (prefixes, None if config.weights is None else list(config.weights))
+    dataset_config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=config.seq_length,
+        blend=blend,
+        split=config.split,
+        path_to_cache=os.path.join(config.cache_dir, "index-cache"),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
+    ).build()
+    return train, valid
+
+
+class ResumableSampler:
+    """Micro-batches of sample indices for one data-parallel rank, resumable exactly.
+
+    The global stream is ``consumed, consumed + 1, ...``; each global micro-step takes
+    ``micro_batch_size * dp_size`` samples and rank ``r`` gets its contiguous slice. After
+    ``n`` micro-steps ``consumed`` grows by ``n * micro_batch_size * dp_size`` on every rank, so
+    restarting with that count continues the same stream.
+    """
+
+    def __init__(
+        self, total: int, consumed: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> None:
+        self.total, self.consumed = total, consumed
+        self.micro, self.rank, self.size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro * self.size
+        start = self.consumed
+        while start + step <= self.total:
+            first = start + self.rank * self.micro
+            yield list(range(first, first + self.micro))
+            start += step
+
+    def __len__(self) -> int:
+        return max(0, (self.total - self.consumed) // (self.micro * self.size))
