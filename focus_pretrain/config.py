@@ -21,8 +21,10 @@ from typing import Any
 
 import yaml
 
+from focus_pretrain.data.datasets import DataConfig
 from focus_pretrain.focus.config import check_int
 from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.train.config import ParallelConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,27 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """A whole recipe. Sections are added as the framework grows (data, train, parallel)."""
+    """A whole recipe: ``run``, ``model`` (with ``model.focus``), ``data``, ``train``,
+    ``parallel``. ``model.tensor_parallel_size`` is filled from ``parallel``."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.tensor_parallel_size != self.parallel.tensor_parallel_size:
+            raise ValueError(
+                f"model.tensor_parallel_size ({self.model.tensor_parallel_size}) differs from "
+                f"parallel.tensor_parallel_size ({self.parallel.tensor_parallel_size}); set "
+                "only parallel.tensor_parallel_size"
+            )
+        if self.model.max_seq_length < self.data.seq_length:
+            raise ValueError(
+                f"model.max_seq_length ({self.model.max_seq_length}) must be >= "
+                f"data.seq_length ({self.data.seq_length})"
+            )
 
 
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
@@ -71,6 +90,12 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         tree = loaded or {}
     for override in overrides:
         apply_override(tree, override)
+    # one source of truth for TP: the parallel section feeds the model's validation
+    parallel = tree.get("parallel")
+    if isinstance(parallel, dict) and "tensor_parallel_size" in parallel:
+        model = tree.setdefault("model", {})
+        if isinstance(model, dict):
+            model.setdefault("tensor_parallel_size", parallel["tensor_parallel_size"])
     return from_mapping(Config, tree, section="")
 
 
