@@ -42,7 +42,7 @@ def train_tokenizer(
     """
     prefix = Path(model_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    settings = {**LLAMA_STYLE_OPTIONS, **options}
+    settings = {**LLAMA_STYLE_OPTIONS, "minloglevel": 2, **options}  # minloglevel: quiet
     lines = (line for text in texts for line in text.split("\n") if line)
     spm.SentencePieceTrainer.train(
         sentence_iterator=lines, model_prefix=str(prefix), vocab_size=vocab_size, **settings

@@ -172,6 +172,8 @@ class FocusRouter(nn.Module):
         # Sinkhorn column potentials accumulated since the last update_balance (not saved).
         self.register_buffer("_target_sum", torch.zeros(num_groups, device=device), False)
         self.register_buffer("_target_count", torch.zeros((), device=device), False)
+        # top-1 group counts of training forwards since the last pop_load (for logging)
+        self.register_buffer("_load_counts", torch.zeros(num_groups, device=device), False)
         self.reset_parameters()
 
     @classmethod
@@ -195,7 +197,7 @@ class FocusRouter(nn.Module):
         ``~ N(0, 1/d_g)`` (unit-norm on average); offsets and accumulators to zero."""
         nn.init.normal_(self.proj.weight, std=self.hidden_size**-0.5)
         nn.init.normal_(self.centroids, std=self.group_dim**-0.5)
-        for buf in (self.balance_offsets, self._target_sum, self._target_count):
+        for buf in (self.balance_offsets, self._target_sum, self._target_count, self._load_counts):
             buf.zero_()
 
     def extra_repr(self) -> str:
@@ -238,10 +240,28 @@ class FocusRouter(nn.Module):
                 column_logsumexp=column_logsumexp,
                 num_tokens=num_tokens,
             )
-            return Routing(log_p.exp())
+            routing = Routing(log_p.exp())
+        else:
+            if self.training:
+                self._accumulate_balance_target(logits.detach())
+            routing = Routing(torch.softmax(logits + self.balance_offsets, dim=-1))
         if self.training:
-            self._accumulate_balance_target(logits.detach())
-        return Routing(torch.softmax(logits + self.balance_offsets, dim=-1))
+            self._count_load(routing.probs.detach())
+        return routing
+
+    @torch.no_grad()
+    def _count_load(self, probs: Tensor) -> None:
+        top1 = probs.reshape(-1, self.num_groups).argmax(dim=-1)  # [b*s]
+        self._load_counts += torch.bincount(top1, minlength=self.num_groups).to(
+            self._load_counts.dtype
+        )
+
+    @torch.no_grad()
+    def pop_load(self) -> Tensor:
+        """Top-1 group counts ``[K]`` of training forwards since the last call (then reset)."""
+        counts = self._load_counts.clone()
+        self._load_counts.zero_()
+        return counts
 
     @torch.no_grad()
     def _accumulate_balance_target(self, logits: Tensor) -> None:

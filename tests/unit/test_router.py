@@ -206,3 +206,16 @@ def test_router_runs_in_fp32_for_bf16_weights():
     router = FocusRouter(16, num_groups=4, dtype=torch.bfloat16)
     routing = router(torch.randn(1, 8, 16, dtype=torch.bfloat16))
     assert routing.probs.dtype == torch.float32
+
+
+def test_training_forwards_count_group_load():
+    router = FocusRouter(16, num_groups=4).train()
+    hidden = torch.randn(2, 30, 16)
+    routing = router(hidden)
+    router(hidden)
+    counts = router.pop_load()
+    expected = torch.bincount(routing.probs.argmax(-1).flatten(), minlength=4).float() * 2
+    torch.testing.assert_close(counts, expected)
+    assert router.pop_load().sum() == 0  # reset by the pop
+    router.eval()(hidden)
+    assert router.pop_load().sum() == 0  # eval forwards are not counted

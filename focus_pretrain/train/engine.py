@@ -1,0 +1,374 @@
+"""``pretrain(config)``: Megatron model + DeepSpeed ZeRO, the training loop, resumable.
+
+One call does everything a run needs: distributed and Megatron parallel state (CPU shim when
+CUDA is absent), data preparation on rank 0, the Focus model, freezing policy, AdamW groups,
+DeepSpeed with Megatron's process groups as ``mpu``, the loop (gradient accumulation, clipping,
+router balance updates after every optimizer step), validation perplexity, metrics, and
+checkpoints that survive crashes and SIGTERM. Launched by ``launchers/pretrain.py`` under
+``deepspeed``, ``torchrun`` or plain ``python`` (one process).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from focus_pretrain.config import Config, save_config
+from focus_pretrain.focus import FocusRouter
+from focus_pretrain.train.checkpoint import load_checkpoint, save_checkpoint
+from focus_pretrain.train.metrics import (
+    MetricsLogger,
+    flops_per_sample,
+    peak_memory_gb,
+    peak_tflops,
+)
+from focus_pretrain.train.optim import PhaseGate, apply_freeze_policy, lr_lambda, parameter_groups
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def init_distributed() -> None:
+    """Initialise ``torch.distributed`` (env from the launcher, or a single local process)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # plain `python launchers/pretrain.py`: one process
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _setup_parallel(config: Config) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from focus_pretrain.parallel import apply_cpu_shim
+
+    apply_cpu_shim()
+    tp = config.parallel.tensor_parallel_size
+    if dist.get_world_size() % tp:
+        raise ValueError(
+            f"world size {dist.get_world_size()} is not a multiple of "
+            f"parallel.tensor_parallel_size ({tp})"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    seed = config.run.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _deepspeed_config(config: Config, grad_accum: int) -> dict:
+    train, parallel = config.train, config.parallel
+    zero: dict = {"stage": parallel.zero_stage}
+    if parallel.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": train.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _batch_to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _loss(engine, batch: dict) -> torch.Tensor:
+    """Mean next-token loss over unmasked tokens of a micro-batch."""
+    per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()  # [b, s]
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _dp_mean(value: torch.Tensor) -> float:
+    from megatron.core import parallel_state
+
+    value = value.detach().float().clone()
+    dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return float(value) / parallel_state.get_data_parallel_world_size()
+
+
+def pretrain(config: Config) -> dict:
+    """Train ``config``; resumes from ``run.output_dir/checkpoints`` when it holds one.
+
+    Returns:
+        ``{"step", "train_loss", "valid_loss", "output_dir", "stopped_by_signal"}``.
+    """
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from focus_pretrain.data.datasets import ResumableSampler, build_datasets, prepare_data
+    from focus_pretrain.data.tokenizer import Tokenizer
+    from focus_pretrain.model import build_model
+    from focus_pretrain.parallel.mpu import MegatronMPU
+
+    init_distributed()
+    _setup_parallel(config)
+    rank0 = dist.get_rank() == 0
+    out = Path(config.run.output_dir)
+    train_cfg = config.train
+    dp = parallel_state.get_data_parallel_world_size()
+    per_step = train_cfg.micro_batch_size * dp
+    if train_cfg.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size ({train_cfg.global_batch_size}) must be a "
+            f"multiple of train.micro_batch_size x data-parallel size ({per_step})"
+        )
+    grad_accum = train_cfg.global_batch_size // per_step
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(config, out / "config.yaml")
+
+    # data: prepared once (rank 0), then every rank builds its view
+    if rank0:
+        prepare_data(config.data, config.run.seed)
+    dist.barrier()
+    tokenizer_path, prefixes = prepare_data(config.data, config.run.seed)
+    tokenizer = Tokenizer(tokenizer_path)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size is {config.model.vocab_size}; raise model.vocab_size"
+        )
+    eval_rounds = train_cfg.steps // train_cfg.eval_interval + 1 if train_cfg.eval_interval else 0
+    train_set, valid_set = build_datasets(
+        config.data,
+        tokenizer,
+        prefixes,
+        train_cfg.steps * train_cfg.global_batch_size,
+        max(1, train_cfg.eval_iters * per_step * max(eval_rounds, 1)),
+        config.run.seed,
+    )
+    if config.model.focus.balance == "sinkhorn" and train_cfg.eval_interval and rank0:
+        warnings.warn(
+            "model.focus.balance=sinkhorn routes with future tokens: the validation "
+            "perplexity it reports is not causal (see docs/focus-method.md)",
+            stacklevel=1,
+        )
+
+    model = build_model(config.model)
+    counts = apply_freeze_policy(model, train_cfg)
+    routers = [m for m in model.modules() if isinstance(m, FocusRouter)]
+    groups = parameter_groups(model, train_cfg)
+    optimizer = torch.optim.AdamW(
+        groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps
+    )
+    gate = PhaseGate(model) if train_cfg.freeze == "two_phase" else None
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=_deepspeed_config(config, grad_accum),
+        mpu=MegatronMPU(),
+    )
+    ckpt_root = out / "checkpoints"
+    state = load_checkpoint(engine, ckpt_root) or {}
+    step, consumed = state.get("step", 0), state.get("consumed_samples", 0)
+    if "rng" in state:
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+    if gate is not None and step >= train_cfg.router_only_steps:
+        gate.open()
+
+    device = engine.device
+    sampler = ResumableSampler(
+        len(train_set),
+        consumed,
+        train_cfg.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        dp,
+    )
+    loader = iter(torch.utils.data.DataLoader(train_set, batch_sampler=sampler))
+    logger = MetricsLogger(out, rank0, train_cfg.tensorboard)
+    if rank0:
+        where = f"resuming at step {step}" if step else "starting"
+        print(
+            f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} frozen "
+            f"parameters ({counts['router']:,} router), dp={dp}, "
+            f"tp={config.parallel.tensor_parallel_size}, grad_accum={grad_accum}; {where}",
+            flush=True,
+        )
+    flops = flops_per_sample(config.model, config.data.seq_length)
+    peak = peak_tflops(train_cfg.peak_tflops)
+    schedule = lr_lambda(train_cfg)
+    stop = _StopSignal()
+    train_loss = valid_loss = None
+    interval_loss, interval_steps, tic = 0.0, 0, time.perf_counter()
+    try:
+        while step < train_cfg.steps and stop.received is None:
+            if gate is not None and gate.closed and step >= train_cfg.router_only_steps:
+                gate.open()
+            for group in optimizer.param_groups:
+                scale = gate.scale(group) if gate is not None else group.get("lr_scale", 1.0)
+                group["lr"] = train_cfg.lr * schedule(step) * scale
+            engine.train()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(grad_accum):
+                loss = _loss(engine, _batch_to(next(loader), device))
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.detach() / grad_accum
+            step += 1
+            consumed += train_cfg.global_batch_size
+            _update_balance(routers, parallel_state)
+            interval_loss += _dp_mean(step_loss)
+            interval_steps += 1
+            if step % train_cfg.log_interval == 0 or step == train_cfg.steps:
+                elapsed = time.perf_counter() - tic
+                train_loss = interval_loss / interval_steps
+                tokens = interval_steps * train_cfg.global_batch_size * config.data.seq_length
+                tflops = flops * interval_steps * train_cfg.global_batch_size / elapsed
+                tflops /= dist.get_world_size() * 1e12
+                norm = engine.get_global_grad_norm()
+                logger.log(
+                    step,
+                    {
+                        "loss": train_loss,
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "grad_norm": None if norm is None else float(norm),
+                        "tokens_per_s": tokens / elapsed,
+                        "tflops": tflops,
+                        "mfu": None if peak is None else tflops / peak,
+                        "peak_mem_gb": peak_memory_gb(),
+                        "max_group_share": _max_group_share(routers, parallel_state),
+                    },
+                )
+                interval_loss, interval_steps, tic = 0.0, 0, time.perf_counter()
+            if train_cfg.eval_interval and (
+                step % train_cfg.eval_interval == 0 or step == train_cfg.steps
+            ):
+                valid_loss = evaluate(engine, valid_set, train_cfg, parallel_state, device)
+                logger.log(
+                    step, {"loss": valid_loss, "ppl": math.exp(min(valid_loss, 50))}, prefix="valid"
+                )
+            if train_cfg.save_interval and step % train_cfg.save_interval == 0:
+                _save(engine, ckpt_root, step, consumed, config)
+        _save(engine, ckpt_root, step, consumed, config)
+    finally:
+        stop.restore()
+        logger.close()
+    if stop.received is not None and rank0:
+        print(
+            f"focus-pretrain: stopped by signal {stop.received} at step {step}; "
+            f"checkpoint saved, resume with the same command",
+            flush=True,
+        )
+    return {
+        "step": step,
+        "train_loss": train_loss,
+        "valid_loss": valid_loss,
+        "output_dir": str(out),
+        "stopped_by_signal": stop.received,
+    }
+
+
+def _save(engine, root: Path, step: int, consumed: int, config: Config) -> None:
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    save_checkpoint(
+        engine,
+        root,
+        step,
+        {"step": step, "consumed_samples": consumed, "rng": rng},
+        config,
+        config.train.keep_last,
+    )
+
+
+def _update_balance(routers: list[FocusRouter], parallel_state) -> None:
+    """After an optimizer step: average each router's load target over data-parallel ranks."""
+    group = parallel_state.get_data_parallel_group()
+    for router in routers:
+        target = router.balance_target()
+        if target is None:
+            continue
+        target = target.float().clone()
+        dist.all_reduce(target, group=group)
+        router.update_balance(target / parallel_state.get_data_parallel_world_size())
+
+
+def _max_group_share(routers: list[FocusRouter], parallel_state) -> float | None:
+    """Largest top-1 group share over the interval, worst layer (summed over DP ranks)."""
+    if not routers:
+        return None
+    counts = torch.stack([r.pop_load().float() for r in routers])  # [layers, K]
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+    return float(shares.max())
+
+
+@torch.no_grad()
+def evaluate(engine, valid_set, train_cfg, parallel_state, device) -> float:
+    """Mean validation loss over ``eval_iters`` micro-batches (the model's inference mode)."""
+    from focus_pretrain.data.datasets import ResumableSampler
+
+    engine.eval()
+    sampler = ResumableSampler(
+        len(valid_set),
+        0,
+        train_cfg.micro_batch_size,
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+    loader = torch.utils.data.DataLoader(valid_set, batch_sampler=sampler)
+    losses = []
+    batches = tqdm(
+        loader,
+        total=min(len(sampler), train_cfg.eval_iters),
+        desc="validation",
+        leave=False,
+        disable=dist.get_rank() != 0,
+    )
+    for i, batch in enumerate(batches):
+        if i == train_cfg.eval_iters:
+            break
+        losses.append(_loss(engine, _batch_to(batch, device)))
+    engine.train()
+    return _dp_mean(torch.stack(losses).mean())

@@ -1,0 +1,113 @@
+"""Freezing policies, AdamW parameter groups and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from focus_pretrain.train.config import TrainConfig
+
+
+def is_router_parameter(name: str) -> bool:
+    """Router parameters (``W_g`` and centroids) of a Focus layer."""
+    return ".router." in name or name.startswith("router.")
+
+
+def no_weight_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm weights, biases and router centroids are not decayed."""
+    return param.dim() < 2 or name.endswith(".bias") or "norm" in name or "centroids" in name
+
+
+def apply_freeze_policy(model: nn.Module, config: TrainConfig) -> dict[str, int]:
+    """Set ``requires_grad`` for ``config.freeze``; returns trainable/frozen parameter counts.
+
+    * ``scratch`` and ``two_phase``: everything trainable (``two_phase`` holds the original
+      weights still during phase 1 through :class:`PhaseGate`).
+    * ``retrofit``: only router parameters are trainable; every original weight is frozen and
+      kept out of the optimizer.
+    """
+    routers = 0
+    for name, param in model.named_parameters():
+        router = is_router_parameter(name)
+        routers += param.numel() if router else 0
+        param.requires_grad_(router or config.freeze != "retrofit")
+    if config.freeze in ("retrofit", "two_phase") and routers == 0:
+        raise ValueError(
+            f"train.freeze={config.freeze} needs Focus routers, but the model has "
+            "none (model.focus.enabled is false?)"
+        )
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {"trainable": trainable, "frozen": frozen, "router": routers}
+
+
+def parameter_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
+    """AdamW groups over trainable parameters: ``{router, model} x {decay, no_decay}``.
+
+    Each group carries ``lr_scale`` (1.0; the two-phase gate sets the model groups to 0) and a
+    ``name``; empty groups are dropped.
+    """
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            key = (is_router_parameter(name), no_weight_decay(name, param))
+            groups.setdefault(key, []).append(param)
+    return [
+        {
+            "params": params,
+            "weight_decay": 0.0 if no_decay else config.weight_decay,
+            "name": f"{'router' if router else 'model'}_{'no_decay' if no_decay else 'decay'}",
+            "lr_scale": 1.0,
+        }
+        for (router, no_decay), params in sorted(groups.items())
+    ]
+
+
+def lr_lambda(config: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of ``config.lr`` at a step: linear warm-up, then cosine/linear/constant."""
+    floor = config.min_lr / config.lr
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.schedule == "constant":
+            return 1.0
+        span = max(1, config.steps - config.warmup_steps)
+        progress = min(1.0, (step - config.warmup_steps) / span)
+        if config.schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        return floor + (1 - floor) * (1 - progress)
+
+    return factor
+
+
+class PhaseGate:
+    """Phase 1 of ``two_phase``: original weights get zero gradient and zero learning rate.
+
+    Zeroed gradients keep their Adam moments at zero and the zero rate cancels weight decay, so
+    the weights are exactly unchanged until :meth:`open`; after it they train normally, as if
+    unfrozen at that step. (Their backward is still computed during phase 1.)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._handles = [
+            param.register_hook(torch.zeros_like)
+            for name, param in model.named_parameters()
+            if param.requires_grad and not is_router_parameter(name)
+        ]
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._handles)
+
+    def scale(self, group: dict) -> float:
+        """LR multiplier of an optimizer group while the gate is closed."""
+        return 0.0 if self.closed and group["name"].startswith("model") else group["lr_scale"]
+
+    def open(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,131 @@
+"""``--dry-run``: parameters from a meta-device build and an estimated memory plan per GPU.
+
+Model states follow the ZeRO paper's accounting (bf16/fp16 weights and gradients, fp32 master
+weights and two Adam moments: 2 + 2 + 12 bytes per trainable parameter, 2 per frozen one; fp32
+training keeps 4 + 4 + 12) divided over data-parallel ranks by stage. Activations follow
+Korthikanti et al. (2022) without the ``s^2`` term (attention is computed blockwise), with full
+recompute keeping one layer input per layer plus one layer's working set, and the fp32 logits
+with their gradient. A 10% margin is kept for workspace and fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from focus_pretrain.config import Config
+
+GB = 1e9
+MARGIN = 0.9
+
+
+def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int | bool]:
+    """Per-GPU memory (GB) of ``config`` given parameter ``counts`` from :func:`count_split`.
+
+    ``counts``: ``sharded`` (split by tensor parallelism), ``replicated``, ``trainable``
+    (TP=1 totals).
+    """
+    par, train, model = config.parallel, config.train, config.model
+    tp, dp = par.tensor_parallel_size, par.gpus // par.tensor_parallel_size
+    total = counts["sharded"] + counts["replicated"]
+    per_gpu = counts["sharded"] / tp + counts["replicated"]
+    trainable = per_gpu * counts["trainable"] / total
+    half = train.precision != "fp32"
+    w_bytes = 2 if half else 4
+    weights, grads, optim = per_gpu * w_bytes, trainable * w_bytes, trainable * 12
+    if par.cpu_offload:
+        optim = 0.0
+    if par.zero_stage >= 1:
+        optim /= dp
+    if par.zero_stage >= 2:
+        grads /= dp
+    if par.zero_stage >= 3:
+        weights /= dp
+    s, b, h, layers = (
+        config.data.seq_length,
+        train.micro_batch_size,
+        model.hidden_size,
+        model.num_layers,
+    )
+    layer_working = s * b * h * 34 / tp
+    if model.recompute == "full":
+        activations = layers * s * b * h * w_bytes + layer_working
+    else:
+        activations = layers * layer_working
+    logits = 2 * s * b * model.vocab_size / tp * 4
+    used = (weights + grads + optim + activations + logits) / GB
+    return {
+        "gpus": par.gpus,
+        "tensor_parallel": tp,
+        "data_parallel": dp,
+        "zero_stage": par.zero_stage,
+        "parameters": total,
+        "parameters_per_gpu": int(per_gpu),
+        "weights_gb": weights / GB,
+        "gradients_gb": grads / GB,
+        "optimizer_gb": optim / GB,
+        "activations_gb": activations / GB,
+        "logits_gb": logits / GB,
+        "total_gb": used,
+        "gpu_memory_gb": par.gpu_memory_gb,
+        "fits": used <= MARGIN * par.gpu_memory_gb,
+    }
+
+
+def count_split(config: Config) -> dict[str, int]:
+    """Build the model at TP=1 on the meta device; count TP-sharded, replicated, trainable."""
+    import torch
+    from megatron.core import parallel_state
+
+    from focus_pretrain.model import build_model
+    from focus_pretrain.parallel import apply_cpu_shim
+    from focus_pretrain.train.engine import init_distributed
+    from focus_pretrain.train.optim import apply_freeze_policy
+
+    init_distributed()
+    apply_cpu_shim()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    with torch.device("meta"):
+        model = build_model(replace(config.model, tensor_parallel_size=1))
+    apply_freeze_policy(model, config.train)
+    sharded = replicated = trainable = 0
+    for param in model.parameters():
+        if getattr(param, "tensor_model_parallel", False):
+            sharded += param.numel()
+        else:
+            replicated += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return {"sharded": sharded, "replicated": replicated, "trainable": trainable}
+
+
+def print_plan(config: Config) -> dict:
+    """Print parameters and the per-GPU memory plan (a table and one JSON line)."""
+    import json
+
+    plan = memory_plan(config, count_split(config))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"dry run: {config.run.name} ({config.model.family}, "
+            f"{plan['parameters']:,} parameters, seq {config.data.seq_length}, "
+            f"micro-batch {config.train.micro_batch_size}, recompute {config.model.recompute})"
+        )
+        print("| item | GB per GPU |\n|---|---:|")
+        for key in (
+            "weights_gb",
+            "gradients_gb",
+            "optimizer_gb",
+            "activations_gb",
+            "logits_gb",
+            "total_gb",
+        ):
+            print(f"| {key[:-3]} | {plan[key]:.2f} |")
+        verdict = "fits" if plan["fits"] else "does NOT fit"
+        print(
+            f"{plan['gpus']} GPUs (TP {plan['tensor_parallel']} x DP {plan['data_parallel']}, "
+            f"ZeRO-{plan['zero_stage']}): {plan['total_gb']:.1f} GB of "
+            f"{plan['gpu_memory_gb']:.0f} GB per GPU -> {verdict}"
+        )
+        print(json.dumps(plan))
+    return plan
