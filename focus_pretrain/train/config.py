@@ -105,24 +105,26 @@ class ParallelConfig:
         tensor_parallel_size: Megatron tensor parallelism (heads and MLP split over ranks).
         zero_stage: DeepSpeed ZeRO stage 0-3 over the data-parallel ranks.
         cpu_offload: ZeRO optimizer-state offload to CPU memory (stages 1-3).
-        gpus: devices the recipe is planned for (the ``--dry-run`` memory plan uses it).
+        gpus: devices the recipe is planned for (the ``--dry-run`` memory plan uses it;
+            ``None``: one tensor-parallel group). Training uses whatever the launcher starts.
         gpu_memory_gb: memory per device the plan must fit.
     """
 
     tensor_parallel_size: int = 1
     zero_stage: int = 1
     cpu_offload: bool = False
-    gpus: int = 1
+    gpus: int | None = None
     gpu_memory_gb: float = 80.0
 
     def __post_init__(self) -> None:
         check_int("parallel.tensor_parallel_size", self.tensor_parallel_size, low=1)
         check_int("parallel.zero_stage", self.zero_stage, low=0, high=3)
-        check_int("parallel.gpus", self.gpus, low=1)
+        if self.gpus is not None:
+            check_int("parallel.gpus", self.gpus, low=1)
         check_positive("parallel.gpu_memory_gb", self.gpu_memory_gb)
         if self.cpu_offload and self.zero_stage == 0:
             raise ValueError("parallel.cpu_offload needs parallel.zero_stage >= 1")
-        if self.gpus % self.tensor_parallel_size:
+        if self.gpus is not None and self.gpus % self.tensor_parallel_size:
             raise ValueError(
                 f"parallel.gpus ({self.gpus}) must be a multiple of "
                 f"parallel.tensor_parallel_size ({self.tensor_parallel_size})"

@@ -27,7 +27,9 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     (TP=1 totals).
     """
     par, train, model = config.parallel, config.train, config.model
-    tp, dp = par.tensor_parallel_size, par.gpus // par.tensor_parallel_size
+    tp = par.tensor_parallel_size
+    gpus = par.gpus or tp
+    dp = gpus // tp
     total = counts["sharded"] + counts["replicated"]
     per_gpu = counts["sharded"] / tp + counts["replicated"]
     trainable = per_gpu * counts["trainable"] / total
@@ -56,7 +58,7 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     logits = 2 * s * b * model.vocab_size / tp * 4
     used = (weights + grads + optim + activations + logits) / GB
     return {
-        "gpus": par.gpus,
+        "gpus": gpus,
         "tensor_parallel": tp,
         "data_parallel": dp,
         "zero_stage": par.zero_stage,
