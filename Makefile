@@ -9,12 +9,13 @@ VENV ?= .venv
 VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint format clean
+.PHONY: setup demo test test-fast lint format clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,10 @@ $(STAMP): pyproject.toml
 	if [ -n "$(strip $(TORCH_SPEC))" ]; then $(PIP) install --quiet $(TORCH_SPEC); fi
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $@
+
+# The main job on the embedded demo corpus (CPU is fine): data prep, training, checkpoints.
+demo: setup
+	$(PY) launchers/pretrain.py --config configs/tiny.yaml $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
