@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +45,11 @@ from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
 ColumnLogSumExp = Callable[[Tensor], Tensor]
 
 
-@dataclass
-class Routing:
+class Routing(NamedTuple):
     """One layer's routing.
+
+    A ``NamedTuple`` so that module hooks that walk outputs (DeepSpeed ZeRO-3 re-gathers the
+    router's partitioned weights for backward through such hooks) see the tensor inside.
 
     Attributes:
         probs: ``[b, s, K]`` soft group assignment ``g`` (each row sums to 1); differentiable.

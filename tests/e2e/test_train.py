@@ -180,12 +180,17 @@ def test_dry_run_plans_the_7b_recipe():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "dp2-zero3"])
 def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
-    """TP=2 (through DeepSpeed's mpu adapter) and DP=2 with ZeRO-2 train like one process."""
+    """TP=2 (through DeepSpeed's mpu adapter) and DP=2 with ZeRO-2 or ZeRO-3 train like one
+    process (same global batch: DP=1 accumulates two micro-batches)."""
     base = overrides(tmp_path / "one", cache, "train.steps=3")
     (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
-    extra = ["parallel.tensor_parallel_size=2"] if layout == "tp2" else ["parallel.zero_stage=2"]
+    extra = {
+        "tp2": ["parallel.tensor_parallel_size=2"],
+        "dp2": ["parallel.zero_stage=2"],
+        "dp2-zero3": ["parallel.zero_stage=3"],
+    }[layout]
     sets = overrides(tmp_path / layout, cache, "train.steps=3", *extra)
     results = run_workers("tests.e2e.workers_train:train", 2, sets)
     for result in results:
