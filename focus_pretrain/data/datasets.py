@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents
+from focus_pretrain.data.demo_corpus import DemoSpec
 from focus_pretrain.data.preprocess import load_texts, tokenize_to_indexed
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
@@ -77,11 +77,8 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     cache = Path(config.cache_dir)
     spec = DemoSpec(filler_sentences=config.demo_filler_sentences)
 
-    def texts(source: str):
-        if source == "demo" or source.startswith("demo:"):
-            count = int(source.partition(":")[2] or 2000)
-            return list(demo_documents(count, seed, spec))
-        return load_texts(source)["text"]
+    def texts(source: str) -> list[str]:
+        return load_texts(source, seed=seed, demo_spec=spec)["text"]
 
     if config.tokenizer is not None:
         tokenizer_path = Path(config.tokenizer)

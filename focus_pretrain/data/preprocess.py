@@ -27,13 +27,19 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "
 DEFAULT_DEMO_DOCUMENTS = 2000
 
 
-def load_texts(source: str, *, text_key: str = "text", seed: int = 0):
-    """A ``datasets.Dataset`` with one document per row in column ``text``."""
+def load_texts(
+    source: str, *, text_key: str = "text", seed: int = 0, demo_spec: DemoSpec | None = None
+):
+    """A ``datasets.Dataset`` with one document per row in column ``text``.
+
+    ``seed`` and ``demo_spec`` shape the demo corpus (``demo[:N]`` sources) only.
+    """
     import datasets
 
     if source == "demo" or source.startswith("demo:"):
         count = int(source.partition(":")[2] or DEFAULT_DEMO_DOCUMENTS)
-        return datasets.Dataset.from_dict({"text": list(demo_documents(count, seed, DemoSpec()))})
+        documents = list(demo_documents(count, seed, demo_spec))
+        return datasets.Dataset.from_dict({"text": documents})
     files = _local_files(source)
     if files is None:  # not a local path: a hub dataset
         dataset = datasets.load_dataset(source, split="train")

@@ -48,7 +48,7 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         kv_channels=config.kv_channels,
         ffn_hidden_size=config.ffn_hidden_size,
         tensor_model_parallel_size=config.tensor_parallel_size,
-        normalization="RMSNorm" if family in _RMS else "LayerNorm",
+        normalization=_normalization(config),
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=family != "gpt2",
         activation_func=partial(F.gelu, approximate="tanh")
@@ -76,7 +76,7 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
 def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     """Megatron's local GPT layer spec with Focus self-attention and the family's norms."""
     family = config.family
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if family in _RMS else "LayerNorm")
+    spec = get_gpt_layer_local_spec(normalization=_normalization(config))
     norm = spec.submodules.input_layernorm
     local = config.is_local_layer(layer_number)
     core = partial(
@@ -120,12 +120,15 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
 def block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
     """One layer spec per layer (Gemma-2 alternates local and global layers)."""
     specs = [layer_spec(config, n) for n in range(1, config.num_layers + 1)]
+    # the final norm is the family's norm class (OLMo-2's layers have no input norm to copy)
+    final_norm = get_gpt_layer_local_spec(normalization=_normalization(config))
     return TransformerBlockSubmodules(
-        layer_specs=specs,
-        layer_norm=specs[0].submodules.input_layernorm
-        if config.family != "olmo2"
-        else get_gpt_layer_local_spec(normalization="RMSNorm").submodules.input_layernorm,
+        layer_specs=specs, layer_norm=final_norm.submodules.input_layernorm
     )
+
+
+def _normalization(config: ModelConfig) -> str:
+    return "RMSNorm" if config.family in _RMS else "LayerNorm"
 
 
 def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) -> GPTModel:
