@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from focus_pretrain.data.demo_corpus import DemoSpec
-from focus_pretrain.data.preprocess import load_texts, tokenize_to_indexed
+from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
 
@@ -32,6 +32,7 @@ class DataConfig:
         split: train/valid/test split of each source's documents, e.g. ``"98,2,0"``.
         cache_dir: where token files, tokenizers and Megatron's index caches go.
         workers: tokenisation processes.
+        demo_pairs: key-value pairs each demo document defines and recalls.
         demo_filler_sentences: filler between definitions and recalls in the demo corpus.
     """
 
@@ -43,6 +44,7 @@ class DataConfig:
     split: str = "98,2,0"
     cache_dir: str = "data/cache"
     workers: int = 1
+    demo_pairs: int = 4
     demo_filler_sentences: int = 16
 
     def __post_init__(self) -> None:
@@ -56,11 +58,16 @@ class DataConfig:
                 )
             for w in self.weights:
                 check_positive("data.weights[]", w)
-        for name in ("vocab_size", "seq_length", "workers", "demo_filler_sentences"):
+        for name in ("vocab_size", "seq_length", "workers", "demo_pairs", "demo_filler_sentences"):
             check_int(f"data.{name}", getattr(self, name), low=1)
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"data.split must be three numbers like '98,2,0', got {self.split!r}")
+
+    @property
+    def demo_spec(self) -> DemoSpec:
+        """The shape of ``demo`` sources' documents."""
+        return DemoSpec(pairs=self.demo_pairs, filler_sentences=self.demo_filler_sentences)
 
 
 def _slug(source: str) -> str:
@@ -75,26 +82,33 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     process per machine (the trainer does it on rank 0 behind a barrier).
     """
     cache = Path(config.cache_dir)
-    spec = DemoSpec(filler_sentences=config.demo_filler_sentences)
+    spec = config.demo_spec
 
     def texts(source: str) -> list[str]:
         return load_texts(source, seed=seed, demo_spec=spec)["text"]
+
+    def slug(source: str) -> str:  # the demo corpus also depends on the seed and its spec
+        if source == "demo" or source.startswith("demo:"):
+            return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.filler_sentences}")
+        return _slug(source)
 
     if config.tokenizer is not None:
         tokenizer_path = Path(config.tokenizer)
         Tokenizer(tokenizer_path)  # fails early, naming the missing file
     else:
-        tokenizer_path = cache / f"tokenizer-{_slug(config.sources[0])}-{config.vocab_size}.model"
+        tokenizer_path = cache / f"tokenizer-{slug(config.sources[0])}-{config.vocab_size}.model"
         if not tokenizer_path.is_file():
             train_tokenizer(
                 texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size
             )
     prefixes = []
+    tokenizer = Tokenizer(tokenizer_path)
     for source in config.sources:
         if Path(f"{source}.idx").is_file():
+            check_tokenizer(source, tokenizer)
             prefixes.append(source)
             continue
-        prefix = cache / f"{_slug(source)}-{tokenizer_path.stem}"
+        prefix = cache / f"{slug(source)}-{tokenizer_path.stem}"
         if not Path(f"{prefix}.idx").is_file():
             documents = texts(source)
             tokenize_to_indexed(

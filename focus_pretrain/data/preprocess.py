@@ -12,6 +12,7 @@ Sources (:func:`load_texts`):
 from __future__ import annotations
 
 import glob
+import json
 import multiprocessing as mp
 import os
 from collections.abc import Iterable, Iterator
@@ -92,6 +93,26 @@ def _encode_batch(texts: list[str]) -> list[np.ndarray]:
     return [np.array([*_WORKER_TOKENIZER.encode(t), eod], dtype=np.int64) for t in texts]
 
 
+def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
+    """Refuse token files made by another tokenizer than ``tokenizer`` (when they say which).
+
+    Raises:
+        ValueError: naming both tokenizers and the fix.
+    """
+    stamp_path = Path(f"{prefix}.tokenizer.json")
+    if not stamp_path.is_file():
+        return  # token files from elsewhere: nothing recorded to check against
+    stamp = json.loads(stamp_path.read_text())
+    if stamp["sha256"] != tokenizer.unique_identifiers["sha256"]:
+        raise ValueError(
+            f"token files {prefix} were made with tokenizer {stamp['tokenizer']} "
+            f"(sha256 {stamp['sha256']}, {stamp['vocab_size']} pieces) but data.tokenizer is "
+            f"{tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "
+            f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
+            "re-tokenise with tools/preprocess_data.py"
+        )
+
+
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for text in texts:
@@ -116,6 +137,7 @@ def tokenize_to_indexed(
 
     Documents keep their order whatever ``workers`` is. Both files are written under a temporary
     prefix and renamed at the end, so an interrupted run never leaves a half-written dataset.
+    ``PREFIX.tokenizer.json`` records which tokenizer made them (see :func:`check_tokenizer`).
 
     Returns:
         ``{"documents": ..., "tokens": ...}``.
@@ -152,6 +174,9 @@ def tokenize_to_indexed(
             pool.close()
             pool.join()
     Path(f"{prefix}.idx").unlink(missing_ok=True)  # never pair an old index with new data
+    stamp = {"tokenizer": str(tokenizer.path), "vocab_size": tokenizer.vocab_size}
+    stamp["sha256"] = tokenizer.unique_identifiers["sha256"]
+    Path(f"{prefix}.tokenizer.json").write_text(json.dumps(stamp, indent=1))
     for suffix in (".bin", ".idx"):  # .idx last: a dataset is complete once its .idx exists
         os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
     return {"documents": documents, "tokens": tokens}

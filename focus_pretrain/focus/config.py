@@ -42,6 +42,8 @@ class FocusConfig:
             by default; with plain dot products 10 Sinkhorn iterations at ``tau = 0.1`` leave
             columns 38-50% off balance, with cosine 0.3% (see docs/focus-method.md).
         check_finite: reject NaN/inf inputs with a ``ValueError`` (costs a device sync on GPU).
+        window_only: ablation: no router, every layer attends only inside the window (the
+            sliding-window twin a Focus model is compared against; same other weights).
     """
 
     enabled: bool = True
@@ -57,6 +59,7 @@ class FocusConfig:
     gate_lambda: float = 10.0
     normalize: bool = True
     check_finite: bool = True
+    window_only: bool = False
 
     def __post_init__(self) -> None:
         check_int("focus.num_groups", self.num_groups, low=1, high=MAX_GROUPS)

@@ -78,12 +78,16 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     family = config.family
     spec = get_gpt_layer_local_spec(normalization=_normalization(config))
     norm = spec.submodules.input_layernorm
-    local = config.is_local_layer(layer_number)
+    local_window = None
+    if config.is_local_layer(layer_number):
+        local_window = config.sliding_window - 1
+    elif config.focus.enabled and config.focus.window_only:
+        local_window = config.focus.window  # the sliding-window ablation twin
     core = partial(
         FocusCoreAttention,
         focus=config.focus,
         softcap=config.attn_softcap,
-        local_window=config.sliding_window - 1 if local else None,
+        local_window=local_window,
     )
     qk_norm = family == "olmo2"
     post_norm = family in ("olmo2", "gemma2")

@@ -66,7 +66,15 @@ def save_checkpoint(
 
 
 def load_checkpoint(engine, root: Path) -> dict[str, Any] | None:
-    """Restore the checkpoint ``latest`` names into ``engine``; its client state, or ``None``."""
+    """Restore the checkpoint ``latest`` names into ``engine``; its client state, or ``None``.
+
+    Rank 0 first deletes what a killed save left behind (``.tmp-*`` directories).
+    """
+    if (not dist.is_initialized() or dist.get_rank() == 0) and root.is_dir():
+        for stale in root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
     tag = latest_tag(root)
     if tag is None:
         return None

@@ -32,6 +32,8 @@ class TrainConfig:
         router_only_steps: length of phase 1 of ``two_phase``.
         log_interval, eval_interval, eval_iters: console/TensorBoard cadence; validation every
             ``eval_interval`` steps over ``eval_iters`` micro-batches (0 disables).
+        recall_docs: held-out demo documents scored at each validation for long-range recall
+            (loss and accuracy on recalled digits; demo corpus only, 0 disables).
         save_interval: checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT).
         keep_last: checkpoints kept (older ones are deleted after a new one is complete).
         peak_tflops: per-device peak for MFU; ``None`` looks the GPU up (CPU: MFU not shown).
@@ -55,6 +57,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 50
     eval_iters: int = 4
+    recall_docs: int = 16
     save_interval: int = 0
     keep_last: int = 2
     peak_tflops: float | None = None
@@ -68,6 +71,7 @@ class TrainConfig:
             "router_only_steps",
             "eval_interval",
             "eval_iters",
+            "recall_docs",
             "save_interval",
         ):
             check_int(f"train.{name}", getattr(self, name), low=0)

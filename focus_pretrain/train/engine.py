@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -34,26 +35,56 @@ from focus_pretrain.train.metrics import (
     peak_tflops,
 )
 from focus_pretrain.train.optim import PhaseGate, apply_freeze_policy, lr_lambda, parameter_groups
+from focus_pretrain.train.recall import recall_batch, recall_metrics
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def init_distributed() -> None:
-    """Initialise ``torch.distributed`` (env from the launcher, or a single local process)."""
+    """Initialise ``torch.distributed``: ranks from the launcher (``deepspeed``, ``torchrun``),
+    from ``srun`` (one task per device, see ``launchers/slurm.sh``), or one local process."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # plain `python launchers/pretrain.py`: one process
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
+    os.environ.update(launch_environment(os.environ))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def launch_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` variables this process lacks.
+
+    A launcher that sets ``RANK`` needs nothing. Under ``srun`` (``SLURM_STEP_NUM_TASKS`` is
+    set only inside a job step) ranks come from ``SLURM_PROCID``/``SLURM_LOCALID`` and the
+    rendezvous from ``MASTER_ADDR``/``MASTER_PORT``. Otherwise: one process on a free port.
+    """
+    if "RANK" in env:
+        return {}
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if "SLURM_PROCID" in env and tasks > 1:
+        if "MASTER_ADDR" not in env:
+            raise ValueError(
+                "running under srun with several tasks but MASTER_ADDR is not set: export the "
+                "first node's address (and MASTER_PORT), as launchers/slurm.sh does"
+            )
+        return {
+            "RANK": env["SLURM_PROCID"],
+            "WORLD_SIZE": str(tasks),
+            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+            "MASTER_PORT": env.get("MASTER_PORT", "29500"),
+        }
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def _setup_parallel(config: Config) -> None:
@@ -96,6 +127,16 @@ def _deepspeed_config(config: Config, grad_accum: int) -> dict:
     }
 
 
+def _adamw(groups: list[dict], train_cfg, cpu_offload: bool) -> torch.optim.Optimizer:
+    """AdamW; with ZeRO-Offload DeepSpeed's vectorised CPU AdamW (built on first use)."""
+    kwargs = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps)
+    if cpu_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
 class _StopSignal:
     """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly."""
 
@@ -136,7 +177,8 @@ def pretrain(config: Config) -> dict:
     """Train ``config``; resumes from ``run.output_dir/checkpoints`` when it holds one.
 
     Returns:
-        ``{"step", "train_loss", "valid_loss", "output_dir", "stopped_by_signal"}``.
+        ``{"step", "train_loss", "valid_loss", "recall", "output_dir", "stopped_by_signal"}``;
+        ``recall`` holds the last long-range recall scores (demo corpus, else ``None``).
     """
     import deepspeed
     from megatron.core import parallel_state
@@ -190,13 +232,21 @@ def pretrain(config: Config) -> dict:
             stacklevel=1,
         )
 
+    recall = None
+    if train_cfg.eval_interval and train_cfg.recall_docs and _demo_only(config):
+        recall = recall_batch(
+            tokenizer,
+            config.data.seq_length,
+            train_cfg.recall_docs,
+            config.run.seed,
+            config.data.demo_spec,
+        )
+
     model = build_model(config.model)
     counts = apply_freeze_policy(model, train_cfg)
     routers = [m for m in model.modules() if isinstance(m, FocusRouter)]
     groups = parameter_groups(model, train_cfg)
-    optimizer = torch.optim.AdamW(
-        groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=train_cfg.eps
-    )
+    optimizer = _adamw(groups, train_cfg, config.parallel.cpu_offload)
     gate = PhaseGate(model) if train_cfg.freeze == "two_phase" else None
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
@@ -207,6 +257,7 @@ def pretrain(config: Config) -> dict:
     ckpt_root = out / "checkpoints"
     state = load_checkpoint(engine, ckpt_root) or {}
     step, consumed = state.get("step", 0), state.get("consumed_samples", 0)
+    saved_step = step if state else None  # never rewrite the checkpoint `latest` names
     if "rng" in state:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -236,7 +287,7 @@ def pretrain(config: Config) -> dict:
     peak = peak_tflops(train_cfg.peak_tflops)
     schedule = lr_lambda(train_cfg)
     stop = _StopSignal()
-    train_loss = valid_loss = None
+    train_loss = valid_loss = recall_scores = None
     interval_loss, interval_steps, tic = 0.0, 0, time.perf_counter()
     try:
         while step < train_cfg.steps and stop.received is None:
@@ -282,12 +333,23 @@ def pretrain(config: Config) -> dict:
                 step % train_cfg.eval_interval == 0 or step == train_cfg.steps
             ):
                 valid_loss = evaluate(engine, valid_set, train_cfg, parallel_state, device)
-                logger.log(
-                    step, {"loss": valid_loss, "ppl": math.exp(min(valid_loss, 50))}, prefix="valid"
-                )
+                scalars = {"loss": valid_loss, "ppl": math.exp(min(valid_loss, 50))}
+                if recall is not None:
+                    engine.eval()
+                    recall_scores = recall_metrics(
+                        engine, recall, train_cfg.micro_batch_size, device
+                    )
+                    engine.train()
+                    scalars.update(
+                        recall_loss=recall_scores["recall_loss"],
+                        recall_acc=recall_scores["recall_acc"],
+                    )
+                logger.log(step, scalars, prefix="valid")
             if train_cfg.save_interval and step % train_cfg.save_interval == 0:
                 _save(engine, ckpt_root, step, consumed, config)
-        _save(engine, ckpt_root, step, consumed, config)
+                saved_step = step
+        if saved_step != step:
+            _save(engine, ckpt_root, step, consumed, config)
     finally:
         stop.restore()
         logger.close()
@@ -301,6 +363,7 @@ def pretrain(config: Config) -> dict:
         "step": step,
         "train_loss": train_loss,
         "valid_loss": valid_loss,
+        "recall": recall_scores,
         "output_dir": str(out),
         "stopped_by_signal": stop.received,
     }
@@ -320,6 +383,10 @@ def _save(engine, root: Path, step: int, consumed: int, config: Config) -> None:
         config,
         config.train.keep_last,
     )
+
+
+def _demo_only(config: Config) -> bool:
+    return all(s == "demo" or s.startswith("demo:") for s in config.data.sources)
 
 
 def _update_balance(routers: list[FocusRouter], parallel_state) -> None:

@@ -4,6 +4,7 @@ freeze what the policy freezes, and agree across parallel layouts."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed import run_workers
+from tests.distributed import free_port, run_workers
 
 pytestmark = pytest.mark.e2e
 ROOT = pathlib.Path(__file__).parents[2]
@@ -124,6 +125,48 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache):
     assert not list((out / "checkpoints").glob(".tmp-*"))  # nothing half-written remains
 
 
+def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, cache):
+    """SIGKILL after the first file of checkpoint 4 is written: ``latest`` still names
+    checkpoint 2, which resumes; the half-written directory is cleared on restart."""
+    sets = overrides(tmp_path, cache, "train.steps=6", "train.save_interval=2", "train.keep_last=5")
+    args = [sys.executable, str(ROOT / "tests" / "e2e" / "kill_during_save.py"), "4", LAUNCHER]
+    args += ["--config", RECIPE]
+    for item in sets:
+        args += ["--set", item]
+    killed = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000002"
+    partial = ckpts / ".tmp-step_00000004"
+    assert partial.is_dir() and not (ckpts / "step_00000004").exists()
+    resumed = launch(sets)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 2" in resumed.stdout
+    assert sorted(losses(resumed.stdout)) == [3, 4, 5, 6]
+    assert (ckpts / "latest").read_text() == "step_00000006"
+    assert not partial.exists()
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            'data.sources=["/no/such/corpus.jsonl"]',
+            "corpus file /no/such/corpus.jsonl does not exist",
+        ),
+        ("model.vocab_size=256", "the tokenizer has 300 tokens but model.vocab_size is 256"),
+        ("data.seq_length=256", "model.max_seq_length (128) must be >= data.seq_length (256)"),
+        ("parallel.tensor_parallel_size=3", "num_attention_heads (4) must be divisible by"),
+        ("train.stepz=3", "unknown key train.stepz"),
+    ],
+)
+def test_bad_input_fails_before_training(tmp_path, cache, bad, message):
+    run = launch(overrides(tmp_path, cache, bad))
+    assert run.returncode != 0
+    assert message in run.stderr, run.stderr[-2000:]
+    assert "train step" not in run.stdout and not (tmp_path / "checkpoints").exists()
+
+
 def test_retrofit_trains_only_routers(tmp_path, cache):
     run = launch(
         overrides(
@@ -196,3 +239,62 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
     for result in results:
         assert result["step"] == 3
         assert result["train_loss"] == pytest.approx(single["train_loss"], rel=2e-4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "launcher, zero_stage",
+    [("deepspeed", 2), ("deepspeed", 3), ("torchrun", 1), ("srun", 2)],
+)
+def test_cluster_launchers_start_two_processes(tmp_path, cache, launcher, zero_stage):
+    """``deepspeed``, ``torchrun`` and srun-style tasks (what ``launchers/slurm.sh`` starts:
+    ranks only in ``SLURM_*`` variables) run two real (gloo) processes of the launcher script:
+    data-parallel ZeRO training learns and leaves a checkpoint."""
+    port = str(free_port())
+    script = [LAUNCHER, "--config", RECIPE]
+    sets = overrides(
+        tmp_path, cache, "train.steps=8", f"parallel.zero_stage={zero_stage}", "train.lr=3e-3"
+    )
+    for item in sets:
+        script += ["--set", item]
+    if launcher == "srun":
+        run = _srun_like(script, port, tmp_path)
+    else:
+        if launcher == "deepspeed":
+            deepspeed = pathlib.Path(sys.executable).with_name("deepspeed")
+            command = [str(deepspeed), "--num_gpus", "2", "--master_port", port]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+            command += ["--master-port", port]
+        run = subprocess.run(
+            command + script, capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "dp=2" in run.stdout
+    seen = losses(run.stdout)
+    assert sorted(seen) == list(range(1, 9))  # one line per step, from rank 0 only
+    assert seen[8] < seen[1] - 0.5, seen
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000008"
+    files = {p.name for p in (ckpts / "step_00000008").iterdir()}
+    assert "config.yaml" in files and len([f for f in files if "optim_states" in f]) == 2, files
+
+
+def _srun_like(script: list[str], port: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """Two tasks with the environment ``srun`` gives them (no RANK/WORLD_SIZE)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(SLURM_STEP_NUM_TASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    code = max(abs(p.returncode) for p in procs)
+    return subprocess.CompletedProcess(procs[0].args, code, outs[0][0], outs[0][1] + outs[1][1])

@@ -184,3 +184,17 @@ def test_resumable_sampler_continues_the_same_stream():
     resumed = [list(ResumableSampler(40, 2 * 3 * 2, 3, rank, 2)) for rank in (0, 1)]
     assert resumed[0] == full[0][2:] and resumed[1] == full[1][2:]
     assert len(ResumableSampler(40, 12, 3, 0, 2)) == len(resumed[0])
+
+
+def test_token_files_of_another_tokenizer_are_refused(tokenizer_path, tmp_path):
+    """Token files record their tokenizer; pairing them with another one is a clear error."""
+    from focus_pretrain.data.datasets import DataConfig, prepare_data
+
+    prefix = tmp_path / "tokens" / "demo"
+    tokenize_to_indexed(demo_documents(10, seed=3), tokenizer_path, prefix)
+    same = DataConfig(sources=[str(prefix)], tokenizer=str(tokenizer_path), cache_dir=str(tmp_path))
+    assert prepare_data(same) == (tokenizer_path, [str(prefix)])
+    other = train_tokenizer(demo_documents(60, seed=4), tmp_path / "other", vocab_size=300)
+    wrong = DataConfig(sources=[str(prefix)], tokenizer=str(other), cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"were made with tokenizer .* but data.tokenizer is"):
+        prepare_data(wrong)

@@ -1,0 +1,168 @@
+"""Long-range recall on held-out demo documents: what Focus reaches and a window cannot.
+
+Each demo document defines key-value pairs and recalls them hundreds of tokens later
+(:mod:`focus_pretrain.data.demo_corpus`). The digits of a recalled value are predictable only
+from the definition, which lies beyond the local window; a sliding-window model can do no better
+than guessing digits (``ln 10 = 2.30`` nats each). This module builds a batch of held-out
+documents (another seed of the generator, so never seen in training) that start at position 0,
+marks the label positions that are recalled digits, and measures the model's loss and argmax
+accuracy there, next to its loss on every other token.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
+from focus_pretrain.data.tokenizer import Tokenizer
+
+HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
+_RECALL = re.compile(r"recall: the code of (\w+) is (\d+)\.")
+CHANCE_LOSS = math.log(10.0)  # a digit guessed uniformly
+
+
+@dataclass(frozen=True)
+class RecallBatch:
+    """Held-out documents and where their recalled digits are.
+
+    Attributes:
+        tokens, labels: ``[n, s]`` int64; ``labels[:, p] = tokens[:, p + 1]`` of the document
+            (each row starts with the end-of-document id, as after a previous document).
+        recall_mask: ``[n, s]`` bool: label positions whose target is a recalled digit.
+        key_mask: ``[n, s]`` bool: label positions whose target is part of a recalled key.
+        valid_mask: ``[n, s]`` bool: label positions inside the document (not padding).
+    """
+
+    tokens: Tensor
+    labels: Tensor
+    recall_mask: Tensor
+    key_mask: Tensor
+    valid_mask: Tensor
+
+
+def recall_batch(
+    tokenizer: Tokenizer,
+    seq_length: int,
+    count: int,
+    seed: int = 0,
+    spec: DemoSpec | None = None,
+) -> RecallBatch:
+    """``count`` held-out demo documents, each truncated to ``seq_length`` labels.
+
+    Raises:
+        ValueError: when no recalled value fits inside ``seq_length`` (the documents' recalls
+            lie further out: raise ``seq_length`` or lower ``data.demo_filler_sentences``).
+    """
+    rows, recall_rows, key_rows, valid_rows = [], [], [], []
+    for index in range(count):
+        text = demo_document(index, seed + HELD_OUT_SEED_OFFSET, spec)
+        recalls = list(_RECALL.finditer(text))
+        pieces = tokenizer.processor.encode(text, return_type="proto").pieces
+
+        def inside(spans, piece) -> bool:
+            return piece.end > piece.begin and any(
+                a <= piece.begin and piece.end <= b for a, b in spans
+            )
+
+        # a key piece may start with the space before the key ("▁kal"): widen its span by one
+        key_spans = [(m.start(1) - 1, m.end(1)) for m in recalls]
+        value_spans = [m.span(2) for m in recalls]
+        ids = [tokenizer.eod] + [p.id for p in pieces] + [tokenizer.eod]
+        values = [False] + [inside(value_spans, p) for p in pieces] + [False]
+        keys = [False] + [inside(key_spans, p) for p in pieces] + [False]
+        ids, values, keys = ids[: seq_length + 1], values[: seq_length + 1], keys[: seq_length + 1]
+        valid = len(ids) - 1
+        pad = seq_length + 1 - len(ids)
+        rows.append(ids + [tokenizer.eod] * pad)  # padding is masked out below
+        recall_rows.append(values[1:] + [False] * pad)
+        key_rows.append(keys[1:] + [False] * pad)
+        valid_rows.append([True] * valid + [False] * pad)
+    ids = torch.tensor(rows, dtype=torch.long)  # [n, s + 1]
+    recall_mask = torch.tensor(recall_rows, dtype=torch.bool)  # [n, s]
+    if not recall_mask.any():
+        raise ValueError(
+            f"no recalled value of the demo documents fits in {seq_length} tokens; raise "
+            "data.seq_length or lower data.demo_filler_sentences"
+        )
+    return RecallBatch(
+        tokens=ids[:, :-1].contiguous(),
+        labels=ids[:, 1:].contiguous(),
+        recall_mask=recall_mask,
+        key_mask=torch.tensor(key_rows, dtype=torch.bool),
+        valid_mask=torch.tensor(valid_rows, dtype=torch.bool),
+    )
+
+
+@torch.no_grad()
+def recall_metrics(model, batch: RecallBatch, micro_batch_size: int, device) -> dict[str, float]:
+    """Loss and accuracy of ``model`` (a Megatron ``GPTModel`` or a DeepSpeed engine around
+    one, in the mode it is in) on the recalled digits, and its loss on all other tokens.
+
+    Every tensor-parallel and data-parallel rank evaluates the whole batch (it is small), so
+    the result is the same on every rank.
+
+    Returns:
+        ``{"recall_loss", "recall_acc", "other_loss", "recall_tokens"}``.
+    """
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    sums = torch.zeros(4, dtype=torch.float64)  # recall loss, recall hits, other loss, others
+    count = int(batch.recall_mask.sum())
+    for start in range(0, batch.tokens.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        tokens, labels = batch.tokens[rows].to(device), batch.labels[rows].to(device)
+        recall = batch.recall_mask[rows].to(device)
+        other = batch.valid_mask[rows].to(device) & ~recall
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)  # [b, s]
+        logits = model(tokens, positions, None)  # [b, s, vocab / tp]
+        logits = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
+        loss = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), labels, reduction="none"
+        )  # [b, s]
+        hits = logits.argmax(dim=-1) == labels  # [b, s]
+        sums += (
+            torch.stack([loss[recall].sum(), hits[recall].sum(), loss[other].sum(), other.sum()])
+            .double()
+            .cpu()
+        )
+    return {
+        "recall_loss": float(sums[0] / max(count, 1)),
+        "recall_acc": float(sums[1] / max(count, 1)),
+        "other_loss": float(sums[2] / sums[3].clamp(min=1)),
+        "recall_tokens": count,
+    }
+
+
+def compare_with_window_twin(config) -> dict[str, dict[str, float]]:
+    """Train ``config`` (a demo-corpus recipe) with Focus and as its window-only twin.
+
+    Both runs use the recipe's seed, steps and data; they write to ``run.output_dir/focus`` and
+    ``run.output_dir/window_only`` (a run resumes if its directory holds a checkpoint).
+    Returns ``{"focus": scores, "window_only": scores}`` from :func:`recall_metrics` at the
+    last step.
+    """
+    from dataclasses import replace
+
+    from focus_pretrain.train.engine import pretrain
+
+    if not config.model.focus.enabled or config.model.focus.window_only:
+        raise ValueError("compare_with_window_twin needs a Focus recipe (model.focus.enabled)")
+    train = replace(
+        config.train, eval_interval=config.train.steps, recall_docs=max(config.train.recall_docs, 1)
+    )
+    results = {}
+    for name, window_only in (("focus", False), ("window_only", True)):
+        focus = replace(config.model.focus, window_only=window_only)
+        run = replace(config.run, output_dir=f"{config.run.output_dir}/{name}")
+        result = pretrain(
+            replace(config, run=run, train=train, model=replace(config.model, focus=focus))
+        )
+        if result["recall"] is None:
+            raise ValueError("the recall metric needs a demo corpus recipe (data.sources: demo)")
+        results[name] = result["recall"]
+    return results

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Multi-node training under SLURM: one task per GPU started by srun (no torchrun in between), so
+# SLURM's pre-timeout SIGTERM reaches every rank and the run saves a final checkpoint and exits 0;
+# --requeue then restarts the job, which resumes from `latest`.
+#
+#   sbatch launchers/slurm.sh configs/7b.yaml
+#   sbatch --nodes 2 launchers/slurm.sh configs/7b.yaml --set run.output_dir=runs/7b-a
+#
+# Ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (read by
+# focus_pretrain.train.engine.init_distributed); the first node hosts the rendezvous.
+#SBATCH --job-name=focus-pretrain
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=48:00:00
+#SBATCH --signal=TERM@300
+#SBATCH --requeue
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+CONFIG=${1:?usage: sbatch launchers/slurm.sh CONFIG [--set section.key=value ...]}
+shift
+cd "${SLURM_SUBMIT_DIR:-.}"
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR
+export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}
+PYTHON=${PYTHON:-python}
+
+srun --kill-on-bad-exit=1 --cpu-bind=none \
+    "$PYTHON" launchers/pretrain.py --config "$CONFIG" "$@"
