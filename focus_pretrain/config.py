@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import types
 import typing
@@ -138,6 +139,9 @@ def _join(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     """``value`` as type ``tp`` (dataclass, Optional/Union, bool, int, float, str, list)."""
     if dataclasses.is_dataclass(tp):
@@ -165,6 +169,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads "3e-4" (no dot) as a string
     if tp is str and isinstance(value, str):
         return value
     raise ValueError(f"{key} must be {getattr(tp, '__name__', tp)}, got {value!r}")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from focus_pretrain.data.demo_corpus import DemoSpec
+from focus_pretrain.data.demo_corpus import VALUES, DemoSpec
 from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
@@ -33,6 +33,7 @@ class DataConfig:
         cache_dir: where token files, tokenizers and Megatron's index caches go.
         workers: tokenisation processes.
         demo_pairs: key-value pairs each demo document defines and recalls.
+        demo_values: value words (of 64) the demo documents draw from.
         demo_filler_sentences: filler between definitions and recalls in the demo corpus.
     """
 
@@ -45,6 +46,7 @@ class DataConfig:
     cache_dir: str = "data/cache"
     workers: int = 1
     demo_pairs: int = 4
+    demo_values: int = 64
     demo_filler_sentences: int = 16
 
     def __post_init__(self) -> None:
@@ -63,11 +65,16 @@ class DataConfig:
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"data.split must be three numbers like '98,2,0', got {self.split!r}")
+        if not self.demo_pairs <= self.demo_values <= len(VALUES):
+            raise ValueError(
+                f"data.demo_pairs ({self.demo_pairs}) <= data.demo_values "
+                f"({self.demo_values}) <= {len(VALUES)} must hold"
+            )
 
     @property
     def demo_spec(self) -> DemoSpec:
         """The shape of ``demo`` sources' documents."""
-        return DemoSpec(pairs=self.demo_pairs, filler_sentences=self.demo_filler_sentences)
+        return DemoSpec(self.demo_pairs, self.demo_values, self.demo_filler_sentences)
 
 
 def _slug(source: str) -> str:
@@ -89,7 +96,7 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
 
     def slug(source: str) -> str:  # the demo corpus also depends on the seed and its spec
         if source == "demo" or source.startswith("demo:"):
-            return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.filler_sentences}")
+            return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.values}x{spec.filler_sentences}")
         return _slug(source)
 
     if config.tokenizer is not None:

@@ -1,11 +1,13 @@
 """The embedded demo corpus: generated on the fly, deterministic, no download.
 
 Each document is a small "registry": it first *defines* a few key-value pairs
-(``the code of kalomi is 4821.``), then runs for hundreds of tokens of filler prose, and then
-*queries* the keys again (``recall: the code of kalomi is 4821.``). The digits of a recalled
-value are predictable only from the definition far back: beyond a 128-token window, so a
-sliding-window model cannot learn them, while a model whose attention reaches back to tokens of
-the same group (Focus) can. The filler is drawn from a small grammar so that it is learnable too.
+(``the code of kalomi is amber.``), then runs for hundreds of tokens of filler prose, and then
+*queries* the keys again (``recall: the code of kalomi is amber.``). Keys are random
+three-syllable names; values are drawn from 64 words that occur nowhere else. A recalled value
+(and key) is predictable only from the definition far back: beyond the local window, so a
+sliding-window model can do no better than the 1-in-64 prior, while a model whose attention
+reaches back to tokens of the same group (Focus) can copy it. The filler is drawn from a small
+grammar so that it is learnable too.
 
 Everything is a pure function of ``(seed, index)``, so the corpus is identical on every machine.
 """
@@ -53,6 +55,16 @@ _OBJECTS = (
     "a wooden box",
     "the morning sky",
 )
+VALUES = (
+    "amber", "azure", "coral", "crimson", "golden", "indigo", "ivory", "jade",
+    "lilac", "maroon", "olive", "scarlet", "silver", "teal", "violet", "copper",
+    "badger", "beaver", "camel", "cobra", "falcon", "ferret", "gecko", "heron",
+    "jackal", "lemur", "magpie", "otter", "panda", "parrot", "raven", "walrus",
+    "almond", "apricot", "cherry", "fennel", "ginger", "lemon", "mango", "melon",
+    "nutmeg", "papaya", "peach", "pepper", "plum", "quince", "saffron", "walnut",
+    "anchor", "banner", "candle", "compass", "feather", "hammer", "lantern", "marble",
+    "mirror", "needle", "pillow", "ribbon", "saddle", "thimble", "trumpet", "whistle",
+)  # fmt: skip
 _ENDINGS = (
     "every day",
     "at night",
@@ -72,16 +84,25 @@ class DemoSpec:
     """Shape of the demo documents.
 
     Attributes:
-        pairs: key-value pairs defined (and later recalled) per document.
-        digits: digits per value (each digit is its own token under ``split_digits``).
+        pairs: key-value pairs defined (and later recalled) per document (distinct values).
+        values: how many of the 64 value words documents draw from (``pairs <= values <= 64``);
+            fewer words are learned faster (each word's copy is its own association).
         filler_sentences: filler sentences between the definitions and the first recall, and
             again between recalls (about 12 tokens each: 16 sentences put a recall ~190
             tokens after its definition, beyond the default 128-token window).
     """
 
     pairs: int = 4
-    digits: int = 4
+    values: int = len(VALUES)
     filler_sentences: int = 16
+
+
+def _check(spec: DemoSpec) -> None:
+    if not 1 <= spec.pairs <= spec.values <= len(VALUES):
+        raise ValueError(
+            f"demo corpus needs 1 <= pairs ({spec.pairs}) <= values ({spec.values}) <= "
+            f"{len(VALUES)}"
+        )
 
 
 def _key(rng: random.Random) -> str:
@@ -96,13 +117,14 @@ def _sentence(rng: random.Random) -> str:
 def demo_document(index: int, seed: int = 0, spec: DemoSpec | None = None) -> str:
     """Document ``index`` of the demo corpus with ``seed`` (a pure function of both)."""
     spec = spec or DemoSpec()
+    _check(spec)
     rng = random.Random(f"focus-demo/{seed}/{index}")
     keys: list[str] = []
     while len(keys) < spec.pairs:
         key = _key(rng)
         if key not in keys:
             keys.append(key)
-    values = ["".join(str(rng.randrange(10)) for _ in range(spec.digits)) for _ in keys]
+    values = rng.sample(VALUES[: spec.values], spec.pairs)
     lines = [f"registry {index}."]
     lines += [f"the code of {k} is {v}." for k, v in zip(keys, values, strict=True)]
     order = list(range(spec.pairs))

@@ -33,7 +33,7 @@ class TrainConfig:
         log_interval, eval_interval, eval_iters: console/TensorBoard cadence; validation every
             ``eval_interval`` steps over ``eval_iters`` micro-batches (0 disables).
         recall_docs: held-out demo documents scored at each validation for long-range recall
-            (loss and accuracy on recalled digits; demo corpus only, 0 disables).
+            (loss and accuracy on recalled values; demo corpus only, 0 disables).
         save_interval: checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT).
         keep_last: checkpoints kept (older ones are deleted after a new one is complete).
         peak_tflops: per-device peak for MFU; ``None`` looks the GPU up (CPU: MFU not shown).

@@ -188,6 +188,11 @@ def pretrain(config: Config) -> dict:
     from focus_pretrain.model import build_model
     from focus_pretrain.parallel.mpu import MegatronMPU
 
+    if config.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError(
+            "train.precision=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 "
+            "support); use bf16 or fp32 on CPU"
+        )
     init_distributed()
     _setup_parallel(config)
     rank0 = dist.get_rank() == 0
@@ -341,8 +346,7 @@ def pretrain(config: Config) -> dict:
                     )
                     engine.train()
                     scalars.update(
-                        recall_loss=recall_scores["recall_loss"],
-                        recall_acc=recall_scores["recall_acc"],
+                        {k: recall_scores[k] for k in ("recall_loss", "recall_acc", "value_loss")}
                     )
                 logger.log(step, scalars, prefix="valid")
             if train_cfg.save_interval and step % train_cfg.save_interval == 0:
@@ -353,12 +357,19 @@ def pretrain(config: Config) -> dict:
     finally:
         stop.restore()
         logger.close()
-    if stop.received is not None and rank0:
-        print(
-            f"focus-pretrain: stopped by signal {stop.received} at step {step}; "
-            f"checkpoint saved, resume with the same command",
-            flush=True,
-        )
+    if rank0:
+        latest = (ckpt_root / "latest").read_text().strip()
+        where = f"checkpoint {ckpt_root / latest}"
+        if train_cfg.tensorboard:
+            where += f"; TensorBoard: tensorboard --logdir {out / 'tensorboard'}"
+        if stop.received is not None:
+            print(
+                f"focus-pretrain: stopped by signal {stop.received} at step {step}; {where}; "
+                "resume with the same command",
+                flush=True,
+            )
+        else:
+            print(f"focus-pretrain: done at step {step}; {where}", flush=True)
     return {
         "step": step,
         "train_loss": train_loss,

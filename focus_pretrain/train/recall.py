@@ -1,17 +1,16 @@
 """Long-range recall on held-out demo documents: what Focus reaches and a window cannot.
 
 Each demo document defines key-value pairs and recalls them hundreds of tokens later
-(:mod:`focus_pretrain.data.demo_corpus`). The digits of a recalled value are predictable only
-from the definition, which lies beyond the local window; a sliding-window model can do no better
-than guessing digits (``ln 10 = 2.30`` nats each). This module builds a batch of held-out
+(:mod:`focus_pretrain.data.demo_corpus`). A recalled value is predictable only from its
+definition, which lies beyond the local window; a sliding-window model can do no better than the
+prior over the value words (``ln 64 = 4.16`` nats). This module builds a batch of held-out
 documents (another seed of the generator, so never seen in training) that start at position 0,
-marks the label positions that are recalled digits, and measures the model's loss and argmax
-accuracy there, next to its loss on every other token.
+marks the label positions that are recalled values (and keys), and measures the model's loss and
+argmax accuracy there, next to its loss on every other token.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -22,25 +21,25 @@ from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
 from focus_pretrain.data.tokenizer import Tokenizer
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
-_RECALL = re.compile(r"recall: the code of (\w+) is (\d+)\.")
-CHANCE_LOSS = math.log(10.0)  # a digit guessed uniformly
+_RECALL = re.compile(r"recall: the code of (\w+) is (\w+)\.")
 
 
 @dataclass(frozen=True)
 class RecallBatch:
-    """Held-out documents and where their recalled digits are.
+    """Held-out documents and where their recalled values and keys are.
 
     Attributes:
         tokens, labels: ``[n, s]`` int64; ``labels[:, p] = tokens[:, p + 1]`` of the document
             (each row starts with the end-of-document id, as after a previous document).
-        recall_mask: ``[n, s]`` bool: label positions whose target is a recalled digit.
+        value_mask: ``[n, s]`` bool: label positions whose target is (part of) a recalled
+            value.
         key_mask: ``[n, s]`` bool: label positions whose target is part of a recalled key.
         valid_mask: ``[n, s]`` bool: label positions inside the document (not padding).
     """
 
     tokens: Tensor
     labels: Tensor
-    recall_mask: Tensor
+    value_mask: Tensor
     key_mask: Tensor
     valid_mask: Tensor
 
@@ -71,7 +70,7 @@ def recall_batch(
 
         # a key piece may start with the space before the key ("▁kal"): widen its span by one
         key_spans = [(m.start(1) - 1, m.end(1)) for m in recalls]
-        value_spans = [m.span(2) for m in recalls]
+        value_spans = [(m.start(2) - 1, m.end(2)) for m in recalls]
         ids = [tokenizer.eod] + [p.id for p in pieces] + [tokenizer.eod]
         values = [False] + [inside(value_spans, p) for p in pieces] + [False]
         keys = [False] + [inside(key_spans, p) for p in pieces] + [False]
@@ -83,8 +82,8 @@ def recall_batch(
         key_rows.append(keys[1:] + [False] * pad)
         valid_rows.append([True] * valid + [False] * pad)
     ids = torch.tensor(rows, dtype=torch.long)  # [n, s + 1]
-    recall_mask = torch.tensor(recall_rows, dtype=torch.bool)  # [n, s]
-    if not recall_mask.any():
+    value_mask = torch.tensor(recall_rows, dtype=torch.bool)  # [n, s]
+    if not value_mask.any():
         raise ValueError(
             f"no recalled value of the demo documents fits in {seq_length} tokens; raise "
             "data.seq_length or lower data.demo_filler_sentences"
@@ -92,7 +91,7 @@ def recall_batch(
     return RecallBatch(
         tokens=ids[:, :-1].contiguous(),
         labels=ids[:, 1:].contiguous(),
-        recall_mask=recall_mask,
+        value_mask=value_mask,
         key_mask=torch.tensor(key_rows, dtype=torch.bool),
         valid_mask=torch.tensor(valid_rows, dtype=torch.bool),
     )
@@ -101,40 +100,49 @@ def recall_batch(
 @torch.no_grad()
 def recall_metrics(model, batch: RecallBatch, micro_batch_size: int, device) -> dict[str, float]:
     """Loss and accuracy of ``model`` (a Megatron ``GPTModel`` or a DeepSpeed engine around
-    one, in the mode it is in) on the recalled digits, and its loss on all other tokens.
+    one, in the mode it is in) on the recall lines' query tokens (key and value pieces), each
+    part alone, and on all other tokens.
 
     Every tensor-parallel and data-parallel rank evaluates the whole batch (it is small), so
     the result is the same on every rank.
 
     Returns:
-        ``{"recall_loss", "recall_acc", "other_loss", "recall_tokens"}``.
+        ``{"recall_loss", "recall_acc", "key_loss", "value_loss", "other_loss",
+        "recall_tokens"}`` (``recall_*``: keys and values together).
     """
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    sums = torch.zeros(4, dtype=torch.float64)  # recall loss, recall hits, other loss, others
-    count = int(batch.recall_mask.sum())
+    parts = {
+        "recall": batch.key_mask | batch.value_mask,
+        "key": batch.key_mask,
+        "value": batch.value_mask,
+        "other": batch.valid_mask & ~(batch.key_mask | batch.value_mask),
+    }
+    sums = {name: torch.zeros(3, dtype=torch.float64) for name in parts}  # loss, hits, count
     for start in range(0, batch.tokens.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
         tokens, labels = batch.tokens[rows].to(device), batch.labels[rows].to(device)
-        recall = batch.recall_mask[rows].to(device)
-        other = batch.valid_mask[rows].to(device) & ~recall
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)  # [b, s]
         logits = model(tokens, positions, None)  # [b, s, vocab / tp]
         logits = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
         loss = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), labels, reduction="none"
         )  # [b, s]
-        hits = logits.argmax(dim=-1) == labels  # [b, s]
-        sums += (
-            torch.stack([loss[recall].sum(), hits[recall].sum(), loss[other].sum(), other.sum()])
-            .double()
-            .cpu()
-        )
+        hits = (logits.argmax(dim=-1) == labels).double()  # [b, s]
+        for name, mask in parts.items():
+            m = mask[rows].to(device)
+            sums[name] += torch.stack([loss[m].sum().double(), hits[m].sum(), m.sum()]).cpu()
+
+    def mean(name: str, i: int) -> float:
+        return float(sums[name][i] / sums[name][2].clamp(min=1))
+
     return {
-        "recall_loss": float(sums[0] / max(count, 1)),
-        "recall_acc": float(sums[1] / max(count, 1)),
-        "other_loss": float(sums[2] / sums[3].clamp(min=1)),
-        "recall_tokens": count,
+        "recall_loss": mean("recall", 0),
+        "recall_acc": mean("recall", 1),
+        "key_loss": mean("key", 0),
+        "value_loss": mean("value", 0),
+        "other_loss": mean("other", 0),
+        "recall_tokens": int(sums["recall"][2]),
     }
 
 

@@ -34,12 +34,16 @@ def runs():
         "plain": (LLAMA, dict(window=4, num_groups=4)),
         "selective": (dict(LLAMA, recompute="selective"), dict(window=4, num_groups=4)),
         "full": (dict(LLAMA, recompute="full"), dict(window=4, num_groups=4)),
+        "window_only_wide": (LLAMA, dict(window=1000, num_groups=4, window_only=True)),
     }
     results = run_workers(WORKER, 1, list(cases.values()))[0]
     return dict(zip(cases, results, strict=True))
 
 
-@pytest.mark.parametrize("wide, dense", [("wide", "dense"), ("gemma_wide", "gemma_dense")])
+@pytest.mark.parametrize(
+    "wide, dense",
+    [("wide", "dense"), ("gemma_wide", "gemma_dense"), ("window_only_wide", "dense")],
+)
 def test_window_covering_sequence_equals_focus_disabled(runs, wide, dense):
     """w >= s: nothing is beyond the window, so Focus is exactly the dense twin (same weights:
     router initialisation does not disturb the model's random stream)."""
@@ -49,6 +53,25 @@ def test_window_covering_sequence_equals_focus_disabled(runs, wide, dense):
     assert not any(".router." in n for n in plain["grads"])
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(focus["grads"][name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("window_only", [True, False])
+def test_receptive_field_of_the_window_only_twin(window_only):
+    """The window-only twin (no router) sees nothing beyond ``layers x window`` positions back,
+    in training and inference; Focus with the same window does (its groups reach further)."""
+    (field,) = run_workers(
+        "tests.multiprocess.workers_model:receptive_field",
+        1,
+        LLAMA,
+        dict(window=4, num_groups=4, window_only=window_only),
+    )
+    for mode in ("train", "eval"):
+        reach = [i for i, change in enumerate(field[mode]) if change > 0]
+        assert reach[0] == 0 and 8 in reach  # token 0 reaches 2 layers x 4 positions
+        if window_only:
+            assert max(reach) == 8, (mode, reach)
+        else:
+            assert max(reach) > 8, (mode, reach)
 
 
 def test_small_window_changes_the_model(runs):

@@ -172,3 +172,19 @@ def bf16_train_step(rank: int, world_size: int, model_kwargs: dict) -> dict:
         router=router,
         dtypes={n: str(p.dtype) for n, p in model.named_parameters()},
     )
+
+
+def receptive_field(rank: int, world_size: int, model_kwargs: dict, focus_kwargs: dict) -> list:
+    """Per position, the largest change of the logits when token 0 changes ([s] floats)."""
+    _init(world_size)
+    config, model = _build(world_size, model_kwargs, focus_kwargs)
+    tokens, positions, _ = _batch(config)
+    changed = tokens.clone()
+    changed[:, 0] = (changed[:, 0] + 5) % config.vocab_size
+    out = {}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        with torch.no_grad():
+            a, b = model(tokens, positions, None), model(changed, positions, None)
+        out[mode] = (a - b).abs().amax(dim=(0, 2)).tolist()  # [b, s, v] -> [s]
+    return out

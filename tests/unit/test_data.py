@@ -20,6 +20,7 @@ from focus_pretrain.data import (
     tokenize_to_indexed,
     train_tokenizer,
 )
+from focus_pretrain.data.demo_corpus import VALUES
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -37,20 +38,32 @@ def test_demo_corpus_is_deterministic_and_varied():
     assert list(demo_documents(3)) == [demo_document(i) for i in range(3)]
 
 
-def test_demo_recalls_lie_beyond_the_window(tokenizer_path):
-    """Every recalled value is defined more than 128 tokens earlier: a 128-token sliding window
-    cannot see the definition, Focus's same-group attention can."""
+@pytest.mark.parametrize(
+    "spec, window",
+    [
+        (DemoSpec(pairs=3, filler_sentences=16), 128),
+        (DemoSpec(pairs=1, values=4, filler_sentences=2), 16),
+    ],
+)
+def test_demo_recalls_lie_beyond_the_window(tokenizer_path, spec, window):
+    """Every recalled value is defined more than ``window`` tokens earlier (the default shape
+    and configs/tiny.yaml's): the sliding window cannot see the definition, Focus's same-group
+    attention can."""
     tok = Tokenizer(tokenizer_path)
     for index in range(20):
-        doc = demo_document(index, spec=DemoSpec(pairs=3, filler_sentences=16))
-        definitions = dict(re.findall(r"^the code of (\w+) is (\d+)\.$", doc, re.M))
-        recalls = re.findall(r"^recall: the code of (\w+) is (\d+)\.$", doc, re.M)
-        assert len(definitions) == 3 and sorted(recalls) == sorted(definitions.items())
+        doc = demo_document(index, spec=spec)
+        definitions = dict(re.findall(r"^the code of (\w+) is (\w+)\.$", doc, re.M))
+        recalls = re.findall(r"^recall: the code of (\w+) is (\w+)\.$", doc, re.M)
+        assert len(definitions) == spec.pairs and sorted(recalls) == sorted(definitions.items())
+        assert len(set(definitions.values())) == spec.pairs
+        assert set(definitions.values()) <= set(VALUES[: spec.values])
+        for value in definitions.values():  # a value occurs only where it is defined/recalled
+            assert doc.count(value) == 2, (index, value)
         for key, _ in recalls:
             before_def = doc.index(f"the code of {key} is")
             before_recall = doc.index(f"recall: the code of {key} is")
             gap = len(tok.encode(doc[:before_recall])) - len(tok.encode(doc[:before_def]))
-            assert gap > 128, (index, key, gap)
+            assert gap > window, (index, key, gap)
 
 
 def test_tokenizer_is_llama_style_and_round_trips(tokenizer_path):
@@ -174,6 +187,10 @@ def test_data_config_errors():
         from focus_pretrain.data.datasets import prepare_data
 
         prepare_data(DataConfig(tokenizer="/nonexistent/x.model"))
+    with pytest.raises(ValueError, match=r"data.demo_pairs \(5\) <= data.demo_values \(4\)"):
+        DataConfig(demo_pairs=5, demo_values=4)
+    with pytest.raises(ValueError, match=r"pairs \(2\) <= values \(65\) <= 64"):
+        demo_document(0, spec=DemoSpec(pairs=2, values=65))
 
 
 def test_resumable_sampler_continues_the_same_stream():
