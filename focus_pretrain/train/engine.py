@@ -284,7 +284,8 @@ def pretrain(config: Config) -> dict:
         where = f"resuming at step {step}" if step else "starting"
         print(
             f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} frozen "
-            f"parameters ({counts['router']:,} router), dp={dp}, "
+            f"parameters ({counts['router']:,} router), the optimizer holds "
+            f"{sum(p.numel() for g in groups for p in g['params']):,}, dp={dp}, "
             f"tp={config.parallel.tensor_parallel_size}, grad_accum={grad_accum}; {where}",
             flush=True,
         )
