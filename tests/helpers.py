@@ -99,3 +99,28 @@ def random_probs(b: int, s: int, k: int, *, seed: int, sharpness: float = 1.0) -
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(b, s, k, generator=gen, dtype=torch.float64) * sharpness
     return torch.softmax(logits, dim=-1)
+
+
+def make_hf_tokenizer(directory, texts, vocab_size: int = 400):
+    """A GPT-2-style byte-level BPE tokenizer (``tokenizers``) saved as an HF tokenizer dir."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

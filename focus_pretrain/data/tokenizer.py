@@ -8,6 +8,7 @@ HuggingFace export (``LlamaTokenizer``-compatible) tokenises identically.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,36 +52,88 @@ def train_tokenizer(
 
 
 class Tokenizer:
-    """A SentencePiece model with what Megatron's datasets need.
+    """A tokenizer with what Megatron's datasets need: a SentencePiece ``.model`` file, or a
+    HuggingFace tokenizer directory (``tokenizer.json``, as a pretrained model ships it, for
+    retrofitting that model on its own tokenisation).
 
     Attributes:
-        vocab_size: number of pieces (token ids ``0 .. vocab_size - 1``).
-        bos, eod: begin-of-sequence and end-of-document ids (``</s>`` ends every document).
+        vocab_size: number of ids (``0 .. vocab_size - 1``).
+        bos, eod: begin-of-sequence (``None`` if the tokenizer has none) and end-of-document ids
+            (``</s>``, or an HF tokenizer's ``eos_token``, ends every document).
         pad: an id *outside* the vocabulary, so Megatron masks only its own padding.
-        unique_identifiers: part of Megatron's dataset cache key (the model file's hash).
+        unique_identifiers: part of Megatron's dataset cache key (the tokenizer file's hash).
     """
 
-    def __init__(self, model_path: str | os.PathLike) -> None:
-        path = Path(model_path)
-        if not path.is_file():
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._init_hf(path)
+        elif path.is_file():
+            self.processor = spm.SentencePieceProcessor(model_file=str(path))
+            self.hf = None
+            self.vocab_size = self.processor.get_piece_size()
+            self.bos = self.processor.bos_id()
+            self.eod = self.processor.eos_id()
+            digest_of = path
+        else:
             raise FileNotFoundError(
                 f"tokenizer model {path} does not exist; train one with "
-                "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model"
+                "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model "
+                "(or at a HuggingFace tokenizer directory)"
             )
+        if self.hf is not None:
+            digest_of = path / "tokenizer.json"
         self.path = path
-        self.processor = spm.SentencePieceProcessor(model_file=str(path))
-        self.vocab_size = self.processor.get_piece_size()
-        self.bos = self.processor.bos_id()
-        self.eod = self.processor.eos_id()
         self.pad = self.vocab_size
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        self.unique_identifiers = {"class": "SentencePiece", "sha256": digest}
+        digest = hashlib.sha256(digest_of.read_bytes()).hexdigest()[:16]
+        kind = "SentencePiece" if self.hf is None else "HuggingFace"
+        self.unique_identifiers = {"class": kind, "sha256": digest}
+
+    def _init_hf(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{path} is a directory without tokenizer.json: point data.tokenizer at a "
+                "SentencePiece .model or a HuggingFace tokenizer directory"
+            )
+        self.hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        self.processor = None
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        settings = {}
+        if (path / "tokenizer_config.json").is_file():
+            settings = json.loads((path / "tokenizer_config.json").read_text())
+
+        def token_id(name: str) -> int | None:
+            token = settings.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            return None if token is None else self.hf.token_to_id(token)
+
+        self.bos = token_id("bos_token")
+        self.eod = token_id("eos_token")
+        if self.eod is None:
+            raise ValueError(
+                f"{path}: tokenizer_config.json names no eos_token present in tokenizer.json; "
+                "documents need an end-of-document id"
+            )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added)."""
+        if self.hf is not None:
+            return self.hf.encode(text, add_special_tokens=False).ids
         return self.processor.encode(text)
 
+    def encode_with_offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """``(id, begin, end)`` per token, with character offsets into ``text``."""
+        if self.hf is not None:
+            encoding = self.hf.encode(text, add_special_tokens=False)
+            return [(i, a, b) for i, (a, b) in zip(encoding.ids, encoding.offsets, strict=True)]
+        pieces = self.processor.encode(text, return_type="proto").pieces
+        return [(p.id, p.begin, p.end) for p in pieces]
+
     def decode(self, ids: Iterable[int]) -> str:
+        if self.hf is not None:
+            return self.hf.decode(list(ids), skip_special_tokens=False)
         return self.processor.decode(list(ids))
 
     def tokenize(self, text: str) -> list[int]:

@@ -30,6 +30,10 @@ class TrainConfig:
             weight frozen and outside the optimizer), ``two_phase`` (routers only for
             ``router_only_steps``, then everything).
         router_only_steps: length of phase 1 of ``two_phase``.
+        init_from_hf: a local HuggingFace checkpoint directory (config.json + safetensors)
+            whose weights initialise a fresh run (routers keep their own initialisation); the
+            ``model`` section must have its architecture (``tools/import_hf.py`` prints it).
+            Ignored when the run resumes from its own checkpoint.
         log_interval, eval_interval, eval_iters: console/TensorBoard cadence; validation every
             ``eval_interval`` steps over ``eval_iters`` micro-batches (0 disables).
         recall_docs: held-out demo documents scored at each validation for long-range recall
@@ -54,6 +58,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     freeze: str = "scratch"
     router_only_steps: int = 0
+    init_from_hf: str | None = None
     log_interval: int = 10
     eval_interval: int = 50
     eval_iters: int = 4

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.focus import FocusRouter
-from focus_pretrain.train.checkpoint import load_checkpoint, save_checkpoint
+from focus_pretrain.train.checkpoint import latest_tag, load_checkpoint, save_checkpoint
 from focus_pretrain.train.metrics import (
     MetricsLogger,
     flops_per_sample,
@@ -210,6 +210,10 @@ def pretrain(config: Config) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         save_config(config, out / "config.yaml")
 
+    if train_cfg.init_from_hf:  # before any data work: the retrofit must use the model's tokens
+        from focus_pretrain.convert import check_tokenizer_matches
+
+        check_tokenizer_matches(train_cfg.init_from_hf, config.data.tokenizer)
     # data: prepared once (rank 0), then every rank builds its view
     if rank0:
         prepare_data(config.data, config.run.seed)
@@ -248,6 +252,17 @@ def pretrain(config: Config) -> dict:
         )
 
     model = build_model(config.model)
+    ckpt_root = out / "checkpoints"
+    if train_cfg.init_from_hf and latest_tag(ckpt_root) is None:
+        from focus_pretrain.convert import load_hf_weights
+
+        loaded = load_hf_weights(model, train_cfg.init_from_hf, config.model)
+        if rank0:
+            print(
+                f"focus-pretrain: initialised {loaded} tensors from the HuggingFace checkpoint "
+                f"{train_cfg.init_from_hf} (routers: fresh)",
+                flush=True,
+            )
     counts = apply_freeze_policy(model, train_cfg)
     routers = [m for m in model.modules() if isinstance(m, FocusRouter)]
     groups = parameter_groups(model, train_cfg)
@@ -259,7 +274,6 @@ def pretrain(config: Config) -> dict:
         config=_deepspeed_config(config, grad_accum),
         mpu=MegatronMPU(),
     )
-    ckpt_root = out / "checkpoints"
     state = load_checkpoint(engine, ckpt_root) or {}
     step, consumed = state.get("step", 0), state.get("consumed_samples", 0)
     saved_step = step if state else None  # never rewrite the checkpoint `latest` names

@@ -61,17 +61,16 @@ def recall_batch(
     for index in range(count):
         text = demo_document(index, seed + HELD_OUT_SEED_OFFSET, spec)
         recalls = list(_RECALL.finditer(text))
-        pieces = tokenizer.processor.encode(text, return_type="proto").pieces
+        pieces = tokenizer.encode_with_offsets(text)  # [(id, begin, end)]
 
         def inside(spans, piece) -> bool:
-            return piece.end > piece.begin and any(
-                a <= piece.begin and piece.end <= b for a, b in spans
-            )
+            _, begin, end = piece
+            return end > begin and any(a <= begin and end <= b for a, b in spans)
 
         # a key piece may start with the space before the key ("▁kal"): widen its span by one
         key_spans = [(m.start(1) - 1, m.end(1)) for m in recalls]
         value_spans = [(m.start(2) - 1, m.end(2)) for m in recalls]
-        ids = [tokenizer.eod] + [p.id for p in pieces] + [tokenizer.eod]
+        ids = [tokenizer.eod] + [p[0] for p in pieces] + [tokenizer.eod]
         values = [False] + [inside(value_spans, p) for p in pieces] + [False]
         keys = [False] + [inside(key_spans, p) for p in pieces] + [False]
         ids, values, keys = ids[: seq_length + 1], values[: seq_length + 1], keys[: seq_length + 1]

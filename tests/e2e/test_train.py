@@ -349,3 +349,63 @@ def test_focus_beats_its_window_only_twin_on_long_range_recall(tmp_path):
     assert focus["value_loss"] < window["value_loss"] - 0.35, scores
     assert focus["recall_acc"] > window["recall_acc"] + 0.1, scores
     assert window["value_loss"] > 1.2  # the twin cannot beat the prior over 4 values (1.39)
+
+
+def _hf_gpt2_with_tokenizer(root: pathlib.Path) -> pathlib.Path:
+    """A tiny random HF GPT-2 plus its own byte-level BPE tokenizer, in one directory."""
+    import transformers
+
+    from focus_pretrain.data import demo_documents
+    from tests.helpers import make_hf_tokenizer
+
+    path = make_hf_tokenizer(root / "hf-gpt2", demo_documents(200, seed=1234), vocab_size=400)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=400, n_positions=128
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+RETROFIT_GPT2 = [
+    "model.family=gpt2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=256",
+    "model.vocab_size=400",
+    "model.norm_epsilon=1e-5",
+]
+
+
+def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
+    """``train.init_from_hf``: the imported weights (GPT-2 here) stay bit-identical to the HF
+    checkpoint's while only the routers train, on the checkpoint's own tokenizer; another
+    tokenizer is refused before any work."""
+    from focus_pretrain.convert import hf_model_config, import_hf
+
+    hf = _hf_gpt2_with_tokenizer(tmp_path)
+    sets = overrides(
+        tmp_path / "run",
+        str(tmp_path / "cache"),
+        *RETROFIT_GPT2,
+        f"data.tokenizer={hf}",
+        f"train.init_from_hf={hf}",
+        "train.freeze=retrofit",
+        "train.steps=3",
+        "train.save_interval=1",
+        "train.keep_last=5",
+    )
+    run = launch(sets)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "initialised 28 tensors from the HuggingFace checkpoint" in run.stdout
+    assert "the optimizer holds 2,176," in run.stdout
+    imported = import_hf(hf, hf_model_config(hf), tp_rank=0)
+    one, three = module_state(tmp_path / "run", 1), module_state(tmp_path / "run", 3)
+    for name, tensor in imported.items():
+        assert torch.equal(three[name], tensor), name  # frozen and exactly the HF weights
+    routers = [n for n in one if ".router." in n and isinstance(one[n], torch.Tensor)]
+    assert routers and all(not torch.equal(one[n], three[n]) for n in routers)
+
+    wrong = launch(overrides(tmp_path / "wrong", cache, *RETROFIT_GPT2, f"train.init_from_hf={hf}"))
+    assert wrong.returncode != 0
+    assert "ships its own tokenizer" in wrong.stderr and "train step" not in wrong.stdout

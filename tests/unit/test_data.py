@@ -215,3 +215,27 @@ def test_token_files_of_another_tokenizer_are_refused(tokenizer_path, tmp_path):
     wrong = DataConfig(sources=[str(prefix)], tokenizer=str(other), cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"were made with tokenizer .* but data.tokenizer is"):
         prepare_data(wrong)
+
+
+def test_huggingface_tokenizer_directory(tmp_path):
+    """A pretrained model's own tokenizer (``tokenizer.json``) tokenises corpora for retrofit."""
+    from focus_pretrain.data.datasets import DataConfig, build_datasets, prepare_data
+    from tests.helpers import make_hf_tokenizer
+
+    path = make_hf_tokenizer(tmp_path / "hf-tok", demo_documents(100, seed=5), vocab_size=400)
+    tok = Tokenizer(path)
+    assert tok.vocab_size == 400 and tok.eod == tok.bos == 0 and tok.pad == 400
+    text = demo_document(3, seed=9)
+    assert tok.decode(tok.encode(text)) == text
+    assert [t for t, _, _ in tok.encode_with_offsets(text)] == tok.encode(text)
+    config = DataConfig(
+        sources=["demo:40"], tokenizer=str(path), seq_length=64, cache_dir=str(tmp_path / "c")
+    )
+    tokenizer_path, prefixes = prepare_data(config)
+    assert tokenizer_path == path
+    train, _ = build_datasets(config, tok, prefixes, train_samples=20, valid_samples=2)
+    sample = train[0]["tokens"].tolist()
+    assert tok.eod in sample or len(set(sample)) > 10
+    assert max(sample) < 400
+    with pytest.raises(FileNotFoundError, match=r"directory without tokenizer.json"):
+        Tokenizer(tmp_path)

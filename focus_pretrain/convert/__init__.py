@@ -1,0 +1,27 @@
+"""HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
+
+from focus_pretrain.convert.families import FAMILY_RULES, Geometry, Rule, rules_for, shard
+from focus_pretrain.convert.hf_import import (
+    check_compatible,
+    check_tokenizer_matches,
+    hf_model_config,
+    import_hf,
+    load_hf_tensors,
+    load_hf_weights,
+    read_hf_config,
+)
+
+__all__ = [
+    "FAMILY_RULES",
+    "Geometry",
+    "Rule",
+    "check_compatible",
+    "check_tokenizer_matches",
+    "hf_model_config",
+    "import_hf",
+    "load_hf_tensors",
+    "load_hf_weights",
+    "read_hf_config",
+    "rules_for",
+    "shard",
+]

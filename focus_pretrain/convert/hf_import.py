@@ -1,0 +1,305 @@
+"""Import a local HuggingFace checkpoint (safetensors, sharded or not) into our model.
+
+``hf_model_config(hf_dir)`` reads ``config.json`` into a :class:`ModelConfig`;
+``import_hf(hf_dir, config)`` returns our state dict (this tensor-parallel rank's shards) through
+the key maps of :mod:`focus_pretrain.convert.families`; ``load_hf_weights(model, hf_dir, config)``
+loads it and checks that every non-router weight came from the checkpoint. Routers keep their
+initialisation: they are what a retrofit trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.convert.families import FAMILY_RULES, Geometry, rules_for, shard
+from focus_pretrain.model.config import ModelConfig
+
+_ACTIVATIONS = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma2": ("gelu_pytorch_tanh",)}
+# fields of ModelConfig an HF checkpoint determines (the rest is ours: Focus, TP, recompute...)
+ARCHITECTURE_FIELDS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "head_dim",
+    "rotary_base",
+    "norm_epsilon",
+    "tie_embeddings",
+    "sliding_window",
+    "attn_softcap",
+    "final_softcap",
+    "query_pre_attn_scalar",
+)
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: point at a HuggingFace model directory (config.json plus "
+            "*.safetensors), e.g. one written by save_pretrained"
+        )
+    return json.loads(path.read_text())
+
+
+def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF checkpoint (``overrides``: Focus, TP, ... fields)."""
+    return ModelConfig(**{**_architecture(read_hf_config(hf_dir)), **overrides})
+
+
+def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig fields from an HF ``config.json`` (raises on what we cannot reproduce)."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILY_RULES:
+        raise ValueError(
+            f"unsupported HuggingFace architecture model_type={model_type!r} "
+            f"({hf.get('architectures')}); supported: {', '.join(sorted(FAMILY_RULES))}"
+        )
+    family = FAMILY_RULES[model_type][0]
+    if family == "gpt2":
+        activation = hf.get("activation_function", "gelu_new")
+        if activation not in _ACTIVATIONS["gpt2"]:
+            raise ValueError(f"GPT-2 activation_function={activation!r} is not supported")
+        return {
+            "family": family,
+            "num_layers": hf["n_layer"],
+            "hidden_size": hf["n_embd"],
+            "num_attention_heads": hf["n_head"],
+            "num_query_groups": hf["n_head"],
+            "ffn_hidden_size": hf.get("n_inner") or 4 * hf["n_embd"],
+            "vocab_size": hf["vocab_size"],
+            "max_seq_length": hf["n_positions"],
+            "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
+            "tie_embeddings": hf.get("tie_word_embeddings", True),
+        }
+    activation = hf.get("hidden_activation") or hf.get("hidden_act")
+    expected = _ACTIVATIONS.get(family, ("silu",))
+    if activation not in expected:
+        raise ValueError(f"{model_type} with activation {activation!r} is not supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag) and family != "qwen2":
+            raise ValueError(f"{model_type} with {flag}=true is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"RoPE scaling {rope!r} is not supported (only the default RoPE)")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    fields_: dict[str, Any] = {
+        "family": family,
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "max_seq_length": hf.get("max_position_embeddings", 4096),
+        "head_dim": None if head_dim * heads == hf["hidden_size"] else head_dim,
+        "rotary_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "tie_embeddings": hf.get("tie_word_embeddings", family == "gemma2"),
+    }
+    if family == "gemma2":
+        layer_types = hf.get("layer_types")
+        alternating = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(hf["num_hidden_layers"])
+        ]
+        if layer_types is not None and list(layer_types) != alternating:
+            raise ValueError(
+                f"gemma2 layer_types {layer_types} are not the alternating sliding/full pattern"
+            )
+        fields_.update(
+            head_dim=head_dim,
+            sliding_window=hf["sliding_window"],
+            attn_softcap=hf.get("attn_logit_softcapping"),
+            final_softcap=hf.get("final_logit_softcapping"),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+        )
+    elif hf.get("sliding_window") and hf.get("use_sliding_window", True):
+        warnings.warn(
+            f"{model_type} sliding_window={hf['sliding_window']} is not reproduced (Focus's window "
+            "and groups replace it): logits match the HF model only on shorter sequences",
+            stacklevel=3,
+        )
+    return fields_
+
+
+def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
+    """Raise when ``config``'s architecture differs from the checkpoint's (names both)."""
+    wanted = _architecture(hf)
+    ours = {f.name: getattr(config, f.name) for f in fields(config)}
+    ours["num_query_groups"] = config.kv_heads
+    ours["tie_embeddings"] = config.tied
+    wanted.setdefault("head_dim", None)
+    if ours["head_dim"] is None and wanted["head_dim"] == config.kv_channels:
+        wanted["head_dim"] = None
+    for name in ARCHITECTURE_FIELDS:
+        if name in wanted and ours[name] != wanted[name]:
+            raise ValueError(
+                f"model.{name} is {ours[name]!r} but the HuggingFace checkpoint has "
+                f"{wanted[name]!r} (its config.json); take the architecture from the checkpoint "
+                "(focus_pretrain.convert.hf_model_config) or fix the recipe"
+            )
+    if config.family == "gpt2" and config.max_seq_length != wanted["max_seq_length"]:
+        raise ValueError(
+            f"model.max_seq_length is {config.max_seq_length} but GPT-2's learned position table "
+            f"has n_positions={wanted['max_seq_length']} rows"
+        )
+
+
+def load_hf_tensors(hf_dir: str | os.PathLike, names: set[str] | None = None) -> dict[str, Tensor]:
+    """Tensors of a safetensors checkpoint (single file or sharded with an index)."""
+    from safetensors import safe_open
+
+    root = Path(hf_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (root / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{root} has no model.safetensors or model.safetensors.index.json (only safetensors "
+            "checkpoints are read; re-save with save_pretrained(..., safe_serialization=True))"
+        )
+    tensors: dict[str, Tensor] = {}
+    for name in files:
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint shard {path} (listed in {index.name}) is missing")
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if names is None or key in names:
+                    tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def import_hf(
+    hf_dir: str | os.PathLike,
+    config: ModelConfig,
+    tp_rank: int | None = None,
+) -> dict[str, Tensor]:
+    """Our state dict (this tensor-parallel rank's shards) from an HF checkpoint directory.
+
+    ``config`` must have the checkpoint's architecture (:func:`check_compatible`); its Focus,
+    tensor-parallel and recompute settings are free. Router tensors are not included.
+    """
+    hf = read_hf_config(hf_dir)
+    check_compatible(config, hf)
+    if tp_rank is None:
+        tp_rank = _tp_rank()
+    tp = config.tensor_parallel_size
+    if config.vocab_size % tp:
+        raise ValueError(
+            f"model.vocab_size ({config.vocab_size}) must be divisible by "
+            f"parallel.tensor_parallel_size ({tp}) to shard the embedding"
+        )
+    geometry = Geometry(config.num_attention_heads, config.kv_heads, config.kv_channels)
+    rules = rules_for(hf["model_type"], config.num_layers, config.tied)
+    tensors = load_hf_tensors(hf_dir, {k for r in rules for k in r.hf})
+    missing = sorted(k for r in rules for k in r.hf if k not in tensors)
+    if missing:
+        raise ValueError(
+            f"the checkpoint in {hf_dir} lacks {len(missing)} tensor(s) its config.json implies, "
+            f"e.g. {missing[:3]} (config and weights do not match)"
+        )
+    state = {}
+    for rule in rules:
+        full = rule.to_ours(geometry, *(tensors[k].float() for k in rule.hf))
+        expected = _expected_shape(rule, config, geometry)
+        if expected is not None and tuple(full.shape) != expected:
+            raise ValueError(
+                f"{rule.hf[0]} has shape {tuple(tensors[rule.hf[0]].shape)}, which does not fit "
+                f"{rule.ours} {expected} (config.json and the weights do not match)"
+            )
+        state[rule.ours] = shard(full, rule.shard, tp_rank, tp)
+    return state
+
+
+def _expected_shape(rule, config: ModelConfig, geo: Geometry) -> tuple[int, ...] | None:
+    h, f = config.hidden_size, config.ffn_hidden_size
+    qkv = (geo.heads + 2 * geo.groups) * geo.head_dim
+    table = {
+        "linear_qkv.weight": (qkv, h),
+        "linear_qkv.bias": (qkv,),
+        "linear_proj.weight": (h, geo.heads * geo.head_dim),
+        "linear_fc1.weight": (f if config.family == "gpt2" else 2 * f, h),
+        "linear_fc2.weight": (h, f),
+        "word_embeddings.weight": (config.vocab_size, h),
+        "output_layer.weight": (config.vocab_size, h),
+    }
+    for suffix, shape in table.items():
+        if rule.ours.endswith(suffix):
+            return shape
+    return None
+
+
+def _tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, config: ModelConfig) -> int:
+    """Load an HF checkpoint into ``model`` (built from ``config``); returns tensors loaded.
+
+    Every parameter except the routers' must come from the checkpoint.
+    """
+    state = import_hf(hf_dir, config)
+    own = model.state_dict()
+    for key, tensor in state.items():
+        if key not in own:
+            raise ValueError(f"the model has no tensor {key} (family map out of date?)")
+        if own[key].shape != tensor.shape:
+            raise ValueError(
+                f"{key}: checkpoint shard {tuple(tensor.shape)} vs model {own[key].shape}"
+            )
+    unfilled = [
+        k
+        for k, v in own.items()
+        if k not in state
+        and isinstance(v, Tensor)
+        and ".router." not in k
+        and not k.endswith("_extra_state")
+    ]
+    if unfilled:
+        raise ValueError(f"the HF checkpoint leaves {unfilled[:3]} uninitialised")
+    with torch.no_grad():
+        for key, tensor in state.items():
+            own[key].copy_(tensor.to(own[key].dtype))
+    return len(state)
+
+
+def check_tokenizer_matches(hf_dir: str | os.PathLike, tokenizer: str | os.PathLike | None) -> None:
+    """Refuse to retrofit an HF model on another tokenizer than the one it ships.
+
+    Raises:
+        ValueError: the checkpoint has a ``tokenizer.json`` and ``tokenizer`` (``data.tokenizer``)
+            is missing or a different tokenizer; the message names the fix.
+    """
+    shipped = Path(hf_dir) / "tokenizer.json"
+    if not shipped.is_file():
+        return  # nothing to compare with (a bare weights directory)
+    chosen = None if tokenizer is None else Path(tokenizer)
+    if chosen is not None and chosen.is_dir():
+        chosen = chosen / "tokenizer.json"
+    if chosen is None or not chosen.is_file() or chosen.read_bytes() != shipped.read_bytes():
+        raise ValueError(
+            f"the HuggingFace checkpoint {hf_dir} ships its own tokenizer, but data.tokenizer is "
+            f"{tokenizer}: its token ids would not mean what the pretrained embeddings learned; "
+            f"set data.tokenizer: {hf_dir}"
+        )

@@ -1,0 +1,130 @@
+"""HuggingFace import: tiny random HF models of every family give our model the HF logits
+(``test_against_hf_*``), at TP=1 and, for a GQA family, TP=2 (real gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+pytestmark = pytest.mark.multiprocess
+WORKER = "tests.multiprocess.test_hf_import:our_logits"
+SEQ = 24
+COMMON = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
+HF_CONFIGS = {
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)),
+    "llama": ("LlamaConfig", dict(COMMON, rope_theta=500000.0)),
+    "mistral": ("MistralConfig", dict(COMMON, sliding_window=None)),
+    "qwen2": ("Qwen2Config", COMMON),
+    "olmo2": ("Olmo2Config", COMMON),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            COMMON,
+            head_dim=32,  # != hidden / heads, as in Gemma-2
+            sliding_window=8,  # < SEQ: the local layer's window matters
+            attn_logit_softcapping=2.0,  # small caps so that they bind
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=24,
+        ),
+    ),
+}
+
+
+def make_hf_model(model_type: str, root: pathlib.Path, shard_size: str | None = None):
+    """A tiny random HF model (every weight perturbed, norms included) saved under ``root``."""
+    import transformers
+
+    class_name, kwargs = HF_CONFIGS[model_type]
+    config = getattr(transformers, class_name)(**kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    path = root / model_type
+    extra = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, **extra)
+    return model, path
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def our_logits(rank: int, world_size: int, hf_dir: str, focus: dict) -> torch.Tensor:
+    """Build our model from the HF checkpoint at TP=world_size; full-vocabulary logits."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import (
+        gather_from_tensor_model_parallel_region,
+        model_parallel_cuda_manual_seed,
+    )
+
+    from focus_pretrain.convert import hf_model_config, load_hf_weights
+    from focus_pretrain.focus import FocusConfig
+    from focus_pretrain.model import build_model
+    from focus_pretrain.parallel import apply_cpu_shim
+
+    apply_cpu_shim()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    model_parallel_cuda_manual_seed(0)
+    config = hf_model_config(hf_dir, tensor_parallel_size=world_size, focus=FocusConfig(**focus))
+    model = build_model(config).eval()
+    load_hf_weights(model, hf_dir, config)
+    x = tokens()
+    with torch.no_grad():
+        logits = model(x, torch.arange(SEQ)[None].expand_as(x), None)  # [b, s, v / tp]
+        return gather_from_tensor_model_parallel_region(logits).clone()
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    made = {name: make_hf_model(name, root) for name in HF_CONFIGS}
+    sharded = make_hf_model("qwen2", tmp_path_factory.mktemp("sharded"), shard_size="40KB")
+    return {**made, "qwen2-sharded": sharded}
+
+
+def hf_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens()).logits
+
+
+@pytest.mark.parametrize("model_type", [*HF_CONFIGS, "qwen2-sharded"])
+def test_against_hf_focus_disabled(hf_models, model_type):
+    model, path = hf_models[model_type]
+    if model_type.endswith("sharded"):
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1  # really sharded
+    (ours,) = run_workers(WORKER, 1, str(path), dict(enabled=False))
+    torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_against_hf_focus_window_covering_sequence(hf_models, model_type):
+    """Focus on (routers fresh), window >= sequence: still exactly the HF model, in both the
+    training (soft) and inference (hard) patterns."""
+    model, path = hf_models[model_type]
+    (ours,) = run_workers(WORKER, 1, str(path), dict(window=SEQ, num_groups=4))
+    torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_against_hf_tensor_parallel_2(hf_models):
+    """A GQA family at TP=2: each rank loads its shards; gathered logits equal HF's."""
+    model, path = hf_models["qwen2"]
+    results = run_workers(WORKER, 2, str(path), dict(enabled=False))
+    for ours in results:
+        torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,108 @@
+"""HF import refuses what it cannot reproduce, naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from focus_pretrain.convert import hf_model_config, import_hf, load_hf_tensors
+from focus_pretrain.convert.families import Geometry, rules_for
+from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_model("llama", tmp_path_factory.mktemp("hf"))[1]
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
+    )
+    with pytest.raises(ValueError, match=r"unsupported HuggingFace architecture model_type='bert'"):
+        hf_model_config(tmp_path)
+
+
+def test_missing_directory_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config.json does not exist"):
+        hf_model_config(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
+        load_hf_tensors(tmp_path)
+
+
+def test_config_and_weights_that_disagree(llama, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in llama.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    _edit_config(bad, intermediate_size=128)  # the weights say 96
+    with pytest.raises(ValueError, match=r"does not fit .*linear_fc1.weight \(256, 64\)"):
+        import_hf(bad, hf_model_config(bad), tp_rank=0)
+    _edit_config(bad, intermediate_size=96, num_hidden_layers=3)  # a layer more than stored
+    with pytest.raises(ValueError, match=r"lacks 9 tensor\(s\) its config.json implies"):
+        import_hf(bad, hf_model_config(bad), tp_rank=0)
+
+
+def test_recipe_that_disagrees_with_the_checkpoint(llama):
+    config = hf_model_config(llama)
+    from dataclasses import replace
+
+    with pytest.raises(
+        ValueError, match=r"model.hidden_size is 96 but the HuggingFace checkpoint has 64"
+    ):
+        import_hf(llama, replace(config, hidden_size=96), tp_rank=0)
+    with pytest.raises(ValueError, match=r"model.rotary_base is 10000.0 .* has 500000.0"):
+        import_hf(llama, replace(config, rotary_base=10000.0), tp_rank=0)
+
+
+def test_missing_shard(tmp_path):
+    _, path = make_hf_model("qwen2", tmp_path, shard_size="40KB")
+    shards = sorted(path.glob("model-*.safetensors"))
+    shards[-1].unlink()
+    with pytest.raises(
+        FileNotFoundError, match=rf"checkpoint shard .*{shards[-1].name} .* is missing"
+    ):
+        import_hf(path, hf_model_config(path), tp_rank=0)
+
+
+def test_unsupported_variants_are_refused(llama, tmp_path):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text((llama / "config.json").read_text())
+    _edit_config(odd, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    with pytest.raises(ValueError, match=r"RoPE scaling .* is not supported"):
+        hf_model_config(odd)
+    _edit_config(
+        odd, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, hidden_act="gelu"
+    )
+    with pytest.raises(ValueError, match=r"llama with activation 'gelu' is not supported"):
+        hf_model_config(odd)
+
+
+@pytest.mark.parametrize("model_type", list(HF_CONFIGS))
+def test_key_maps_round_trip_exactly(tmp_path, model_type):
+    """HF tensors -> ours -> HF tensors is bit-identical for every rule (export's inverse),
+    except Gemma's ``1 + w`` norms, which round once in fp32 (at most an ulp of 1.0)."""
+    _, path = make_hf_model(model_type, tmp_path)
+    config = hf_model_config(path)
+    geometry = Geometry(config.num_attention_heads, config.kv_heads, config.kv_channels)
+    tensors = load_hf_tensors(path)
+    rules = rules_for(json.loads((path / "config.json").read_text())["model_type"], 2, config.tied)
+    covered = set()
+    for rule in rules:
+        originals = [tensors[k] for k in rule.hf]
+        back = rule.to_hf(geometry, rule.to_ours(geometry, *originals))
+        assert len(back) == len(originals)
+        for a, b in zip(originals, back, strict=True):
+            tolerance = 2**-23 if model_type == "gemma2" and "norm" in rule.ours else 0.0
+            torch.testing.assert_close(b, a, rtol=0, atol=tolerance, msg=rule.ours)
+        covered.update(rule.hf)
+    assert covered == set(tensors)  # every stored HF tensor has a rule

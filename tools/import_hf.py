@@ -1,0 +1,46 @@
+"""Check a local HuggingFace checkpoint and print the recipe sections that retrofit it.
+
+    python tools/import_hf.py checkpoints/gpt2
+    python tools/import_hf.py checkpoints/gpt2 --groups 4 --window 128 > configs/my-retrofit.yaml
+
+Reads config.json, maps every tensor through our key maps (shapes checked, no model built),
+and prints YAML: the ``model`` section with the checkpoint's architecture and a Focus section,
+``data.tokenizer`` (when the checkpoint ships ``tokenizer.json``) and ``train.init_from_hf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from focus_pretrain.convert import hf_model_config, import_hf
+from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hf_dir", help="a local HuggingFace model directory")
+    parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
+    parser.add_argument("--window", type=int, default=128, help="Focus local window")
+    args = parser.parse_args()
+    config = hf_model_config(args.hf_dir)
+    state = import_hf(args.hf_dir, config, tp_rank=0)
+    params = sum(t.numel() for t in state.values())
+    print(f"# {args.hf_dir}: {len(state)} tensors, {params:,} parameters", file=sys.stderr)
+    model = {
+        name: getattr(config, name)
+        for name in ("family", *ARCHITECTURE_FIELDS[1:], "max_seq_length")
+        if getattr(config, name) is not None
+    }
+    model["focus"] = {"num_groups": args.groups, "window": args.window}
+    recipe = {"model": model, "train": {"init_from_hf": args.hf_dir, "freeze": "retrofit"}}
+    if (Path(args.hf_dir) / "tokenizer.json").is_file():
+        recipe["data"] = {"tokenizer": args.hf_dir}
+    print(yaml.safe_dump(recipe, sort_keys=False), end="")
+
+
+if __name__ == "__main__":
+    main()
