@@ -1,6 +1,7 @@
 """HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
 
 from focus_pretrain.convert.families import FAMILY_RULES, Geometry, Rule, rules_for, shard
+from focus_pretrain.convert.hf_export import export_hf, resolve_checkpoint
 from focus_pretrain.convert.hf_import import (
     check_compatible,
     check_tokenizer_matches,
@@ -17,11 +18,13 @@ __all__ = [
     "Rule",
     "check_compatible",
     "check_tokenizer_matches",
+    "export_hf",
     "hf_model_config",
     "import_hf",
     "load_hf_tensors",
     "load_hf_weights",
     "read_hf_config",
+    "resolve_checkpoint",
     "rules_for",
     "shard",
 ]

@@ -82,6 +82,22 @@ def _slug(source: str) -> str:
     return f"{name}-{hashlib.sha256(source.encode()).hexdigest()[:10]}"
 
 
+def _source_slug(source: str, seed: int, spec: DemoSpec) -> str:
+    if source == "demo" or source.startswith("demo:"):  # the demo also depends on seed and spec
+        return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.values}x{spec.filler_sentences}")
+    return _slug(source)
+
+
+def tokenizer_path_for(config: DataConfig, seed: int = 0) -> Path:
+    """The tokenizer a run uses: ``data.tokenizer``, or the one trained into ``cache_dir``."""
+    if config.tokenizer is not None:
+        return Path(config.tokenizer)
+    name = (
+        f"tokenizer-{_source_slug(config.sources[0], seed, config.demo_spec)}-{config.vocab_size}"
+    )
+    return Path(config.cache_dir) / f"{name}.model"
+
+
 def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     """Make sure a tokenizer and token files exist; returns ``(tokenizer_path, prefixes)``.
 
@@ -94,16 +110,13 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     def texts(source: str) -> list[str]:
         return load_texts(source, seed=seed, demo_spec=spec)["text"]
 
-    def slug(source: str) -> str:  # the demo corpus also depends on the seed and its spec
-        if source == "demo" or source.startswith("demo:"):
-            return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.values}x{spec.filler_sentences}")
-        return _slug(source)
+    def slug(source: str) -> str:
+        return _source_slug(source, seed, spec)
 
+    tokenizer_path = tokenizer_path_for(config, seed)
     if config.tokenizer is not None:
-        tokenizer_path = Path(config.tokenizer)
         Tokenizer(tokenizer_path)  # fails early, naming the missing file
     else:
-        tokenizer_path = cache / f"tokenizer-{slug(config.sources[0])}-{config.vocab_size}.model"
         if not tokenizer_path.is_file():
             train_tokenizer(
                 texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size

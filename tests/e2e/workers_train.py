@@ -13,3 +13,36 @@ def train(rank: int, world_size: int, overrides: list[str]) -> dict:
     recipe = pathlib.Path(__file__).parents[2] / "configs" / "tiny.yaml"
     os.environ.setdefault("LOCAL_RANK", str(rank))
     return pretrain(load_config(recipe, overrides))
+
+
+def checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens, new_tokens: int) -> dict:
+    """Our model from a training checkpoint: logits in the soft (train) and hard (eval)
+    patterns, and greedy continuation by full recomputation (no KV cache)."""
+    import torch
+
+    from focus_pretrain.config import load_config
+    from focus_pretrain.model import build_model
+    from focus_pretrain.train.engine import _setup_parallel
+
+    config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
+    _setup_parallel(config)
+    model = build_model(config.model)
+    state = torch.load(pathlib.Path(ckpt) / "mp_rank_00_model_states.pt", weights_only=False)
+    model.load_state_dict(state["module"], strict=False)
+
+    def run(x):
+        positions = torch.arange(x.shape[1])[None].expand_as(x)
+        with torch.no_grad():
+            return model(x, positions, None)
+
+    out = {}
+    model.train()
+    out["soft"] = run(tokens)
+    model.eval()
+    out["hard"] = run(tokens)
+    sequence = tokens[:1]
+    for _ in range(new_tokens):
+        nxt = run(sequence)[:, -1].argmax(dim=-1, keepdim=True)
+        sequence = torch.cat([sequence, nxt], dim=1)
+    out["greedy"] = sequence
+    return out

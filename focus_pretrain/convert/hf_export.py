@@ -1,0 +1,281 @@
+"""Export a training checkpoint to a HuggingFace directory that loads with
+``AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)``.
+
+The directory holds sharded safetensors in the family's own HF names (through the inverse key
+maps) plus each layer's router, ``config.json`` (the family's HF config, a ``focus`` section and
+an ``auto_map`` to the shipped ``configuration_focus.py``/``modeling_focus.py``), the tokenizer
+converted from our SentencePiece model (or copied, for an HF tokenizer) and a generation config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.convert.families import COLUMN, GLU, ROW, Geometry, rules_for
+from focus_pretrain.model.config import ModelConfig
+
+MODELING_DIR = Path(__file__).with_name("hf_modeling")
+_CLASS = {
+    "gpt2": "GPT2",
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "olmo2": "Olmo2",
+    "gemma2": "Gemma2",
+}
+_ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory (``.../checkpoints/step_N``) from it, a run directory or its
+    ``checkpoints`` directory (the checkpoint ``latest`` names)."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        if (root / "latest").is_file():
+            return root / (root / "latest").read_text().strip()
+    if (path / "config.yaml").is_file() and any(path.glob("mp_rank_*_model_states.pt")):
+        return path
+    raise FileNotFoundError(
+        f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
+        "directory whose checkpoints/latest names one"
+    )
+
+
+def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]]:
+    if zero_stage == 3:
+        if tp > 1:
+            raise NotImplementedError(
+                "exporting a ZeRO-3 checkpoint trained with tensor parallelism is not supported "
+                "yet; train with ZeRO-1/2 or TP=1"
+            )
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        for key, value in module.items():  # buffers (router balance offsets) are not partitioned
+            if key not in state and torch.is_tensor(value) and value.numel() > 0:
+                state[key] = value
+        return [state]
+    shards = []
+    for rank in range(tp):
+        path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
+        shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
+    return shards
+
+
+def _unshard(shards: list[Tensor], kind: str) -> Tensor:
+    if len(shards) == 1 or kind not in (COLUMN, ROW, GLU):
+        return shards[0]
+    if kind == COLUMN:
+        return torch.cat(shards, dim=0)
+    if kind == ROW:
+        return torch.cat(shards, dim=1)
+    halves = [s.chunk(2, dim=0) for s in shards]  # GLU: per rank [gate_r; up_r]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    """The family's HF ``config.json`` fields for ``config`` (inverse of the import map)."""
+    if config.family == "gpt2":
+        return {
+            "n_layer": config.num_layers,
+            "n_embd": config.hidden_size,
+            "n_head": config.num_attention_heads,
+            "n_inner": config.ffn_hidden_size,
+            "vocab_size": config.vocab_size,
+            "n_positions": config.max_seq_length,
+            "layer_norm_epsilon": config.norm_epsilon,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": config.tied,
+        }
+    out = {
+        "num_hidden_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "intermediate_size": config.ffn_hidden_size,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_seq_length,
+        "head_dim": config.kv_channels,
+        "rms_norm_eps": config.norm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
+        "tie_word_embeddings": config.tied,
+    }
+    if config.family == "mistral":
+        out["sliding_window"] = None
+    if config.family == "gemma2":
+        out.update(
+            sliding_window=config.sliding_window,
+            attn_logit_softcapping=config.attn_softcap,
+            final_logit_softcapping=config.final_softcap,
+            query_pre_attn_scalar=config.query_pre_attn_scalar or config.kv_channels,
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    return out
+
+
+def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[str, Tensor]:
+    """HF tensors (family names + routers) from our per-TP-rank state dicts."""
+    geometry = Geometry(config.num_attention_heads, config.kv_heads, config.kv_channels)
+    out: dict[str, Tensor] = {}
+    for rule in rules_for(config.family, config.num_layers, config.tied):
+        if rule.ours not in shards[0]:
+            raise ValueError(f"the checkpoint lacks {rule.ours}")
+        full = _unshard([s[rule.ours].float() for s in shards], rule.shard)
+        for key, tensor in zip(rule.hf, rule.to_hf(geometry, full), strict=True):
+            out[key] = tensor
+    layer = (
+        "transformer.h.{i}.attn.router."
+        if config.family == "gpt2"
+        else ("model.layers.{i}.self_attn.router.")
+    )
+    for i in range(config.num_layers):
+        for name in _ROUTER_KEYS:
+            ours = f"decoder.layers.{i}.self_attention.router.{name}"
+            if ours in shards[0]:
+                out[layer.format(i=i) + name] = shards[0][ours].float().contiguous()
+    return out
+
+
+def load_modeling():
+    """The shipped ``modeling_focus`` module (imported as a package so its relative import
+    of ``configuration_focus`` resolves)."""
+    name = "focus_hf_modeling"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, MODELING_DIR / "__init__.py", submodule_search_locations=[str(MODELING_DIR)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{name}.modeling_focus")
+
+
+def export_hf(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, max_shard_size: str = "2GB"
+) -> Path:
+    """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
+    from focus_pretrain.config import load_config
+
+    ckpt = resolve_checkpoint(checkpoint)
+    config = load_config(ckpt / "config.yaml", [])
+    model_cfg = config.model
+    focus = model_cfg.focus
+    if focus.enabled and focus.balance != "causal":
+        raise NotImplementedError(
+            "exporting focus.balance=sinkhorn is not supported (its routing is not causal)"
+        )
+    shards = _load_shards(ckpt, model_cfg.tensor_parallel_size, config.parallel.zero_stage)
+    tensors = hf_state_dict(shards, model_cfg)
+    family = _CLASS[model_cfg.family]
+    modeling = load_modeling()
+    config_cls = getattr(modeling, f"Focus{family}Config")
+    model_cls = getattr(modeling, f"Focus{family}ForCausalLM")
+    focus_section = {
+        "num_groups": focus.num_groups,
+        "group_dim": focus.group_dim,
+        "window": focus.window,
+        "tau": focus.tau,
+        "top_k": focus.top_k,
+        "inference_mode": focus.inference_mode,
+        "gate_lambda": focus.gate_lambda,
+        "normalize": focus.normalize,
+        "enabled": focus.enabled,
+        "window_only": focus.window_only,
+    }
+    tokenizer = _tokenizer_for(config)
+    hf_config = config_cls(
+        focus=focus_section,
+        bos_token_id=tokenizer.bos if tokenizer is not None else None,
+        eos_token_id=tokenizer.eod if tokenizer is not None else None,
+        **hf_config_dict(model_cfg),
+    )
+    hf_config.architectures = [model_cls.__name__]
+    hf_config.auto_map = {
+        "AutoConfig": f"configuration_focus.{config_cls.__name__}",
+        "AutoModelForCausalLM": f"modeling_focus.{model_cls.__name__}",
+    }
+    with torch.device("meta"):
+        model = model_cls(hf_config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = [k for k in missing if not (model_cfg.tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"export does not fit the HF model: missing {missing}, extra {unexpected}")
+    if model_cfg.tied:
+        model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    for name in ("configuration_focus.py", "modeling_focus.py"):
+        shutil.copyfile(MODELING_DIR / name, out / name)
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, out)
+    (out / "focus_export.json").write_text(json.dumps({"checkpoint": str(ckpt)}, indent=1))
+    return out
+
+
+def _tokenizer_for(config):
+    """The run's tokenizer (``data.tokenizer``, or the one it trained into its cache)."""
+    import warnings
+
+    from focus_pretrain.data.datasets import tokenizer_path_for
+    from focus_pretrain.data.tokenizer import Tokenizer
+
+    path = tokenizer_path_for(config.data, config.run.seed)
+    if not Path(path).exists():
+        warnings.warn(
+            f"tokenizer {path} not found: exporting without tokenizer files", stacklevel=3
+        )
+        return None
+    return Tokenizer(path)
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """HF tokenizer files: an HF tokenizer copied, or our SentencePiece BPE model rebuilt as a
+    ``tokenizers`` BPE with the same pieces and merges, dummy prefix, digit splitting and byte
+    fallback (what Llama's ``tokenizer.json`` does), encoding identically."""
+    if tokenizer.hf is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tokenizer.path / name).is_file():
+                shutil.copyfile(tokenizer.path / name, out / name)
+        return
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    spm = SentencePieceExtractor(str(tokenizer.path)).extract(models.BPE)
+    bpe = models.BPE(
+        vocab=spm["vocab"],
+        merges=spm["merges"],
+        unk_token="<unk>",
+        byte_fallback=True,
+        fuse_unk=True,
+    )
+    hf = HFTokenizer(bpe)
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    hf.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
+    hf.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    hf.add_special_tokens(["<unk>", "<s>", "</s>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=hf, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)

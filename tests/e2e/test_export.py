@@ -1,0 +1,73 @@
+"""Export: a training checkpoint becomes an HF directory whose model (remote code, offline)
+gives our logits with Focus on, in both patterns, generates the same greedy tokens, and whose
+tokenizer encodes like ours."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from focus_pretrain.convert import export_hf
+from tests.distributed import run_workers
+from tests.e2e.test_train import launch, overrides
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    run = launch(overrides(root / "run", str(root / "cache"), "train.steps=4"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = export_hf(root / "run", root / "hf", max_shard_size="100KB")
+    return root, out
+
+
+def test_export_layout(exported):
+    _, out = exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "focus_llama" and config["focus"]["num_groups"] == 4
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_focus.FocusLlamaForCausalLM"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    assert "model.layers.1.self_attn.router.centroids" in index["weight_map"]
+    for name in ("modeling_focus.py", "configuration_focus.py", "tokenizer.json"):
+        assert (out / name).is_file(), name
+
+
+def test_exported_model_matches_ours(exported, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    root, out = exported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    ckpt = next((root / "run" / "checkpoints").glob("step_00000004"))
+    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 8)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        hard = model(tokens).logits
+        model.config.focus["inference_mode"] = "soft"
+        soft = model(tokens).logits
+        model.config.focus["inference_mode"] = "hard"
+        greedy = model.generate(tokens[:1], max_new_tokens=8, do_sample=False)
+    vocab = hard.shape[-1]
+    assert not torch.allclose(ours["soft"], ours["hard"])  # the two patterns differ here
+    torch.testing.assert_close(hard, ours["hard"][..., :vocab], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(soft, ours["soft"][..., :vocab], rtol=1e-4, atol=1e-4)
+    assert greedy.tolist() == ours["greedy"].tolist()
+
+
+def test_exported_tokenizer_encodes_like_ours(exported):
+    from transformers import AutoTokenizer
+
+    from focus_pretrain.data import Tokenizer, demo_documents
+
+    root, out = exported
+    ours = Tokenizer(next((root / "cache").glob("tokenizer-*.model")))
+    theirs = AutoTokenizer.from_pretrained(out)
+    for text in [*demo_documents(20, seed=77), "Unseen: ünïcödé ☃ text\twith  spaces\n"]:
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")
