@@ -1,7 +1,12 @@
 """HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
 
 from focus_pretrain.convert.families import FAMILY_RULES, Geometry, Rule, rules_for, shard
-from focus_pretrain.convert.hf_export import export_hf, resolve_checkpoint
+from focus_pretrain.convert.hf_export import (
+    attach_focus_adapter,
+    export_hf,
+    export_router_adapter,
+    resolve_checkpoint,
+)
 from focus_pretrain.convert.hf_import import (
     check_compatible,
     check_tokenizer_matches,
@@ -16,9 +21,11 @@ __all__ = [
     "FAMILY_RULES",
     "Geometry",
     "Rule",
+    "attach_focus_adapter",
     "check_compatible",
     "check_tokenizer_matches",
     "export_hf",
+    "export_router_adapter",
     "hf_model_config",
     "import_hf",
     "load_hf_tensors",

@@ -182,19 +182,14 @@ def export_hf(
     modeling = load_modeling()
     config_cls = getattr(modeling, f"Focus{family}Config")
     model_cls = getattr(modeling, f"Focus{family}ForCausalLM")
-    focus_section = {
-        "num_groups": focus.num_groups,
-        "group_dim": focus.group_dim,
-        "window": focus.window,
-        "tau": focus.tau,
-        "top_k": focus.top_k,
-        "inference_mode": focus.inference_mode,
-        "gate_lambda": focus.gate_lambda,
-        "normalize": focus.normalize,
-        "enabled": focus.enabled,
-        "window_only": focus.window_only,
-    }
+    focus_section = _focus_section(focus)
     tokenizer = _tokenizer_for(config)
+    if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(
+            f"the run's tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
+            f"only {model_cfg.vocab_size} embeddings: it is not the tokenizer this model was "
+            "trained with (check data.tokenizer in the checkpoint's config.yaml)"
+        )
     hf_config = config_cls(
         focus=focus_section,
         bos_token_id=tokenizer.bos if tokenizer is not None else None,
@@ -223,6 +218,54 @@ def export_hf(
         _save_tokenizer(tokenizer, out)
     (out / "focus_export.json").write_text(json.dumps({"checkpoint": str(ckpt)}, indent=1))
     return out
+
+
+def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Only the routers of ``checkpoint`` (a retrofit): ``focus_adapter.safetensors`` plus
+    ``focus_adapter.json``, attachable to the original HF model with
+    :func:`attach_focus_adapter` (a few hundred KB instead of a model copy)."""
+    from safetensors.torch import save_file
+
+    from focus_pretrain.config import load_config
+
+    ckpt = resolve_checkpoint(checkpoint)
+    config = load_config(ckpt / "config.yaml", [])
+    shards = _load_shards(ckpt, config.model.tensor_parallel_size, config.parallel.zero_stage)
+    routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
+    if not routers:
+        raise ValueError(f"{ckpt} has no routers (focus disabled or window-only)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(routers, str(out / "focus_adapter.safetensors"))
+    meta = {
+        "model_type": config.model.family,
+        "focus": _focus_section(config.model.focus),
+        "parameters": sum(t.numel() for k, t in routers.items() if "balance" not in k),
+        "checkpoint": str(ckpt),
+    }
+    (out / "focus_adapter.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def attach_focus_adapter(model, adapter_dir: str | os.PathLike):
+    """Attach a router adapter to an unmodified HF causal LM, in place (see the shipped
+    ``modeling_focus.attach_focus_adapter``)."""
+    return load_modeling().attach_focus_adapter(model, adapter_dir)
+
+
+def _focus_section(focus) -> dict[str, Any]:
+    return {
+        "num_groups": focus.num_groups,
+        "group_dim": focus.group_dim,
+        "window": focus.window,
+        "tau": focus.tau,
+        "top_k": focus.top_k,
+        "inference_mode": focus.inference_mode,
+        "gate_lambda": focus.gate_lambda,
+        "normalize": focus.normalize,
+        "enabled": focus.enabled,
+        "window_only": focus.window_only,
+    }
 
 
 def _tokenizer_for(config):

@@ -71,3 +71,27 @@ def test_exported_tokenizer_encodes_like_ours(exported):
     for text in [*demo_documents(20, seed=77), "Unseen: ünïcödé ☃ text\twith  spaces\n"]:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(exported, tmp_path):
+    import shutil
+
+    import yaml
+
+    from tests.helpers import make_hf_tokenizer
+
+    root, _ = exported
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(root / "run" / "checkpoints" / "step_00000004", ckpt)
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    from focus_pretrain.data import demo_documents
+
+    config["data"]["tokenizer"] = str(make_hf_tokenizer(tmp_path / "tok", demo_documents(50), 400))
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"has 400 tokens but the model only 320 embeddings"):
+        export_hf(ckpt, tmp_path / "out")
+
+
+def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"neither a checkpoint .* nor a run directory"):
+        export_hf(tmp_path, tmp_path / "out")

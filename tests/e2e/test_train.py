@@ -406,6 +406,28 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
     routers = [n for n in one if ".router." in n and isinstance(one[n], torch.Tensor)]
     assert routers and all(not torch.equal(one[n], three[n]) for n in routers)
 
+    # the routers alone, as an adapter on the original, unmodified HF model
+    adapter = tmp_path / "adapter"
+    tool = [sys.executable, str(ROOT / "tools" / "convert_to_hf.py"), str(tmp_path / "run")]
+    done = subprocess.run([*tool, str(adapter), "--adapter-only"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((adapter / "focus_adapter.json").read_text())["parameters"] == 2 * (
+        64 * 16 + 4 * 16
+    )
+    import transformers
+
+    from focus_pretrain.convert import attach_focus_adapter
+
+    original = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
+    attach_focus_adapter(original, adapter)
+    x = torch.randint(0, 400, (2, 100), generator=torch.Generator().manual_seed(0))
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_00000003")
+    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, ckpt, x, 0)
+    with torch.no_grad():
+        hard = original(x).logits
+    assert not torch.allclose(ours["hard"], ours["soft"])
+    torch.testing.assert_close(hard, ours["hard"], rtol=1e-4, atol=1e-4)
+
     wrong = launch(overrides(tmp_path / "wrong", cache, *RETROFIT_GPT2, f"train.init_from_hf={hf}"))
     assert wrong.returncode != 0
     assert "ships its own tokenizer" in wrong.stderr and "train step" not in wrong.stdout

@@ -207,3 +207,35 @@ class FocusGemma2ForCausalLM(Gemma2ForCausalLM):
     def __init__(self, config) -> None:
         super().__init__(config)
         _attach_routers(self, config)
+
+
+def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:
+    """Give an unmodified HF causal LM (of the family the adapter was trained on) the routers of
+    a Focus retrofit, in place: ``focus_adapter.json`` (the Focus settings) and
+    ``focus_adapter.safetensors`` (router tensors, HF names). Returns ``model``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from .configuration_focus import FOCUS_DEFAULTS
+
+    adapter = Path(adapter_dir)
+    meta = json.loads((adapter / "focus_adapter.json").read_text())
+    if meta["model_type"] != model.config.model_type.removeprefix("focus_"):
+        raise ValueError(
+            f"the adapter was trained on a {meta['model_type']} model, "
+            f"not {model.config.model_type}"
+        )
+    model.config.focus = {**FOCUS_DEFAULTS, **meta["focus"]}
+    _attach_routers(model, model.config)
+    tensors = load_file(str(adapter / "focus_adapter.safetensors"))
+    own = model.state_dict()
+    wanted = {k for k in own if ".router." in k}
+    if set(tensors) != wanted:
+        raise ValueError(
+            f"the adapter's router tensors do not fit this model: missing "
+            f"{sorted(wanted - set(tensors))[:3]}, extra {sorted(set(tensors) - wanted)[:3]}"
+        )
+    model.load_state_dict(tensors, strict=False)
+    return model

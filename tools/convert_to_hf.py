@@ -1,0 +1,33 @@
+"""Export a training run (its latest checkpoint) or a checkpoint to a HuggingFace directory.
+
+    python tools/convert_to_hf.py runs/tiny exports/tiny
+    python tools/convert_to_hf.py runs/gpt2-retrofit exports/gpt2-routers --adapter-only
+
+The full export loads with ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
+(offline too); ``--adapter-only`` writes just the routers, attachable to the original HF model
+with ``focus_pretrain.convert.attach_focus_adapter(model, OUT)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from focus_pretrain.convert import export_hf, export_router_adapter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a run directory or a checkpoints/step_N directory")
+    parser.add_argument("out_dir", help="where the HF directory goes")
+    parser.add_argument("--adapter-only", action="store_true", help="export only the routers")
+    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    args = parser.parse_args()
+    if args.adapter_only:
+        out = export_router_adapter(args.checkpoint, args.out_dir)
+    else:
+        out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
+    print(f"exported {args.checkpoint} -> {out}")
+
+
+if __name__ == "__main__":
+    main()
