@@ -42,7 +42,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     for root in (path / "checkpoints", path):
         if (root / "latest").is_file():
             return root / (root / "latest").read_text().strip()
-    if (path / "config.yaml").is_file() and any(path.glob("mp_rank_*_model_states.pt")):
+    if (path / "config.yaml").is_file() and any(path.glob("*mp_rank_*_model_states.pt")):
         return path
     raise FileNotFoundError(
         f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
@@ -60,7 +60,8 @@ def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
-        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        first = ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+        module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
         for key, value in module.items():  # buffers (router balance offsets) are not partitioned
             if key not in state and torch.is_tensor(value) and value.numel() > 0:
                 state[key] = value

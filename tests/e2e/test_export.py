@@ -95,3 +95,30 @@ def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(exported, tmp_pat
 def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"neither a checkpoint .* nor a run directory"):
         export_hf(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.multiprocess
+def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
+    """A TP=2 run's shards are merged (its exported model gives the TP=2 model's logits); a
+    DP=2 ZeRO-3 run is consolidated (its export gives the same logits as the ZeRO-1 run's)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = str(tmp_path / "cache")
+    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, extra in {
+        "tp2": ["parallel.tensor_parallel_size=2"],
+        "zero1": ["parallel.zero_stage=1"],
+        "zero3": ["parallel.zero_stage=3"],
+    }.items():
+        sets = overrides(tmp_path / name, cache, "train.steps=2", *extra)
+        run_workers("tests.e2e.workers_train:train", 2, sets)
+        out = export_hf(tmp_path / name, tmp_path / f"hf-{name}")
+        model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+        with torch.no_grad():
+            results[name] = model(tokens).logits
+    ckpt = str(tmp_path / "tp2" / "checkpoints" / "step_00000002")
+    ours = run_workers("tests.e2e.workers_train:sharded_checkpoint_logits", 2, ckpt, tokens)
+    torch.testing.assert_close(results["tp2"], ours[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results["zero3"], results["zero1"], rtol=1e-3, atol=1e-3)

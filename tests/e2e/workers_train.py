@@ -46,3 +46,22 @@ def checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens, new_tokens:
         sequence = torch.cat([sequence, nxt], dim=1)
     out["greedy"] = sequence
     return out
+
+
+def sharded_checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens):
+    """Our TP=world_size model from its per-rank checkpoint shards; gathered eval logits."""
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from focus_pretrain.config import load_config
+    from focus_pretrain.model import build_model
+    from focus_pretrain.train.engine import _setup_parallel
+
+    config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
+    _setup_parallel(config)
+    model = build_model(config.model).eval()
+    path = pathlib.Path(ckpt) / f"mp_rank_{rank:02d}_model_states.pt"
+    model.load_state_dict(torch.load(path, weights_only=False)["module"], strict=False)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1])[None].expand_as(tokens), None)
+        return gather_from_tensor_model_parallel_region(logits).clone()
