@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 
@@ -128,3 +129,63 @@ def test_against_hf_tensor_parallel_2(hf_models):
     results = run_workers(WORKER, 2, str(path), dict(enabled=False))
     for ours in results:
         torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
+
+
+def focus_on(rank: int, world_size: int, hf_dir: str, focus: dict) -> dict:
+    """Our model from the HF checkpoint with Focus on (fresh routers, small window): soft and
+    hard logits, and every tensor in HF names (routers included) for the HF side."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from focus_pretrain.convert import hf_model_config, load_hf_weights
+    from focus_pretrain.convert.hf_export import hf_state_dict
+    from focus_pretrain.focus import FocusConfig
+    from focus_pretrain.model import build_model
+    from focus_pretrain.parallel import apply_cpu_shim
+
+    apply_cpu_shim()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+    config = hf_model_config(hf_dir, focus=FocusConfig(**focus))
+    model = build_model(config)
+    load_hf_weights(model, hf_dir, config)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("balance_offsets"):
+                buffer.normal_(0.0, 0.5)  # exported offsets must be used too
+    x = tokens()
+    positions = torch.arange(SEQ)[None].expand_as(x)
+    out = {"hf_tensors": hf_state_dict([model.state_dict()], config)}
+    with torch.no_grad():
+        model.train()
+        out["soft"] = model(x, positions, None).clone()
+        model.eval()
+        out["hard"] = model(x, positions, None).clone()
+    return out
+
+
+@pytest.mark.parametrize("model_type", list(HF_CONFIGS))
+def test_shipped_hf_modeling_matches_ours_with_focus_on(hf_models, model_type, tmp_path):
+    """The modeling code an export ships (family HF class + routers + "focus" attention) gives
+    our logits with Focus on, in the hard and soft patterns, for every family."""
+    from safetensors.torch import save_file
+
+    from focus_pretrain.convert import attach_focus_adapter
+
+    original, path = hf_models[model_type]
+    model = copy.deepcopy(original)  # the fixture's models stay plain HF models
+    focus = dict(window=3, num_groups=4, top_k=1)
+    (ours,) = run_workers("tests.multiprocess.test_hf_import:focus_on", 1, str(path), focus)
+    routers = {k: v for k, v in ours["hf_tensors"].items() if ".router." in k}
+    assert routers
+    save_file(routers, str(tmp_path / "focus_adapter.safetensors"))
+    meta = {"model_type": model_type, "focus": focus}
+    (tmp_path / "focus_adapter.json").write_text(json.dumps(meta))
+    attach_focus_adapter(model, tmp_path)
+    assert not torch.allclose(ours["soft"], ours["hard"])
+    with torch.no_grad():
+        hard = model(tokens()).logits
+        model.config.focus["inference_mode"] = "soft"
+        soft = model(tokens()).logits
+    torch.testing.assert_close(hard, ours["hard"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(soft, ours["soft"], rtol=1e-5, atol=1e-5)
