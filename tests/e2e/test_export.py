@@ -5,6 +5,7 @@ tokenizer encodes like ours."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -122,3 +123,34 @@ def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
     ours = run_workers("tests.e2e.workers_train:sharded_checkpoint_logits", 2, ckpt, tokens)
     torch.testing.assert_close(results["tp2"], ours[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results["zero3"], results["zero1"], rtol=1e-3, atol=1e-3)
+
+
+def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
+    """lm-evaluation-harness (when installed) evaluates the export as an ``hf`` model on the
+    shipped offline task; its word perplexity equals one computed directly."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
+    import re
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from focus_pretrain.convert.lm_eval_task import evaluate_perplexity
+    from focus_pretrain.data import demo_documents
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, out = exported
+    docs = ["\n".join(d.split("\n")[:4]) for d in demo_documents(6, seed=99)]  # < 128 tokens
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    result = evaluate_perplexity(out, data, tmp_path / "tasks")
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    total, words = 0.0, 0
+    for doc in docs:
+        ids = [tokenizer.bos_token_id, *tokenizer(doc, add_special_tokens=False)["input_ids"]]
+        assert len(ids) <= model.config.max_position_embeddings
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).logits.double(), dim=-1)
+        total += float(logp[0, :-1].gather(1, x[0, 1:, None]).sum())
+        words += len(re.split(r"\s+", doc))
+    assert result["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)
