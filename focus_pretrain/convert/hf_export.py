@@ -52,20 +52,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]]:
     if zero_stage == 3:
-        if tp > 1:
-            raise NotImplementedError(
-                "exporting a ZeRO-3 checkpoint trained with tensor parallelism is not supported "
-                "yet; train with ZeRO-1/2 or TP=1"
-            )
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = dict(get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name))
-        first = ckpt / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-        module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
-        for key, value in module.items():  # buffers (router balance offsets) are not partitioned
-            if key not in state and torch.is_tensor(value) and value.numel() > 0:
-                state[key] = value
-        return [state]
+        return [_consolidate_zero3(ckpt, rank) for rank in range(tp)]
     shards = []
     for rank in range(tp):
         path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
@@ -73,6 +60,32 @@ def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]
             raise FileNotFoundError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
         shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
     return shards
+
+
+def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
+    """One tensor-parallel rank's full (data-parallel-gathered) fp32 state from a ZeRO-3
+    checkpoint. DeepSpeed's consolidation reads every ``*_states.pt`` of a directory, so the
+    rank's files are linked, as ``mp_rank_00``, into a scratch directory first."""
+    import tempfile
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tp_rank:02d}_"
+    files = sorted(ckpt.glob(f"zero_pp_rank_*_{suffix}*_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt} has no ZeRO-3 files of tensor-parallel rank {tp_rank}")
+    with tempfile.TemporaryDirectory() as scratch:
+        tag = Path(scratch) / ckpt.name
+        tag.mkdir()
+        for path in files:
+            (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
+        state = dict(get_fp32_state_dict_from_zero_checkpoint(scratch, tag=ckpt.name))
+    first = ckpt / f"zero_pp_rank_0_{suffix}model_states.pt"
+    module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
+    for key, value in module.items():  # buffers (router balance offsets) are not partitioned
+        if key not in state and torch.is_tensor(value) and value.numel() > 0:
+            state[key] = value
+    return state
 
 
 def _unshard(shards: list[Tensor], kind: str) -> Tensor:

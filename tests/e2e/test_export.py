@@ -35,7 +35,12 @@ def test_export_layout(exported):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     assert "model.layers.1.self_attn.router.centroids" in index["weight_map"]
-    for name in ("modeling_focus.py", "configuration_focus.py", "tokenizer.json"):
+    for name in (
+        "modeling_focus.py",
+        "configuration_focus.py",
+        "tokenizer.json",
+        "generation_config.json",
+    ):
         assert (out / name).is_file(), name
 
 
@@ -100,8 +105,9 @@ def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path):
 
 @pytest.mark.multiprocess
 def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
-    """A TP=2 run's shards are merged (its exported model gives the TP=2 model's logits); a
-    DP=2 ZeRO-3 run is consolidated (its export gives the same logits as the ZeRO-1 run's)."""
+    """A TP=2 run's shards are merged (its exported model gives the TP=2 model's logits);
+    ZeRO-3 runs are consolidated, at DP=2 and at TP=2 (their exports give the same logits as
+    the ZeRO-1 runs' of the same layout)."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -112,6 +118,7 @@ def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
         "tp2": ["parallel.tensor_parallel_size=2"],
         "zero1": ["parallel.zero_stage=1"],
         "zero3": ["parallel.zero_stage=3"],
+        "tp2-zero3": ["parallel.tensor_parallel_size=2", "parallel.zero_stage=3"],
     }.items():
         sets = overrides(tmp_path / name, cache, "train.steps=2", *extra)
         run_workers("tests.e2e.workers_train:train", 2, sets)
@@ -123,6 +130,7 @@ def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
     ours = run_workers("tests.e2e.workers_train:sharded_checkpoint_logits", 2, ckpt, tokens)
     torch.testing.assert_close(results["tp2"], ours[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(results["zero3"], results["zero1"], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(results["tp2-zero3"], results["tp2"], rtol=1e-3, atol=1e-3)
 
 
 def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
