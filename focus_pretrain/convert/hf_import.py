@@ -141,9 +141,10 @@ def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
     ours = {f.name: getattr(config, f.name) for f in fields(config)}
     ours["num_query_groups"] = config.kv_heads
     ours["tie_embeddings"] = config.tied
-    wanted.setdefault("head_dim", None)
-    if ours["head_dim"] is None and wanted["head_dim"] == config.kv_channels:
-        wanted["head_dim"] = None
+    ours["head_dim"] = config.kv_channels  # compare the effective head size, set or derived
+    wanted["head_dim"] = (
+        wanted.get("head_dim") or wanted["hidden_size"] // wanted["num_attention_heads"]
+    )
     for name in ARCHITECTURE_FIELDS:
         if name in wanted and ours[name] != wanted[name]:
             raise ValueError(

@@ -61,6 +61,12 @@ def test_recipe_that_disagrees_with_the_checkpoint(llama):
         import_hf(llama, replace(config, hidden_size=96), tp_rank=0)
     with pytest.raises(ValueError, match=r"model.rotary_base is 10000.0 .* has 500000.0"):
         import_hf(llama, replace(config, rotary_base=10000.0), tp_rank=0)
+    with pytest.raises(ValueError, match=r"model.head_dim is 32 but .* has 16"):
+        import_hf(llama, replace(config, head_dim=32), tp_rank=0)
+    explicit = replace(config, head_dim=16)  # the derived size, spelled out: accepted
+    assert (
+        import_hf(llama, explicit, tp_rank=0).keys() == import_hf(llama, config, tp_rank=0).keys()
+    )
 
 
 def test_missing_shard(tmp_path):
