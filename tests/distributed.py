@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -16,11 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from focus_pretrain.train.engine import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, out_dir: str):

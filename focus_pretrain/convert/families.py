@@ -225,7 +225,7 @@ FAMILY_RULES: dict[str, tuple[str, Callable[[], tuple[list[Rule], list[Rule]]]]]
     "mistral": ("mistral", _llama),
     "qwen2": ("qwen2", _qwen2),
     "olmo2": ("olmo2", _olmo2),
-    "gemma2": ("gemma2", lambda: _gemma2()),
+    "gemma2": ("gemma2", _gemma2),
 }
 
 

@@ -267,19 +267,23 @@ def attach_focus_adapter(model, adapter_dir: str | os.PathLike):
     return load_modeling().attach_focus_adapter(model, adapter_dir)
 
 
+_EXPORTED_FOCUS_FIELDS = (
+    "enabled",
+    "window_only",
+    "num_groups",
+    "group_dim",
+    "window",
+    "tau",
+    "top_k",
+    "inference_mode",
+    "gate_lambda",
+    "normalize",
+)
+
+
 def _focus_section(focus) -> dict[str, Any]:
-    return {
-        "num_groups": focus.num_groups,
-        "group_dim": focus.group_dim,
-        "window": focus.window,
-        "tau": focus.tau,
-        "top_k": focus.top_k,
-        "inference_mode": focus.inference_mode,
-        "gate_lambda": focus.gate_lambda,
-        "normalize": focus.normalize,
-        "enabled": focus.enabled,
-        "window_only": focus.window_only,
-    }
+    """The FocusConfig fields the shipped HF modeling code reads."""
+    return {name: getattr(focus, name) for name in _EXPORTED_FOCUS_FIELDS}
 
 
 def _tokenizer_for(config):

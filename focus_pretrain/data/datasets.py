@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from focus_pretrain.data.demo_corpus import VALUES, DemoSpec
+from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
@@ -83,7 +83,7 @@ def _slug(source: str) -> str:
 
 
 def _source_slug(source: str, seed: int, spec: DemoSpec) -> str:
-    if source == "demo" or source.startswith("demo:"):  # the demo also depends on seed and spec
+    if is_demo_source(source):  # the demo also depends on seed and spec
         return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.values}x{spec.filler_sentences}")
     return _slug(source)
 
@@ -110,9 +110,6 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     def texts(source: str) -> list[str]:
         return load_texts(source, seed=seed, demo_spec=spec)["text"]
 
-    def slug(source: str) -> str:
-        return _source_slug(source, seed, spec)
-
     tokenizer_path = tokenizer_path_for(config, seed)
     if config.tokenizer is not None:
         Tokenizer(tokenizer_path)  # fails early, naming the missing file
@@ -128,7 +125,7 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
             check_tokenizer(source, tokenizer)
             prefixes.append(source)
             continue
-        prefix = cache / f"{slug(source)}-{tokenizer_path.stem}"
+        prefix = cache / f"{_source_slug(source, seed, spec)}-{tokenizer_path.stem}"
         if not Path(f"{prefix}.idx").is_file():
             documents = texts(source)
             tokenize_to_indexed(

@@ -97,6 +97,11 @@ class DemoSpec:
     filler_sentences: int = 16
 
 
+def is_demo_source(source: str) -> bool:
+    """Does a ``data.sources`` entry name the embedded demo corpus (``demo`` or ``demo:N``)?"""
+    return source == "demo" or source.startswith("demo:")
+
+
 def _check(spec: DemoSpec) -> None:
     if not 1 <= spec.pairs <= spec.values <= len(VALUES):
         raise ValueError(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents
+from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents, is_demo_source
 from focus_pretrain.data.tokenizer import Tokenizer
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -37,7 +37,7 @@ def load_texts(
     """
     import datasets
 
-    if source == "demo" or source.startswith("demo:"):
+    if is_demo_source(source):
         count = int(source.partition(":")[2] or DEFAULT_DEMO_DOCUMENTS)
         documents = list(demo_documents(count, seed, demo_spec))
         return datasets.Dataset.from_dict({"text": documents})

@@ -68,6 +68,7 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             self._init_hf(path)
+            digest_of = path / "tokenizer.json"
         elif path.is_file():
             self.processor = spm.SentencePieceProcessor(model_file=str(path))
             self.hf = None
@@ -81,8 +82,6 @@ class Tokenizer:
                 "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model "
                 "(or at a HuggingFace tokenizer directory)"
             )
-        if self.hf is not None:
-            digest_of = path / "tokenizer.json"
         self.path = path
         self.pad = self.vocab_size
         digest = hashlib.sha256(digest_of.read_bytes()).hexdigest()[:16]

@@ -75,16 +75,20 @@ def launch_environment(env: Mapping[str, str]) -> dict[str, str]:
             "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
             "MASTER_PORT": env.get("MASTER_PORT", "29500"),
         }
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     return {
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": str(free_port()),
     }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a local rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _setup_parallel(config: Config) -> None:
@@ -412,7 +416,9 @@ def _save(engine, root: Path, step: int, consumed: int, config: Config) -> None:
 
 
 def _demo_only(config: Config) -> bool:
-    return all(s == "demo" or s.startswith("demo:") for s in config.data.sources)
+    from focus_pretrain.data.demo_corpus import is_demo_source
+
+    return all(is_demo_source(s) for s in config.data.sources)
 
 
 def _update_balance(routers: list[FocusRouter], parallel_state) -> None:

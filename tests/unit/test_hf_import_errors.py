@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -53,8 +54,6 @@ def test_config_and_weights_that_disagree(llama, tmp_path):
 
 def test_recipe_that_disagrees_with_the_checkpoint(llama):
     config = hf_model_config(llama)
-    from dataclasses import replace
-
     with pytest.raises(
         ValueError, match=r"model.hidden_size is 96 but the HuggingFace checkpoint has 64"
     ):
