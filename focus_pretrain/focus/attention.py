@@ -10,7 +10,18 @@ keys and values (GQA when ``heads_kv < heads``). Causal self-attention with the 
 * ``local_only=True``: a sliding-window layer (interleaved local/global models); no routing.
 
 Every backend computes exactly the same function; ``backend="auto"`` picks the fastest exact
-one for the request. This release ships the ``reference`` backend.
+one for the request (:func:`select_backend`). Backends:
+
+* ``reference`` (:mod:`~focus_pretrain.focus.reference`): exact, differentiable, any device;
+  the yardstick.
+* ``decomposed`` (:mod:`~focus_pretrain.focus.decomposed`): hard top-1 and sliding-window
+  inference as group sort + one varlen causal call + cross-group band + log-sum-exp merge.
+* ``flex`` (:mod:`~focus_pretrain.focus.flex`): FlexAttention, hard any ``top_k`` (block-sparse on
+  the group-sorted layout), soft gate as ``score_mod`` (training), sliding window.
+
+``auto`` on CUDA: ``decomposed`` with flash-attn for hard top-1 fp16/bf16, else ``flex``. On CPU:
+``decomposed`` for hard top-1 from :data:`CPU_DECOMPOSED_MIN_SEQ` tokens, else ``reference``
+(CPU FlexAttention is eager and forward-only: exact, selectable, never automatic).
 """
 
 from __future__ import annotations
@@ -21,11 +32,42 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus import flex
 from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
+from focus_pretrain.focus.decomposed import decomposed_attention, flash_attn_available
+from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 
 BackendFn = Callable[..., tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """What a backend is asked to compute (enough to decide whether it can, and how fast).
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"``, ...; dtype: the inputs' dtype.
+        batch, seq, heads, heads_kv, head_dim: the shapes.
+        mode: ``"soft"`` or ``"hard"``; top_k: groups per token (hard mode).
+        local_only: a sliding-window layer; window: the local window.
+        softcap: whether Gemma-2 soft-capping is on.
+        needs_grad: whether autograd will differentiate through the call.
+    """
+
+    device: str
+    dtype: torch.dtype
+    batch: int
+    seq: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    mode: str
+    top_k: int
+    local_only: bool
+    window: int
+    softcap: bool
+    needs_grad: bool
 
 
 @dataclass(frozen=True)
@@ -36,14 +78,13 @@ class Backend:
         name: what ``backend=`` selects.
         fn: ``fn(q, k, v, *, probs, member, window, mode, gate_lambda, softcap, scale,
             local_only) -> (out [b, s, H, D], lse [b, s, H] fp32)``.
-        supports: ``supports(q, mode, local_only) -> bool``: can it run this request exactly?
-        priority: ``auto`` picks the supported backend with the highest priority.
+        priority: ``priority(request) -> int | None``: ``None`` when the backend cannot run the
+            :class:`AttentionRequest` exactly; otherwise ``auto`` picks the highest.
     """
 
     name: str
     fn: BackendFn
-    supports: Callable[[Tensor, str, bool], bool]
-    priority: int
+    priority: Callable[[AttentionRequest], int | None]
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -59,7 +100,22 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-register_backend(Backend("reference", reference_attention, lambda q, m, lo: True, priority=0))
+def select_backend(name: str, request: AttentionRequest) -> Backend:
+    """The backend ``name`` (checked to support ``request``), or for ``"auto"`` the fastest."""
+    if name == "auto":
+        ranked = [(b.priority(request), b.name) for b in _BACKENDS.values()]
+        return _BACKENDS[max((p, n) for p, n in ranked if p is not None)[1]]
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
+    chosen = _BACKENDS[name]
+    if chosen.priority(request) is None:
+        raise ValueError(
+            f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
+            f"local_only={request.local_only}, softcap={request.softcap}, "
+            f"needs_grad={request.needs_grad} on {request.device} with {request.dtype}; "
+            "use backend='auto'"
+        )
+    return chosen
 
 
 def focus_attention(
@@ -121,7 +177,23 @@ def focus_attention(
     elif mode == "hard":
         member = Routing(probs).membership(top_k)  # [b, s] int64
         probs = None
-    chosen = _resolve_backend(backend, q, mode, local_only)
+    request = AttentionRequest(
+        device=q.device.type,
+        dtype=q.dtype,
+        batch=q.shape[0],
+        seq=q.shape[1],
+        heads=q.shape[2],
+        heads_kv=k.shape[2],
+        head_dim=q.shape[3],
+        mode=mode,
+        top_k=top_k,
+        local_only=local_only,
+        window=window,
+        softcap=softcap is not None,
+        needs_grad=torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
+    )
+    chosen = select_backend(backend, request)
     out, lse = chosen.fn(
         q,
         k,
@@ -136,21 +208,6 @@ def focus_attention(
         local_only=local_only,
     )
     return (out, lse) if return_lse else out
-
-
-def _resolve_backend(name: str, q: Tensor, mode: str, local_only: bool) -> Backend:
-    if name == "auto":
-        usable = [b for b in _BACKENDS.values() if b.supports(q, mode, local_only)]
-        return max(usable, key=lambda b: b.priority)
-    if name not in _BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
-    chosen = _BACKENDS[name]
-    if not chosen.supports(q, mode, local_only):
-        raise ValueError(
-            f"backend {name!r} cannot run mode={mode!r}, local_only={local_only} on "
-            f"{q.device.type} with {q.dtype}; use backend='auto'"
-        )
-    return chosen
 
 
 def _validate(
@@ -214,3 +271,32 @@ def _validate(
         for name, t in named:
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} contains NaN or inf values")
+
+
+CPU_DECOMPOSED_MIN_SEQ = 512  # below it the reference is as fast on CPU (docs/benchmarks.md)
+_FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _decomposed_priority(r: AttentionRequest) -> int | None:
+    if r.needs_grad or not (r.local_only or (r.mode == "hard" and r.top_k == 1)):
+        return None
+    if r.device == "cuda":
+        if flash_attn_available() and r.dtype in (torch.float16, torch.bfloat16):
+            return 30
+        return 15 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
+    if r.device != "cpu" or (r.softcap and not r.local_only):
+        return None
+    return 10 if r.seq >= CPU_DECOMPOSED_MIN_SEQ and not r.local_only else -10
+
+
+def _flex_priority(r: AttentionRequest) -> int | None:
+    if r.device == "cuda":
+        return 20 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
+    if r.device == "cpu" and not r.needs_grad:
+        return -20
+    return None
+
+
+register_backend(Backend("reference", reference_attention, lambda r: 0))
+register_backend(Backend("decomposed", decomposed_attention, _decomposed_priority))
+register_backend(Backend("flex", flex_focus_attention, _flex_priority))

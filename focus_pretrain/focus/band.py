@@ -1,0 +1,117 @@
+"""The local band in ``O(n w)`` and the log-sum-exp merge of partial attentions (plain PyTorch).
+
+The decomposition of hard Focus attention (:mod:`focus_pretrain.focus.decomposed`) splits the
+pattern into two disjoint parts, computed separately and merged exactly:
+
+* A, pairs that share a group (causal): attention inside the group-sorted layout;
+* B, the **cross-group local band**: ``0 <= i - j <= window`` and the groups do not intersect.
+
+:func:`band_attention` computes B (or the whole window of a sliding-window layer) block by block:
+the queries of block ``[t, t + B)`` against keys ``[t - window, t + B)``, all blocks of a chunk
+in one batched matmul, so time and memory are ``O(n (B + w))``. :func:`merge_by_lse` combines
+partial results ``(out, lse)`` of disjoint key sets into the attention over their union.
+
+Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
+``h // (heads / heads_kv)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local
+
+DEFAULT_BAND_BLOCK = 64
+MAX_BAND_SCORES = 1 << 25  # scores held at once (fp32: 128 MiB); chunks of query blocks
+
+
+def band_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None = None,
+    block: int = DEFAULT_BAND_BLOCK,
+    max_scores: int = MAX_BAND_SCORES,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of each query on the keys at most ``window`` positions back.
+
+    Args:
+        q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
+        window: ``w >= 0``; keys ``j`` with ``0 <= i - j <= w``.
+        scale, softcap: as in :func:`focus_pretrain.focus.focus_attention`.
+        member: ``[b, n]`` int64 bitmasks: if given, only pairs whose bitmasks do **not**
+            intersect (the cross-group band B); if ``None``, every pair of the band.
+        block: query rows per block (the result does not depend on it).
+        max_scores: bound on the scores materialised at once.
+
+    Returns:
+        ``(out [b, n, H, D] in q.dtype, lse [b, n, H] at least fp32)``; queries with no key
+        get ``out = 0``, ``lse = -inf``.
+    """
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    w = min(window, n - 1)  # a window past the start is the whole causal prefix
+    block = max(1, min(block, n))
+    nb = -(-n // block)  # query blocks
+    span = block + w  # keys seen by one query block
+    pad_back = nb * block - n
+    q5 = at_least_fp32(q).reshape(b, n, hkv, h // hkv, d)  # [b, n, Hkv, G, D]
+    q5 = F.pad(q5, (0, 0, 0, 0, 0, 0, 0, pad_back)).reshape(b, nb, block, hkv, h // hkv, d)
+    # keys padded with w rows in front: block t reads padded rows [t * block, t * block + span)
+    k_pad = F.pad(at_least_fp32(k), (0, 0, 0, 0, w, pad_back))  # [b, w + nb * block, Hkv, D]
+    v_pad = F.pad(at_least_fp32(v), (0, 0, 0, 0, w, pad_back))
+    k_win = k_pad.unfold(1, span, block)  # [b, nb, Hkv, D, span] (a view)
+    v_win = v_pad.unfold(1, span, block)
+    q_idx = torch.arange(block, device=q.device)
+    k_idx = torch.arange(span, device=q.device) - w  # key offset relative to the block start
+    _, in_band = causal_and_local(q_idx, k_idx, w)  # [block, span], the same for every block
+    if member is not None:
+        m_q = F.pad(member, (0, pad_back)).reshape(b, nb, block)  # [b, nb, block]
+        m_k = F.pad(member, (w, pad_back)).unfold(1, span, block)  # [b, nb, span]
+    first_key = torch.arange(nb, device=q.device)[:, None] * block + k_idx  # [nb, span]
+    key_exists = first_key >= 0  # the w front-padding keys do not exist
+    chunk = max(1, max_scores // max(1, b * h * block * span))
+    outs, lses = [], []
+    for c0 in range(0, nb, chunk):  # chunks of query blocks bound the memory, not a group loop
+        c1 = min(nb, c0 + chunk)
+        scores = torch.einsum("btqhgd,bthdk->bthgqk", q5[:, c0:c1], k_win[:, c0:c1]) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        allowed = in_band[None, None] & key_exists[None, c0:c1, None, :]  # [1, c, block, span]
+        if member is not None:
+            cross = (m_q[:, c0:c1, :, None] & m_k[:, c0:c1, None, :]) == 0  # [b, c, block, span]
+            allowed = allowed & cross
+        allowed = allowed[:, :, None, None]  # [b|1, c, 1, 1, block, span]
+        scores = scores.masked_fill(~allowed, float("-inf"))  # [b, c, Hkv, G, block, span]
+        lse = torch.logsumexp(scores, dim=-1)  # [b, c, Hkv, G, block]
+        finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        weights = torch.exp(scores - finite[..., None])
+        out = torch.einsum("bthgqk,bthdk->btqhgd", weights, v_win[:, c0:c1])
+        outs.append(out.reshape(b, (c1 - c0) * block, h, d))  # [b, c * block, H, D]
+        lses.append(lse.permute(0, 1, 4, 2, 3).reshape(b, (c1 - c0) * block, h))
+    out = torch.cat(outs, dim=1)[:, :n]
+    lse = torch.cat(lses, dim=1)[:, :n]
+    return out.to(q.dtype), lse
+
+
+def merge_by_lse(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Attention over the union of two disjoint key sets from each one's ``(out, lse)``.
+
+    ``out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b)``; a part with ``lse = -inf``
+    (no key) contributes nothing. Shapes: ``out [b, n, H, D]``, ``lse [b, n, H]``; the result is
+    in ``out_a``'s dtype with an at-least-fp32 ``lse``.
+    """
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse_a, lse_b = at_least_fp32(lse_a), at_least_fp32(lse_b)
+    lse = torch.logaddexp(lse_a, lse_b)  # [b, n, H]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - safe)[..., None]  # [b, n, H, 1]; 0 where lse_a = -inf
+    w_b = torch.exp(lse_b - safe)[..., None]
+    out = w_a * at_least_fp32(out_a) + w_b * at_least_fp32(out_b)
+    return out.to(out_a.dtype), lse

@@ -1,0 +1,128 @@
+"""The decomposed backend: hard top-1 Focus attention as varlen causal attention plus a band.
+
+With ``top_k = 1`` the hard pattern is the disjoint union of
+
+* A, same-group causal pairs: stably sort each sample's tokens by group (the
+  :class:`~focus_pretrain.focus.sorted_layout.GroupSortedLayout`); every (sample, group) is then a
+  contiguous segment in causal order, and A is ordinary causal attention inside each segment:
+  **one varlen call** over all segments of the batch (cost ``~ n^2 / K``);
+* B, the cross-group local band (``O(n w)``, :func:`~focus_pretrain.focus.band.band_attention`),
+
+merged per query by log-sum-exp (exact: the parts are disjoint and their union is the pattern),
+then unsorted. No Python loop over groups or samples.
+
+The varlen call, best first: ``flash_attn_varlen_func`` (CUDA, when ``flash-attn`` is
+importable; the only path that also takes Gemma-2's soft-capping), FlexAttention with a document
+mask on the sorted layout (CUDA), or PyTorch's fused SDPA kernel on the segments padded to
+one length (CPU; it returns the log-sum-exp the merge needs). On CUDA the band is a FlexAttention
+sliding-window call; elsewhere the blockwise PyTorch band.
+
+Inference only: the log-sum-exp of the fused kernels carries no gradient, so the backend
+declines requests that need one (``backend="auto"`` then picks another).
+Layout: ``[batch, seq, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.focus import flex
+from focus_pretrain.focus.band import band_attention, merge_by_lse
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+
+
+def flash_attn_available() -> bool:
+    """Whether the optional ``flash-attn`` package is importable (CUDA only)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def decomposed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    probs: Tensor | None,
+    member: Tensor | None,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+) -> tuple[Tensor, Tensor]:
+    """Hard top-1 (or sliding-window) Focus attention; see the module docstring.
+
+    Args:
+        q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
+        member: ``[b, n]`` int64 one-bit memberships (hard mode, ``top_k = 1``).
+
+    Returns:
+        ``(out [b, n, H, D], lse [b, n, H] fp32)``.
+    """
+    if local_only:
+        return _band(q, k, v, window=window, scale=scale, softcap=softcap, member=None)
+    if mode != "hard" or member is None:
+        raise ValueError("the decomposed backend computes hard top-1 attention only")
+    layout = GroupSortedLayout.build(member)
+    q_p, k_p, v_p = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
+    out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)
+    same_group = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
+    cross_band = _band(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
+    return merge_by_lse(same_group, cross_band)
+
+
+def _band(q, k, v, *, window, scale, softcap, member) -> tuple[Tensor, Tensor]:
+    if q.is_cuda and flex.flex_available_on(q.device.type):
+        return flex.band(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
+    return band_attention(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
+
+
+def _segments_causal(
+    q: Tensor, k: Tensor, v: Tensor, layout: GroupSortedLayout, *, scale: float, softcap
+) -> tuple[Tensor, Tensor]:
+    """Causal attention inside each segment: packed ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
+    if flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16):
+        from flash_attn import flash_attn_varlen_func
+
+        out, lse, _ = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            layout.cu_seqlens,
+            layout.cu_seqlens,
+            layout.max_seqlen,
+            layout.max_seqlen,
+            softmax_scale=scale,
+            causal=True,
+            softcap=0.0 if softcap is None else softcap,
+            return_attn_probs=True,
+        )
+        return out, lse.transpose(0, 1).float()  # [H, T] -> [T, H]
+    if q.is_cuda and flex.flex_available_on(q.device.type):
+        return flex.same_group(q, k, v, layout, scale=scale, softcap=softcap)
+    if softcap is not None:
+        raise ValueError("soft-capping needs flash-attn or FlexAttention in the decomposed backend")
+    return _padded_sdpa(q, k, v, layout, scale=scale)
+
+
+def _padded_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, layout: GroupSortedLayout, *, scale: float
+) -> tuple[Tensor, Tensor]:
+    """CPU: segments padded to ``max_seqlen`` and one fused causal SDPA call with its lse.
+
+    Right padding is exact under the causal mask: a real query never sees a later (padded) key.
+    """
+    h, hkv = q.shape[1], k.shape[1]
+    if hkv != h:  # GQA: the fused CPU kernel wants one KV head per query head
+        k = k.repeat_interleave(h // hkv, dim=1)  # [T, Hkv, D] -> [T, H, D]
+        v = v.repeat_interleave(h // hkv, dim=1)
+    padded = [layout.to_padded(t).transpose(1, 2) for t in (q, k, v)]  # [S, H, L, D]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *padded, 0.0, True, scale=scale
+    )  # [S, H, L, D], [S, H, L]
+    out = layout.from_padded(out.transpose(1, 2))  # [S, L, H, D] -> [T, H, D]
+    lse = layout.from_padded(lse.transpose(1, 2))  # [S, L, H] -> [T, H]
+    return out, lse.float()

@@ -1,0 +1,105 @@
+"""The group-sorted layout: a batch packed into one sequence, each sample stably sorted by group.
+
+Hard Focus attention between tokens that share a group is block-structured once tokens are
+sorted by their membership bitmask: with ``top_k = 1`` every group is a contiguous *segment*
+and same-group causal attention is ordinary causal attention inside each segment (a varlen
+call), because a **stable** sort keeps the causal order inside a segment. With ``top_k > 1``
+tokens of equal bitmask form the segments and two segments interact when their bitmasks
+intersect (a block-sparse pattern, :mod:`focus_pretrain.focus.flex`).
+
+Layout: the batch ``[b, n, ...]`` is flattened to ``[b * n, ...]`` (flat index ``t = sample * n
++ position``) and packed as ``packed[p] = flat[order[p]]``: sample 0's tokens sorted by bitmask,
+then sample 1's, and so on. Nothing here loops over samples or groups in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GroupSortedLayout:
+    """Where every token of a batch sits in the group-sorted packed sequence.
+
+    Attributes:
+        batch, seq: the batch shape ``[b, n]`` it was built from.
+        order: ``[b * n]`` int64: packed position ``p`` holds flat token ``order[p]``.
+        inverse: ``[b * n]`` int64: flat token ``t`` sits at packed position ``inverse[t]``.
+        sample: ``[b * n]`` int64 sample of each packed token.
+        position: ``[b * n]`` int64 position (within its sample) of each packed token.
+        member: ``[b * n]`` int64 membership bitmask of each packed token.
+        segment: ``[b * n]`` int64 segment id: runs of equal ``(sample, member)``.
+        cu_seqlens: ``[S + 1]`` int32 start of each segment, then ``b * n``.
+        max_seqlen: the longest segment.
+    """
+
+    batch: int
+    seq: int
+    order: Tensor
+    inverse: Tensor
+    sample: Tensor
+    position: Tensor
+    member: Tensor
+    segment: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+
+    @classmethod
+    def build(cls, member: Tensor) -> GroupSortedLayout:
+        """Sort each sample of ``member`` ``[b, n]`` (int64 bitmasks) stably by bitmask."""
+        b, n = member.shape
+        device = member.device
+        sorted_member, index = torch.sort(member, dim=1, stable=True)  # [b, n] each
+        sample = torch.arange(b, device=device).repeat_interleave(n)  # [b * n]
+        order = (index + sample.view(b, n) * n).reshape(-1)  # [b, n] -> [b * n] flat indices
+        packed_member = sorted_member.reshape(-1)  # [b, n] -> [b * n]
+        starts = torch.ones_like(packed_member, dtype=torch.bool)
+        starts[1:] = (packed_member[1:] != packed_member[:-1]) | (sample[1:] != sample[:-1])
+        segment = torch.cumsum(starts, dim=0) - 1
+        start_index = torch.nonzero(starts).squeeze(1)
+        end = torch.tensor([b * n], device=device)
+        cu_seqlens = torch.cat([start_index, end]).to(torch.int32)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(b * n, device=device)
+        return cls(
+            batch=b,
+            seq=n,
+            order=order,
+            inverse=inverse,
+            sample=sample,
+            position=index.reshape(-1),
+            member=packed_member,
+            segment=segment,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def pack(self, x: Tensor) -> Tensor:
+        """``[b, n, ...]`` -> packed ``[b * n, ...]`` in group-sorted order."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:])[self.order]  # [b * n, ...]
+
+    def unpack(self, y: Tensor) -> Tensor:
+        """Packed ``[b * n, ...]`` -> ``[b, n, ...]`` in the original order."""
+        return y[self.inverse].reshape(self.batch, self.seq, *y.shape[1:])  # [b, n, ...]
+
+    def rank_in_segment(self) -> Tensor:
+        """``[b * n]`` int64: each packed token's index inside its segment."""
+        starts = self.cu_seqlens[:-1].to(torch.int64)
+        return torch.arange(self.order.numel(), device=self.order.device) - starts[self.segment]
+
+    def to_padded(self, x: Tensor) -> Tensor:
+        """Packed ``[b * n, ...]`` -> ``[S, max_seqlen, ...]``, one zero-padded row per segment."""
+        out = x.new_zeros(self.num_segments, self.max_seqlen, *x.shape[1:])
+        out[self.segment, self.rank_in_segment()] = x
+        return out
+
+    def from_padded(self, y: Tensor) -> Tensor:
+        """``[S, max_seqlen, ...]`` -> packed ``[b * n, ...]`` (padding rows dropped)."""
+        return y[self.segment, self.rank_in_segment()]

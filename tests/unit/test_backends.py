@@ -1,0 +1,390 @@
+"""Every fast backend against the reference: random shapes, K, top_k, windows, GQA, dtypes.
+
+The reference itself is tested against a brute-force loop (``test_reference_exact.py``). CPU
+FlexAttention runs eagerly, which applies ``mask_mod`` to every pair and ignores the block
+mask's sparsity, so the block masks are tested on their own: every allowed pair lies in a kept
+block, every *full* block holds only allowed pairs, and a compiled CPU kernel (which does skip
+blocks) gives the exact result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import flex_attention
+
+from focus_pretrain.focus import Routing, focus_attention
+from focus_pretrain.focus.attention import AttentionRequest, select_backend
+from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
+from focus_pretrain.focus.pattern import allowed_pairs
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+from tests.helpers import random_probs, random_qkv
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager CPU FlexAttention notice
+
+
+def skewed_probs(b: int, n: int, k: int, *, seed: int, skew: float) -> torch.Tensor:
+    """Soft assignments with uneven (``skew > 0``: some groups large, some empty) group sizes."""
+    probs = random_probs(b, n, k, seed=seed, sharpness=3.0)
+    prior = torch.exp(-skew * torch.arange(k, dtype=torch.float64))  # later groups rarer
+    probs = probs * prior
+    return probs / probs.sum(-1, keepdim=True)
+
+
+@st.composite
+def problems(draw):
+    hkv = draw(st.integers(1, 2))
+    k_groups = draw(st.integers(1, 9))
+    mode = draw(st.sampled_from(["hard", "hard", "soft"]))
+    top_k = 1 if mode == "soft" else draw(st.integers(1, min(3, k_groups)))
+    n = draw(st.integers(1, 90))
+    return dict(
+        b=draw(st.integers(1, 3)),
+        n=n,
+        hkv=hkv,
+        h=hkv * draw(st.integers(1, 3)),
+        d=draw(st.sampled_from([4, 8, 16])),
+        k_groups=k_groups,
+        top_k=top_k,
+        window=draw(st.sampled_from([0, 1, 7, 16, n, n + 5])),
+        mode=mode,
+        local_only=draw(st.sampled_from([False, False, False, True])),
+        softcap=draw(st.sampled_from([None, None, 2.0])),
+        skew=draw(st.sampled_from([0.0, 0.0, 1.5, 4.0])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def backend_names(p: dict) -> list[str]:
+    names = ["flex"]
+    if p["local_only"] or (p["mode"] == "hard" and p["top_k"] == 1 and p["softcap"] is None):
+        names.append("decomposed")
+    return names
+
+
+def run(p: dict, backend: str, dtype: torch.dtype):
+    q, k, v = random_qkv(p["b"], p["n"], p["h"], p["hkv"], p["d"], seed=p["seed"], dtype=dtype)
+    probs = skewed_probs(p["b"], p["n"], p["k_groups"], seed=p["seed"] + 1, skew=p["skew"])
+    return focus_attention(
+        q,
+        k,
+        v,
+        Routing(probs.float()),
+        window=p["window"],
+        mode=p["mode"],
+        top_k=p["top_k"],
+        softcap=p["softcap"],
+        local_only=p["local_only"],
+        gate_lambda=6.0,
+        backend=backend,
+        return_lse=True,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_backends_equal_reference_fp32(p):
+    with torch.no_grad():
+        want, want_lse = run(p, "reference", torch.float32)
+        for name in backend_names(p):
+            got, lse = run(p, name, torch.float32)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "mode, top_k, local_only",
+    [("hard", 1, False), ("hard", 2, False), ("soft", 1, False), ("hard", 1, True)],
+)
+def test_backends_equal_reference_bf16(mode, top_k, local_only):
+    p = dict(
+        b=2,
+        n=150,
+        hkv=2,
+        h=4,
+        d=32,
+        k_groups=4,
+        top_k=top_k,
+        window=20,
+        mode=mode,
+        local_only=local_only,
+        softcap=None,
+        skew=1.0,
+        seed=7,
+    )
+    with torch.no_grad():
+        want, _ = run(p, "reference", torch.bfloat16)
+        exact, _ = run(p, "reference", torch.float32)
+        for name in backend_names(p):
+            got, _ = run(p, name, torch.bfloat16)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            # no worse than the reference's own bf16 rounding, measured against fp32
+            err = (got.float() - exact).abs().max()
+            assert err <= 2 * (want.float() - exact).abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("backend", ["decomposed", "flex"])
+def test_sequence_shorter_than_window_and_single_token(backend):
+    for n in (1, 5):
+        p = dict(
+            b=2,
+            n=n,
+            hkv=1,
+            h=2,
+            d=8,
+            k_groups=3,
+            top_k=1,
+            window=128,
+            mode="hard",
+            local_only=False,
+            softcap=None,
+            skew=0.0,
+            seed=n,
+        )
+        with torch.no_grad():
+            want, want_lse = run(p, "reference", torch.float32)
+            got, lse = run(p, backend, torch.float32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_decomposed_above_block_sizes():
+    """Lengths past the band's chunking and many segments (K = 16), batch 3, GQA 8:2."""
+    p = dict(
+        b=3,
+        n=700,
+        hkv=2,
+        h=8,
+        d=16,
+        k_groups=16,
+        top_k=1,
+        window=40,
+        mode="hard",
+        local_only=False,
+        softcap=None,
+        skew=0.5,
+        seed=3,
+    )
+    with torch.no_grad():
+        want, want_lse = run(p, "reference", torch.float32)
+        got, lse = run(p, "decomposed", torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sorted_layout_is_stable_and_invertible():
+    member = 1 << torch.randint(0, 5, (3, 50))
+    layout = GroupSortedLayout.build(member)
+    x = torch.randn(3, 50, 2)
+    torch.testing.assert_close(layout.unpack(layout.pack(x)), x, rtol=0, atol=0)
+    torch.testing.assert_close(layout.from_padded(layout.to_padded(layout.pack(x))), layout.pack(x))
+    for s in range(layout.num_segments):
+        lo, hi = layout.cu_seqlens[s], layout.cu_seqlens[s + 1]
+        assert (layout.member[lo:hi] == layout.member[lo]).all()
+        assert (layout.sample[lo:hi] == layout.sample[lo]).all()
+        assert (layout.position[lo:hi].diff() > 0).all()  # stable: causal order kept
+    assert layout.num_segments == sum(len(row.unique()) for row in member)
+
+
+def test_merge_of_empty_parts():
+    out = torch.randn(1, 3, 2, 4)
+    lse = torch.randn(1, 3, 2)
+    empty = (torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+    merged, merged_lse = merge_by_lse((out, lse), empty)
+    torch.testing.assert_close(merged, out)
+    torch.testing.assert_close(merged_lse, lse)
+    nothing, nothing_lse = merge_by_lse(empty, empty)
+    assert (nothing == 0).all() and torch.isneginf(nothing_lse).all()
+
+
+def dense_blocks(mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept, full)`` ``[nq, nk]`` bool block matrices of a BlockMask."""
+
+    def to_dense(num, idx):
+        nb = idx.shape[-1]
+        dense = torch.zeros(num.shape[-1], nb, dtype=torch.bool)
+        for row in range(num.shape[-1]):
+            dense[row, idx[0, 0, row, : num[0, 0, row]].long()] = True
+        return dense
+
+    partial = to_dense(mask.kv_num_blocks, mask.kv_indices)
+    full = torch.zeros_like(partial)
+    if mask.full_kv_num_blocks is not None:
+        full = to_dense(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & full).any()
+    return partial | full, full
+
+
+def check_block_mask(mask, allowed: torch.Tensor, block: int) -> None:
+    """Every allowed pair of ``allowed [T, T]`` in a kept block; full blocks all allowed."""
+    kept, full = dense_blocks(mask)
+    t = allowed.shape[0]
+    pad = kept.shape[0] * block - t
+
+    def per_block(padding: bool) -> torch.Tensor:  # [nq, block, nk, block]
+        padded = torch.nn.functional.pad(allowed, (0, pad, 0, pad), value=padding)
+        return padded.view(kept.shape[0], block, kept.shape[1], block)
+
+    any_allowed = per_block(False).any(dim=3).any(dim=1)
+    all_allowed = per_block(True).all(dim=3).all(dim=1)  # padding rows/columns never computed
+    assert not (any_allowed & ~kept).any(), "an allowed pair lies in a skipped block"
+    assert not (full & ~all_allowed).any(), "a full block holds a disallowed pair"
+    return kept
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("block", [8, 32])
+def test_same_group_block_mask_covers_pattern(top_k, block):
+    b, n, groups = 2, 160, 6
+    probs = skewed_probs(b, n, groups, seed=top_k, skew=0.7)
+    member = Routing(probs).membership(top_k)
+    layout = GroupSortedLayout.build(member)
+    mask = same_group_block_mask(layout, block)
+    # allowed pairs that share a group, in the packed layout: brute force from the pattern
+    gpos = layout.sample * n + layout.position
+    shares = (layout.member[:, None] & layout.member[None, :]) != 0
+    same_sample = layout.sample[:, None] == layout.sample[None, :]
+    allowed = shares & same_sample & (gpos[:, None] >= gpos[None, :])
+    check_block_mask(mask, allowed, block)
+
+
+@pytest.mark.parametrize("top_k, most", [(1, 1.1), (2, 1.1)])
+def test_same_group_block_mask_is_tight(top_k, most):
+    """At realistic segment lengths (many blocks each) the mask keeps about the needed blocks."""
+    n, groups, block = 2048, 4, 16
+    member = Routing(random_probs(1, n, groups, seed=top_k, sharpness=3.0)).membership(top_k)
+    layout = GroupSortedLayout.build(member)
+    gpos = layout.position
+    allowed = ((layout.member[:, None] & layout.member[None, :]) != 0) & (
+        gpos[:, None] >= gpos[None, :]
+    )
+    kept = check_block_mask(same_group_block_mask(layout, block), allowed, block)
+    nb = kept.shape[0]
+    needed = allowed.view(nb, block, nb, block).any(dim=3).any(dim=1)
+    assert kept.sum() <= most * needed.sum()
+    causal_blocks = nb * (nb + 1) / 2
+    density = allowed.sum() / (n * (n + 1) / 2)
+    # the pair-count ideal in blocks, plus the partial blocks where two segments' positions
+    # interleave (about two per segment and block row; negligible at long lengths)
+    assert kept.sum() <= density * causal_blocks + 2 * layout.num_segments * nb
+
+
+@pytest.mark.parametrize("window", [0, 5, 40, 1000])
+@pytest.mark.parametrize("cross", [False, True])
+def test_band_block_mask_covers_band(window, cross):
+    n, block = 150, 16
+    member = Routing(random_probs(1, n, 4, seed=window)).membership(1)
+    mask = band_block_mask(n, window, member if cross else None, torch.device("cpu"), block)
+    positions = torch.arange(n)
+    allowed = allowed_pairs(positions, positions, window, local_only=True)[0]
+    if cross:
+        allowed = allowed & ((member[0][:, None] & member[0][None, :]) == 0)
+    kept = check_block_mask(mask, allowed, block)
+    assert kept.sum() <= kept.shape[0] * (window // block + 2)  # O(n w), not O(n^2)
+
+
+def test_compiled_cpu_flex_skips_blocks_exactly():
+    """The compiled CPU kernel honours the sparse block mask (eager ignores it): still exact."""
+    b, n, h, d, groups = 2, 96, 2, 16, 4
+    q, k, v = random_qkv(b, n, h, h, d, seed=5, dtype=torch.float32)
+    member = Routing(random_probs(b, n, groups, seed=6, sharpness=3.0)).membership(2)
+    layout = GroupSortedLayout.build(member)
+    mask = same_group_block_mask(layout, 16)
+    packed = [layout.pack(t).transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, T, D]
+    compiled = torch.compile(flex_attention, dynamic=False)
+    got = compiled(*packed, block_mask=mask, scale=0.25)
+    eager = flex_attention(*packed, block_mask=mask, scale=0.25)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+
+
+def request(**overrides) -> AttentionRequest:
+    base = dict(
+        device="cpu",
+        dtype=torch.float32,
+        batch=1,
+        seq=4096,
+        heads=8,
+        heads_kv=8,
+        head_dim=64,
+        mode="hard",
+        top_k=1,
+        local_only=False,
+        window=128,
+        softcap=False,
+        needs_grad=False,
+    )
+    return AttentionRequest(**{**base, **overrides})
+
+
+def test_auto_selection_on_cpu():
+    assert select_backend("auto", request()).name == "decomposed"
+    assert select_backend("auto", request(seq=128)).name == "reference"
+    assert select_backend("auto", request(top_k=2)).name == "reference"
+    assert select_backend("auto", request(mode="soft")).name == "reference"
+    assert select_backend("auto", request(needs_grad=True)).name == "reference"
+    assert select_backend("auto", request(softcap=True)).name == "reference"
+    with pytest.raises(ValueError, match="'decomposed' cannot run mode='hard', top_k=2"):
+        select_backend("decomposed", request(top_k=2))
+    with pytest.raises(ValueError, match=r"'flex' cannot run .*needs_grad=True"):
+        select_backend("flex", request(needs_grad=True))
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        select_backend("fast", request())
+
+
+def test_hard_mode_with_gradients_uses_an_exact_differentiable_backend():
+    q, k, v = random_qkv(1, 1100, 2, 2, 8, seed=1, dtype=torch.float32, requires_grad=True)
+    probs = random_probs(1, 1100, 4, seed=2).float()
+    out = focus_attention(q, k, v, Routing(probs), window=16, mode="hard")  # auto: reference
+    out.square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2)])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap):
+    """FlexAttention's backward (GPU only): q, k, v and, in soft mode, the assignments."""
+    b, n, h, hkv, d = 2, 700, 4, 2, 64
+    q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=1, dtype=torch.float32))
+    probs = random_probs(b, n, 8, seed=2, sharpness=3.0).float().cuda()
+    grads = {}
+    for name in ("reference", "flex"):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
+        out = focus_attention(
+            *leaves[:3],
+            Routing(leaves[3]),
+            window=64,
+            mode=mode,
+            top_k=top_k,
+            softcap=softcap,
+            backend=name,
+        )
+        (out * torch.linspace(-1, 1, d, device="cuda")).sum().backward()
+        grads[name] = [out] + [t.grad for t in leaves[: 4 if mode == "soft" else 3]]
+    for want, got in zip(grads["reference"], grads["flex"], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fast_backends_on_gpu(dtype, top_k):
+    b, n, h, hkv, d = 2, 3000, 8, 2, 64
+    q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=3, dtype=dtype))
+    routing = Routing(random_probs(b, n, 8, seed=4, sharpness=3.0).float().cuda())
+    kwargs = dict(window=128, mode="hard", top_k=top_k)
+    with torch.no_grad():
+        want = focus_attention(q, k, v, routing, backend="reference", **kwargs).float()
+        for name in ["flex", "auto"] + (["decomposed"] if top_k == 1 else []):
+            got = focus_attention(q, k, v, routing, backend=name, **kwargs).float()
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
