@@ -278,6 +278,7 @@ _EXPORTED_FOCUS_FIELDS = (
     "inference_mode",
     "gate_lambda",
     "normalize",
+    "backend",
 )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 BALANCE_MODES = ("causal", "sinkhorn")
 ATTENTION_MODES = ("soft", "hard")
+BACKEND_NAMES = ("auto", "reference", "decomposed", "flex")  # attention.py registers the last 3
 MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 
@@ -44,6 +45,9 @@ class FocusConfig:
         check_finite: reject NaN/inf inputs with a ``ValueError`` (costs a device sync on GPU).
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
+        backend: the attention backend, ``"auto"`` (the fastest exact one for each call) or
+            one of ``focus_pretrain.focus.available_backends()`` (``reference``, ``decomposed``,
+            ``flex``).
     """
 
     enabled: bool = True
@@ -60,6 +64,7 @@ class FocusConfig:
     normalize: bool = True
     check_finite: bool = True
     window_only: bool = False
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("focus.num_groups", self.num_groups, low=1, high=MAX_GROUPS)
@@ -74,6 +79,7 @@ class FocusConfig:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
+        check_choice("focus.backend", self.backend, BACKEND_NAMES)
 
 
 def check_int(

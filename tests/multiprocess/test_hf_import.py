@@ -189,3 +189,11 @@ def test_shipped_hf_modeling_matches_ours_with_focus_on(hf_models, model_type, t
         soft = model(tokens()).logits
     torch.testing.assert_close(hard, ours["hard"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(soft, ours["soft"], rtol=1e-5, atol=1e-5)
+    # the shipped dense path and each of our backends behind it give the same hard logits
+    model.config.focus["inference_mode"] = "hard"
+    backends = ["dense", "flex"] + ([] if model_type == "gemma2" else ["decomposed"])
+    for backend in backends:  # gemma2's soft-capping needs flash-attn in `decomposed`
+        model.config.focus["backend"] = backend
+        with torch.no_grad():
+            logits = model(tokens()).logits
+        torch.testing.assert_close(logits, ours["hard"], rtol=1e-5, atol=1e-5, msg=backend)

@@ -26,6 +26,7 @@ FOCUS_DEFAULTS = {
     "inference_mode": "hard",
     "gate_lambda": 10.0,
     "normalize": True,
+    "backend": "auto",
 }
 
 

@@ -11,9 +11,13 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
   gate ``log sigmoid(lambda (g_i . g_j - 1/2))`` (the training pattern);
 * Gemma-2's sliding-window layers keep their window and have no router.
 
-Exact and O(n^2) (a masked dense attention): for evaluation and generation, not long-context
-speed. Batches must be unpadded (no attention mask is applied); generation with the KV cache is
-supported (each layer caches its tokens' group assignments).
+Speed: when ``focus_pretrain`` is importable, a whole-sequence forward (evaluation, the prefill
+of generation) runs through its ``focus_attention`` with ``focus["backend"]`` (default ``"auto"``:
+the fastest exact backend, e.g. the decomposed or FlexAttention kernels on GPU). Otherwise, and
+for the one-token steps of KV-cache generation, this file's exact masked dense attention runs
+(``O(n^2)``; ``focus["backend"] = "dense"`` forces it). Batches must be unpadded (no attention
+mask is applied); generation with the KV cache is supported (each layer caches its tokens' group
+assignments).
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from transformers import (
     Olmo2ForCausalLM,
     Qwen2ForCausalLM,
 )
+
+try:  # the fast exact backends, when the training package is installed
+    from focus_pretrain.focus import focus_attention as _package_focus_attention
+except ImportError:  # standalone: the dense path below
+    _package_focus_attention = None
 
 from .configuration_focus import (
     FocusGemma2Config,
@@ -96,6 +105,9 @@ def focus_attention_forward(
     """``query [b, H, q, d]``, ``key/value [b, G, kv, d]`` -> ``([b, q, H, d], None)``."""
     _, heads, q_len, d = query.shape
     kv_len = key.shape[2]
+    fast = _fast_path(module, query, key, value, scaling, softcap, sliding_window)
+    if fast is not None:
+        return fast, None
     device = query.device
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     distance = q_pos[:, None] - torch.arange(kv_len, device=device)[None]  # [q, kv]
@@ -136,6 +148,35 @@ def focus_attention_forward(
     weights = torch.softmax(scores + bias[:, None], dim=-1)
     out = torch.matmul(weights, v).to(query.dtype)  # [b, H, q, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _fast_path(module, query, key, value, scaling, softcap, sliding_window) -> Tensor | None:
+    """The package's ``focus_attention`` on a whole sequence, or ``None`` where it does not apply.
+
+    ``[b, H, s, d]`` in, ``[b, s, H, d]`` out.
+    """
+    router = getattr(module, "router", None)
+    focus_window = getattr(module, "focus_window", None)
+    config_focus = getattr(getattr(module, "config", None), "focus", {})
+    focus = router.focus if router is not None else config_focus
+    backend = focus.get("backend", "auto")
+    if _package_focus_attention is None or backend == "dense" or query.shape[2] != key.shape[2]:
+        return None
+    kwargs = dict(scale=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap)
+    if router is not None:
+        probs = _routing(module, query.shape[2], key.shape[2])  # [b, s, K]
+        mode = "soft" if module.training else focus["inference_mode"]
+        kwargs.update(window=focus["window"], mode=mode, top_k=focus["top_k"])
+        kwargs.update(gate_lambda=focus["gate_lambda"])
+    elif sliding_window is not None:  # HF's window counts the token itself
+        probs, kwargs["window"], kwargs["local_only"] = None, sliding_window - 1, True
+    elif focus_window is not None:
+        probs, kwargs["window"], kwargs["local_only"] = None, focus_window, True
+    else:  # Focus disabled: plain causal attention, not ours to speed up
+        return None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, H, s, d] -> [b, s, H, d]
+    out = _package_focus_attention(q, k, v, probs, backend=backend, check_finite=False, **kwargs)
+    return out.contiguous()  # [b, s, H, d]
 
 
 AttentionInterface.register("focus", focus_attention_forward)
