@@ -65,3 +65,32 @@ def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
     expected = hf_model_config(path)
     for field in ("family", "num_layers", "hidden_size", "num_query_groups", "rotary_base"):
         assert getattr(config.model, field) == getattr(expected, field), field
+
+
+def test_bench_attention_smoke_on_cpu(tmp_path):
+    """The benchmark runs end to end on CPU at small sizes (a smoke check, not figures)."""
+    out, table = tmp_path / "bench.json", tmp_path / "bench.md"
+    args = ["--device", "cpu", "--seq", "256", "640", "--groups", "4", "--top-k", "1", "2"]
+    args += ["--heads", "4", "--heads-kv", "2", "--head-dim", "16", "--dtype", "fp32"]
+    args += ["--window", "32", "--warmup", "1", "--repeats", "2"]
+    args += ["--json", str(out), "--markdown", str(table)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_attention.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    assert report["environment"]["torch"]
+    rows = report["rows"]
+    assert [(r["seq"], r["top_k"]) for r in rows] == [(256, 1), (256, 2), (640, 1), (640, 2)]
+    for row in rows:
+        assert set(row["backends"]) == ({"decomposed", "flex"} if row["top_k"] == 1 else {"flex"})
+        assert row["dense_ms"]["sdpa"] > 0 and row["ideal_speedup"] > 1
+        for b in row["backends"].values():
+            assert b["max_abs_error_vs_reference"] < 1e-4  # checked before timing
+            assert b["ms"] > 0 and b["overhead_fraction"] > 0
+            assert abs(b["speedup"] - row["dense_ms"]["sdpa"] / b["ms"]) < 1e-9
+    assert "| 640 | 4 | 2 | hard |" in table.read_text()
+    assert "| decomposed |" in result.stdout

@@ -1,0 +1,294 @@
+"""Benchmark of the Focus backends against dense causal attention (``tools/bench_attention.py``).
+
+For every sequence length, ``K`` and ``top_k`` it times, after warm-up and as the median of
+repeats (CUDA events on GPU, ``perf_counter`` on CPU):
+
+* dense causal attention of the same shape and dtype: SDPA (restricted to its flash kernel on
+  CUDA) and ``flash_attn_func`` when ``flash-attn`` is importable; the best of them is the
+  baseline of every speedup;
+* each Focus backend in hard mode through the public :func:`focus_attention` (routing
+  membership, sort, kernels, merge: everything a caller pays);
+* the backend's non-kernel work alone (membership, group sort, packing, block masks, log-sum-exp
+  merge, unsort): the *overhead* column;
+* optionally (``train=True``) one soft-gate training step (forward + backward) of the ``flex``
+  backend against dense SDPA forward + backward.
+
+The ideal speedup is ``1 / density`` of the routed pattern's exact allowed-pair count. Before
+timing, each backend is checked against the reference on a prefix of the inputs. Rows are plain
+dicts (JSON) and :func:`markdown_table` renders them. CPU runs are smoke tests, not figures.
+Layout: ``[batch, seq, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from focus_pretrain.focus import flex
+from focus_pretrain.focus.attention import focus_attention
+from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.pattern import pattern_density
+from focus_pretrain.focus.router import Routing
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CHECK_TOKENS = 4096  # prefix checked against the reference before timing
+
+
+@dataclass
+class BenchConfig:
+    """What to measure (see ``tools/bench_attention.py --help``)."""
+
+    seq: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 65536, 262144, 1048576])
+    groups: list[int] = field(default_factory=lambda: [4, 8])
+    top_k: list[int] = field(default_factory=lambda: [1, 2])
+    window: int = 128
+    batch: int = 1
+    heads: int = 16
+    heads_kv: int = 16
+    head_dim: int = 128
+    dtype: str = "bf16"
+    backends: list[str] = field(default_factory=lambda: ["decomposed", "flex"])
+    warmup: int = 3
+    repeats: int = 10
+    train: bool = False
+    device: str = "cuda"
+    seed: int = 0
+
+
+def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable], float]:
+    def measure(fn: Callable) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)  # milliseconds
+
+    return measure
+
+
+def dense_baselines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict[str, Callable]:
+    """Dense causal attention callables of the same shape: SDPA (flash on CUDA), flash-attn."""
+    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, d] -> [b, h, s, d]
+    gqa = k.shape[2] != q.shape[2]
+
+    def sdpa():
+        if q.is_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(
+                    q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa
+                )
+        return F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+
+    out = {"sdpa": sdpa}
+    if q.is_cuda and importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn import flash_attn_func
+
+        out["flash_attn"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    return out
+
+
+def overhead_fn(
+    backend: str, q: Tensor, k: Tensor, v: Tensor, probs: Tensor, top_k: int, window: int
+) -> Callable[[], object]:
+    """The backend's non-kernel work alone (membership, sort, pack, masks, merge, unsort)."""
+
+    def run():
+        member = Routing(probs).membership(top_k)
+        layout = GroupSortedLayout.build(member)
+        packed = [layout.pack(t) for t in (q, k, v)]  # [b * n, H|Hkv, D]
+        if backend == "flex" and q.is_cuda:
+            flex.same_group_block_mask(layout)
+            flex.band_block_mask(q.shape[1], window, member, q.device)
+        out = layout.unpack(packed[0])  # the kernels' output has q's packed shape
+        lse = out[..., 0].float()  # [b, n, H]
+        return merge_by_lse((out, lse), (out, lse))
+
+    return run
+
+
+def _check(name: str, q, k, v, routing, kwargs) -> float:
+    n = min(q.shape[1], CHECK_TOKENS)
+    probs = routing.probs[:, :n]
+    args = (q[:, :n], k[:, :n], v[:, :n], Routing(probs))
+    want = focus_attention(*args, backend="reference", **kwargs).float()
+    got = focus_attention(*args, backend=name, **kwargs).float()
+    return float((got - want).abs().max())
+
+
+def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> list[dict]:
+    """Measure every configuration; returns one row (dict) per (seq, K, top_k[, train])."""
+    device = torch.device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    measure = _timer(device, cfg.warmup, cfg.repeats)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    scale = cfg.head_dim**-0.5
+    rows = []
+    for n in cfg.seq:
+
+        def randn(heads: int, n: int = n) -> Tensor:
+            shape = (cfg.batch, n, heads, cfg.head_dim)
+            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+        q, k, v = randn(cfg.heads), randn(cfg.heads_kv), randn(cfg.heads_kv)
+        with torch.no_grad():
+            dense = {name: measure(fn) for name, fn in dense_baselines(q, k, v, scale).items()}
+        base_name = min(dense, key=dense.get)
+        for groups in cfg.groups:
+            probs = torch.softmax(
+                torch.randn(cfg.batch, n, groups, generator=gen, device=device) * 3, dim=-1
+            )  # [b, n, K] random, balanced in expectation
+            routing = Routing(probs)
+            for top_k in (t for t in cfg.top_k if t <= groups):
+                member = routing.membership(top_k)
+                density = float(pattern_density(member.cpu(), cfg.window).mean())
+                row = dict(
+                    seq=n,
+                    groups=groups,
+                    top_k=top_k,
+                    window=cfg.window,
+                    mode="hard",
+                    dense_ms=dense,
+                    baseline=base_name,
+                    ideal_speedup=1.0 / density,
+                    density=density,
+                    backends={},
+                )
+                kwargs = dict(window=cfg.window, mode="hard", top_k=top_k, check_finite=False)
+                for name in cfg.backends:
+                    if name == "decomposed" and top_k != 1:
+                        continue  # top-1 only by construction
+                    with torch.no_grad():
+                        error = _check(name, q, k, v, routing, kwargs)
+                        call = functools.partial(
+                            focus_attention, q, k, v, routing, backend=name, **kwargs
+                        )
+                        total = measure(call)
+                        overhead = measure(overhead_fn(name, q, k, v, probs, top_k, cfg.window))
+                    row["backends"][name] = dict(
+                        ms=total,
+                        speedup=dense[base_name] / total,
+                        overhead_ms=overhead,
+                        overhead_fraction=overhead / total,
+                        max_abs_error_vs_reference=error,
+                    )
+                rows.append(row)
+                log(format_row(row))
+            if cfg.train and "flex" in cfg.backends and device.type != "cuda":
+                log("soft-gate training step skipped: FlexAttention's backward needs CUDA")
+            elif cfg.train and "flex" in cfg.backends:
+                rows.append(train_row(cfg, n, groups, q, k, v, probs, measure, scale))
+                log(format_row(rows[-1]))
+    return rows
+
+
+def train_row(cfg, n, groups, q, k, v, probs, measure, scale) -> dict:
+    """Soft-gate training step (forward + backward) of ``flex`` against dense SDPA's."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
+    grad = torch.randn_like(q)
+
+    def focus_step():
+        out = focus_attention(
+            *leaves[:3],
+            Routing(leaves[3]),
+            window=cfg.window,
+            mode="soft",
+            backend="flex",
+            check_finite=False,
+        )
+        out.backward(grad)
+
+    def dense_step():
+        out = dense_baselines(*leaves[:3], scale)["sdpa"]()  # [b, h, s, d]
+        out.backward(grad.transpose(1, 2))
+
+    dense = measure(dense_step)
+    total = measure(focus_step)
+    return dict(
+        seq=n,
+        groups=groups,
+        top_k=None,
+        window=cfg.window,
+        mode="soft-train",
+        dense_ms={"sdpa": dense},
+        baseline="sdpa",
+        ideal_speedup=1.0,
+        density=1.0,
+        backends={
+            "flex": dict(
+                ms=total,
+                speedup=dense / total,
+                overhead_ms=None,
+                overhead_fraction=None,
+                max_abs_error_vs_reference=None,
+            )
+        },
+    )
+
+
+def format_row(row: dict) -> str:
+    parts = [f"seq={row['seq']} K={row['groups']} top_k={row['top_k']} {row['mode']}"]
+    parts += [f"{name} {ms:.3f} ms" for name, ms in row["dense_ms"].items()]
+    for name, b in row["backends"].items():
+        parts.append(f"{name} {b['ms']:.3f} ms ({b['speedup']:.2f}x)")
+    parts.append(f"ideal {row['ideal_speedup']:.2f}x")
+    return " | ".join(parts)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (row, backend): time, speedup, ideal, overhead, check error."""
+    lines = [
+        "| seq | K | top_k | mode | dense (ms) | backend | time (ms) | speedup | ideal | "
+        "overhead (ms, %) | max err vs ref |",
+        "|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        dense = row["dense_ms"][row["baseline"]]
+        for name, b in row["backends"].items():
+            overhead = "-"
+            if b["overhead_ms"] is not None:
+                overhead = f"{b['overhead_ms']:.3f} ({100 * b['overhead_fraction']:.1f}%)"
+            error = b["max_abs_error_vs_reference"]
+            lines.append(
+                f"| {row['seq']} | {row['groups']} | {row['top_k'] or '-'} | {row['mode']} | "
+                f"{dense:.3f} ({row['baseline']}) | {name} | {b['ms']:.3f} | "
+                f"{b['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {overhead} | "
+                f"{'-' if error is None else f'{error:.1e}'} |"
+            )
+    return "\n".join(lines)
+
+
+def environment(cfg: BenchConfig) -> dict:
+    """Versions and machine, for the JSON and docs/benchmarks.md."""
+    env = dict(torch=torch.__version__, config=asdict(cfg))
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    if importlib.util.find_spec("flash_attn") is not None:
+        import flash_attn
+
+        env["flash_attn"] = flash_attn.__version__
+    return env

@@ -1,0 +1,80 @@
+"""Benchmark Focus attention backends against dense causal attention (FlashAttention).
+
+Times dense causal attention (SDPA's flash kernel; flash-attn when importable) and every Focus
+backend in hard mode (top-k routing, window w) with CUDA events after warm-up, median of
+repeats; reports time, speedup, the ideal speedup from the pattern's exact allowed-pair count,
+and the non-kernel overhead (membership, sort, masks, merge). Each backend is first checked
+against the reference. Writes JSON and a markdown table. On CPU it is a smoke test only.
+
+    python tools/bench_attention.py --seq 1024 4096 16384 65536 262144 1048576 \
+        --groups 4 8 --top-k 1 2 --heads 16 --head-dim 128 --dtype bf16 --train \
+        --json bench.json --markdown bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from focus_pretrain.focus.benchmark import (
+    DTYPES,
+    BenchConfig,
+    environment,
+    markdown_table,
+    run_benchmark,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = BenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
+    parser.add_argument("--groups", type=int, nargs="+", default=defaults.groups)
+    parser.add_argument("--top-k", type=int, nargs="+", default=defaults.top_k)
+    parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--batch", type=int, default=defaults.batch)
+    parser.add_argument("--heads", type=int, default=defaults.heads)
+    parser.add_argument("--heads-kv", type=int, help="KV heads (GQA); default: --heads")
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--backends", nargs="+", default=defaults.backends)
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--train", action="store_true", help="also time soft-gate fwd+bwd")
+    parser.add_argument("--device", default=defaults.device, help="cuda (figures) or cpu (smoke)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--json", help="write environment and rows to this JSON file")
+    parser.add_argument("--markdown", help="write the markdown table to this file")
+    args = parser.parse_args(argv)
+
+    cfg = BenchConfig(
+        seq=args.seq,
+        groups=args.groups,
+        top_k=args.top_k,
+        window=args.window,
+        batch=args.batch,
+        heads=args.heads,
+        heads_kv=args.heads_kv or args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        backends=args.backends,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        train=args.train,
+        device=args.device,
+        seed=args.seed,
+    )
+    env = environment(cfg)
+    print(json.dumps({k: v for k, v in env.items() if k != "config"}))
+    rows = run_benchmark(cfg)
+    table = markdown_table(rows)
+    print(table)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
