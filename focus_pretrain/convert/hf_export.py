@@ -279,6 +279,7 @@ _EXPORTED_FOCUS_FIELDS = (
     "gate_lambda",
     "normalize",
     "backend",
+    "inference_backend",
 )
 
 

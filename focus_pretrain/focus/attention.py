@@ -273,7 +273,7 @@ def _validate(
                 raise ValueError(f"{name} contains NaN or inf values")
 
 
-CPU_DECOMPOSED_MIN_SEQ = 512  # below it the reference is as fast on CPU (docs/benchmarks.md)
+CPU_DECOMPOSED_MIN_SEQ = 1024  # below it the reference is as fast on CPU (docs/benchmarks.md)
 _FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

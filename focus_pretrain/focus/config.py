@@ -14,6 +14,7 @@ from dataclasses import dataclass
 BALANCE_MODES = ("causal", "sinkhorn")
 ATTENTION_MODES = ("soft", "hard")
 BACKEND_NAMES = ("auto", "reference", "decomposed", "flex")  # attention.py registers the last 3
+TRAINING_BACKENDS = ("auto", "reference", "flex")  # the soft gate (decomposed: inference only)
 MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 
@@ -45,9 +46,10 @@ class FocusConfig:
         check_finite: reject NaN/inf inputs with a ``ValueError`` (costs a device sync on GPU).
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
-        backend: the attention backend, ``"auto"`` (the fastest exact one for each call) or
-            one of ``focus_pretrain.focus.available_backends()`` (``reference``, ``decomposed``,
-            ``flex``).
+        backend: attention backend of the soft (training) pattern: ``"auto"`` (the fastest
+            exact one for each call), ``"reference"`` or ``"flex"``.
+        inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
+            ``"flex"`` or ``"decomposed"`` (hard top-1 only).
     """
 
     enabled: bool = True
@@ -65,6 +67,7 @@ class FocusConfig:
     check_finite: bool = True
     window_only: bool = False
     backend: str = "auto"
+    inference_backend: str = "auto"
 
     def __post_init__(self) -> None:
         check_int("focus.num_groups", self.num_groups, low=1, high=MAX_GROUPS)
@@ -79,7 +82,15 @@ class FocusConfig:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
-        check_choice("focus.backend", self.backend, BACKEND_NAMES)
+        check_choice("focus.backend", self.backend, TRAINING_BACKENDS)
+        check_choice("focus.inference_backend", self.inference_backend, BACKEND_NAMES)
+        if self.inference_backend == "decomposed" and (
+            self.top_k != 1 or self.inference_mode != "hard"
+        ):
+            raise ValueError(
+                "focus.inference_backend 'decomposed' computes hard top-1 attention only, got "
+                f"top_k={self.top_k}, inference_mode={self.inference_mode!r}; use 'auto' or 'flex'"
+            )
 
 
 def check_int(

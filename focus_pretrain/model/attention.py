@@ -112,7 +112,7 @@ class FocusCoreAttention(MegatronModule):
             scale=self.softmax_scale,
             local_only=local_only,
             check_finite=self.focus.check_finite,
-            backend=self.focus.backend,
+            backend=self.focus.backend if mode == "soft" else self.focus.inference_backend,
         )  # [b, s, np, d]
         return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]
 

@@ -193,7 +193,7 @@ def test_shipped_hf_modeling_matches_ours_with_focus_on(hf_models, model_type, t
     model.config.focus["inference_mode"] = "hard"
     backends = ["dense", "flex"] + ([] if model_type == "gemma2" else ["decomposed"])
     for backend in backends:  # gemma2's soft-capping needs flash-attn in `decomposed`
-        model.config.focus["backend"] = backend
+        model.config.focus["inference_backend"] = backend
         with torch.no_grad():
             logits = model(tokens()).logits
         torch.testing.assert_close(logits, ours["hard"], rtol=1e-5, atol=1e-5, msg=backend)

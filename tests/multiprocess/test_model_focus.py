@@ -32,6 +32,8 @@ def runs():
         "gemma_wide": (GEMMA, dict(window=1000, num_groups=4)),
         "gemma_dense": (GEMMA, dict(enabled=False)),
         "plain": (LLAMA, dict(window=4, num_groups=4)),
+        "plain_decomposed": (LLAMA, dict(window=4, num_groups=4, inference_backend="decomposed")),
+        "plain_flex": (LLAMA, dict(window=4, num_groups=4, inference_backend="flex")),
         "selective": (dict(LLAMA, recompute="selective"), dict(window=4, num_groups=4)),
         "full": (dict(LLAMA, recompute="full"), dict(window=4, num_groups=4)),
         "window_only_wide": (LLAMA, dict(window=1000, num_groups=4, window_only=True)),
@@ -95,3 +97,27 @@ def test_bf16_with_dropout_trains():
     # Megatron's local norms keep fp32 weights; every linear and the routers are bf16
     assert all(d == "torch.bfloat16" for n, d in out["dtypes"].items() if "layernorm" not in n)
     assert out["router"] and all(g.abs().sum() > 0 for g in out["router"].values())
+
+
+@pytest.mark.parametrize("backend", ["decomposed", "flex"])
+def test_eval_through_each_inference_backend(runs, backend):
+    """``focus.inference_backend`` reaches the model's eval path; logits equal the reference's."""
+    plain, fast = runs["plain"], runs[f"plain_{backend}"]
+    torch.testing.assert_close(fast["logits"], plain["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast["loss"], plain["loss"], rtol=0, atol=0)  # training: soft
+
+
+def test_backend_choice_reaches_the_model():
+    """Training calls ``focus.backend``; eval calls ``focus.inference_backend`` (auto on CPU at
+    this length: the reference); one call per layer each."""
+    cases = [
+        dict(window=4, num_groups=4),
+        dict(window=4, num_groups=4, inference_backend="decomposed"),
+        dict(window=4, num_groups=4, inference_backend="flex"),
+    ]
+    auto, decomposed, flex = run_workers(
+        "tests.multiprocess.workers_model:backend_calls", 1, LLAMA, cases
+    )[0]
+    assert auto == {"soft:reference": 2, "hard:reference": 2}
+    assert decomposed == {"soft:reference": 2, "hard:decomposed": 2}
+    assert flex == {"soft:reference": 2, "hard:flex": 2}

@@ -188,3 +188,34 @@ def receptive_field(rank: int, world_size: int, model_kwargs: dict, focus_kwargs
             a, b = model(tokens, positions, None), model(changed, positions, None)
         out[mode] = (a - b).abs().amax(dim=(0, 2)).tolist()  # [b, s, v] -> [s]
     return out
+
+
+def backend_calls(rank: int, world_size: int, model_kwargs: dict, cases: list) -> list[dict]:
+    """Per ``focus_kwargs`` case: which backends one train and one eval forward called."""
+    from focus_pretrain.focus import attention
+
+    _init(world_size)
+    calls: dict[str, int] = {}
+
+    def counting(backend):
+        def fn(*args, **kwargs):
+            key = f"{kwargs['mode']}:{backend.name}"
+            calls[key] = calls.get(key, 0) + 1
+            return backend.fn(*args, **kwargs)
+
+        return attention.Backend(backend.name, fn, backend.priority)
+
+    for backend in list(attention._BACKENDS.values()):
+        attention.register_backend(counting(backend))
+    results = []
+    for focus_kwargs in cases:
+        config, model = _build(world_size, model_kwargs, focus_kwargs)
+        tokens, positions, _ = _batch(config)
+        calls.clear()
+        model.train()
+        model(tokens, positions, None)
+        model.eval()
+        with torch.no_grad():
+            model(tokens, positions, None)
+        results.append(dict(calls))
+    return results

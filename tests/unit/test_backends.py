@@ -388,3 +388,15 @@ def test_fast_backends_on_gpu(dtype, top_k):
             got = focus_attention(q, k, v, routing, backend=name, **kwargs).float()
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=name)
+
+
+def test_backend_config_names_match_the_registry_and_refuse_bad_choices():
+    from focus_pretrain.focus import FocusConfig, available_backends
+    from focus_pretrain.focus.config import BACKEND_NAMES
+
+    assert sorted(BACKEND_NAMES[1:]) == available_backends()
+    with pytest.raises(ValueError, match=r"focus\.backend must be one of"):
+        FocusConfig(backend="decomposed")  # the soft training gate has no decomposed form
+    with pytest.raises(ValueError, match="'decomposed' computes hard top-1 attention only"):
+        FocusConfig(inference_backend="decomposed", top_k=2)
+    assert FocusConfig(inference_backend="decomposed").inference_backend == "decomposed"

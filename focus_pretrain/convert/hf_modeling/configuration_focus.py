@@ -27,6 +27,7 @@ FOCUS_DEFAULTS = {
     "gate_lambda": 10.0,
     "normalize": True,
     "backend": "auto",
+    "inference_backend": "auto",
 }
 
 

@@ -12,12 +12,12 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
 * Gemma-2's sliding-window layers keep their window and have no router.
 
 Speed: when ``focus_pretrain`` is importable, a whole-sequence forward (evaluation, the prefill
-of generation) runs through its ``focus_attention`` with ``focus["backend"]`` (default ``"auto"``:
-the fastest exact backend, e.g. the decomposed or FlexAttention kernels on GPU). Otherwise, and
-for the one-token steps of KV-cache generation, this file's exact masked dense attention runs
-(``O(n^2)``; ``focus["backend"] = "dense"`` forces it). Batches must be unpadded (no attention
-mask is applied); generation with the KV cache is supported (each layer caches its tokens' group
-assignments).
+of generation) runs through its ``focus_attention`` with ``focus["inference_backend"]`` (soft
+mode: ``focus["backend"]``; default ``"auto"``: the fastest exact backend, e.g. the decomposed or
+FlexAttention kernels on GPU). Otherwise, and for the one-token steps of KV-cache generation,
+this file's exact masked dense attention runs (``O(n^2)``; the backend ``"dense"`` forces it).
+Batches must be unpadded (no attention mask is applied); generation with the KV cache is
+supported (each layer caches its tokens' group assignments).
 """
 
 from __future__ import annotations
@@ -159,13 +159,13 @@ def _fast_path(module, query, key, value, scaling, softcap, sliding_window) -> T
     focus_window = getattr(module, "focus_window", None)
     config_focus = getattr(getattr(module, "config", None), "focus", {})
     focus = router.focus if router is not None else config_focus
-    backend = focus.get("backend", "auto")
+    mode = "soft" if module.training else focus.get("inference_mode", "hard")
+    backend = focus.get("backend" if mode == "soft" else "inference_backend", "auto")
     if _package_focus_attention is None or backend == "dense" or query.shape[2] != key.shape[2]:
         return None
     kwargs = dict(scale=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap)
     if router is not None:
         probs = _routing(module, query.shape[2], key.shape[2])  # [b, s, K]
-        mode = "soft" if module.training else focus["inference_mode"]
         kwargs.update(window=focus["window"], mode=mode, top_k=focus["top_k"])
         kwargs.update(gate_lambda=focus["gate_lambda"])
     elif sliding_window is not None:  # HF's window counts the token itself
