@@ -13,9 +13,9 @@ then unsorted. No Python loop over groups or samples.
 
 The varlen call, best first: ``flash_attn_varlen_func`` (CUDA, when ``flash-attn`` is
 importable; the only path that also takes Gemma-2's soft-capping), FlexAttention with a document
-mask on the sorted layout (CUDA), or PyTorch's fused SDPA kernel on the segments padded to
-one length (CPU; it returns the log-sum-exp the merge needs). On CUDA the band is a FlexAttention
-sliding-window call; elsewhere the blockwise PyTorch band.
+mask on the sorted layout (CUDA), or PyTorch's fused SDPA kernel on the segments right-padded
+per length bucket (CPU; it returns the log-sum-exp the merge needs). On CUDA the band is a
+FlexAttention sliding-window call; elsewhere the blockwise PyTorch band.
 
 Inference only: the log-sum-exp of the fused kernels carries no gradient, so the backend
 declines requests that need one (``backend="auto"`` then picks another).
@@ -111,7 +111,7 @@ def _segments_causal(
 def _padded_sdpa(
     q: Tensor, k: Tensor, v: Tensor, layout: GroupSortedLayout, *, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """CPU: segments padded to ``max_seqlen`` and one fused causal SDPA call with its lse.
+    """CPU: segments right-padded per length bucket, one fused causal SDPA call per bucket.
 
     Right padding is exact under the causal mask: a real query never sees a later (padded) key.
     """
@@ -119,10 +119,13 @@ def _padded_sdpa(
     if hkv != h:  # GQA: the fused CPU kernel wants one KV head per query head
         k = k.repeat_interleave(h // hkv, dim=1)  # [T, Hkv, D] -> [T, H, D]
         v = v.repeat_interleave(h // hkv, dim=1)
-    padded = [layout.to_padded(t).transpose(1, 2) for t in (q, k, v)]  # [S, H, L, D]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *padded, 0.0, True, scale=scale
-    )  # [S, H, L, D], [S, H, L]
-    out = layout.from_padded(out.transpose(1, 2))  # [S, L, H, D] -> [T, H, D]
-    lse = layout.from_padded(lse.transpose(1, 2))  # [S, L, H] -> [T, H]
-    return out, lse.float()
+    out = torch.empty_like(q)  # [T, H, D]
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32)  # [T, H]
+    for bucket in layout.padded_buckets():  # at most log2(n) + 1 calls
+        padded = [bucket.to_padded(t).transpose(1, 2) for t in (q, k, v)]  # [S_v, H, L, D]
+        seg_out, seg_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *padded, 0.0, True, scale=scale
+        )  # [S_v, H, L, D], [S_v, H, L]
+        bucket.scatter(seg_out.transpose(1, 2), out)  # [S_v, L, H, D] -> rows of [T, H, D]
+        bucket.scatter(seg_lse.transpose(1, 2).float(), lse)  # [S_v, L, H] -> rows of [T, H]
+    return out, lse

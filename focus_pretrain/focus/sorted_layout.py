@@ -94,12 +94,57 @@ class GroupSortedLayout:
         starts = self.cu_seqlens[:-1].to(torch.int64)
         return torch.arange(self.order.numel(), device=self.order.device) - starts[self.segment]
 
-    def to_padded(self, x: Tensor) -> Tensor:
-        """Packed ``[b * n, ...]`` -> ``[S, max_seqlen, ...]``, one zero-padded row per segment."""
-        out = x.new_zeros(self.num_segments, self.max_seqlen, *x.shape[1:])
-        out[self.segment, self.rank_in_segment()] = x
+    def padded_buckets(self) -> list[PaddedBucket]:
+        """Segments grouped by length (powers of two), each bucket padded to its longest.
+
+        Padding every segment to the longest one would cost ``S * max_seqlen^2`` when groups are
+        uneven (a collapsed router: ``K`` times dense attention); within a bucket a segment is
+        padded to less than twice its length. At most ``log2(n) + 1`` buckets.
+        """
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)  # [S]
+        bucket_of = torch.ceil(torch.log2(lengths.double())).to(torch.int64)  # [S]
+        rank = self.rank_in_segment()
+        token_bucket = bucket_of[self.segment]  # [b * n]
+        buckets = []
+        for value in torch.unique(bucket_of).tolist():  # a loop over lengths, not over groups
+            segments = torch.nonzero(bucket_of == value).squeeze(1)  # [S_v]
+            slot = torch.full_like(lengths, -1)
+            slot[segments] = torch.arange(segments.numel(), device=slot.device)
+            index = torch.nonzero(token_bucket == value).squeeze(1)  # [T_v] packed positions
+            buckets.append(
+                PaddedBucket(
+                    index=index,
+                    slot=slot[self.segment[index]],
+                    rank=rank[index],
+                    num_segments=segments.numel(),
+                    length=int(lengths[segments].max()),
+                )
+            )
+        return buckets
+
+
+@dataclass(frozen=True)
+class PaddedBucket:
+    """Segments of similar length, laid out as rows ``[num_segments, length, ...]``.
+
+    Attributes:
+        index: ``[T_v]`` packed positions of the bucket's tokens.
+        slot, rank: ``[T_v]`` row and column of each of those tokens.
+        num_segments, length: the padded shape.
+    """
+
+    index: Tensor
+    slot: Tensor
+    rank: Tensor
+    num_segments: int
+    length: int
+
+    def to_padded(self, packed: Tensor) -> Tensor:
+        """Packed ``[b * n, ...]`` -> ``[num_segments, length, ...]`` (zero right padding)."""
+        out = packed.new_zeros(self.num_segments, self.length, *packed.shape[1:])
+        out[self.slot, self.rank] = packed[self.index]
         return out
 
-    def from_padded(self, y: Tensor) -> Tensor:
-        """``[S, max_seqlen, ...]`` -> packed ``[b * n, ...]`` (padding rows dropped)."""
-        return y[self.segment, self.rank_in_segment()]
+    def scatter(self, padded: Tensor, packed: Tensor) -> None:
+        """Write rows ``[num_segments, length, ...]`` back into ``packed [b * n, ...]``."""
+        packed[self.index] = padded[self.slot, self.rank]

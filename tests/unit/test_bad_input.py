@@ -45,7 +45,10 @@ def test_shape_errors(inputs, change, message):
         (dict(mode="hard", top_k=0), r"top_k must be >= 1, got 0"),
         (dict(gate_lambda=0.0), r"gate_lambda must be > 0"),
         (dict(softcap=-1.0), r"softcap must be > 0"),
-        (dict(backend="triton-magic"), r"backend must be 'auto' or one of \['reference'\]"),
+        (
+            dict(backend="triton-magic"),
+            r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference'\]",
+        ),
     ],
 )
 def test_argument_errors(inputs, kwargs, message):
