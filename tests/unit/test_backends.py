@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.attention import AttentionRequest, select_backend
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.band import band_attention, merge_by_lse
 from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
 from focus_pretrain.focus.pattern import allowed_pairs
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
@@ -84,15 +84,26 @@ def run(p: dict, backend: str, dtype: torch.dtype):
     )
 
 
-@settings(max_examples=60, deadline=None)
-@given(problems())
-def test_backends_equal_reference_fp32(p):
+def problem(**overrides) -> dict:
+    base = dict(b=2, n=150, hkv=2, h=4, d=32, k_groups=4, top_k=1, window=20, mode="hard",
+                local_only=False, softcap=None, skew=1.0, seed=7)  # fmt: skip
+    return {**base, **overrides}
+
+
+def assert_matches_reference(p: dict, names: list[str]) -> None:
+    """fp32: each backend's output and log-sum-exp equal the reference's (1e-5)."""
     with torch.no_grad():
         want, want_lse = run(p, "reference", torch.float32)
-        for name in backend_names(p):
+        for name in names:
             got, lse = run(p, name, torch.float32)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
             torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_backends_equal_reference_fp32(p):
+    assert_matches_reference(p, backend_names(p))
 
 
 @pytest.mark.parametrize(
@@ -100,21 +111,7 @@ def test_backends_equal_reference_fp32(p):
     [("hard", 1, False), ("hard", 2, False), ("soft", 1, False), ("hard", 1, True)],
 )
 def test_backends_equal_reference_bf16(mode, top_k, local_only):
-    p = dict(
-        b=2,
-        n=150,
-        hkv=2,
-        h=4,
-        d=32,
-        k_groups=4,
-        top_k=top_k,
-        window=20,
-        mode=mode,
-        local_only=local_only,
-        softcap=None,
-        skew=1.0,
-        seed=7,
-    )
+    p = problem(mode=mode, top_k=top_k, local_only=local_only)
     with torch.no_grad():
         want, _ = run(p, "reference", torch.bfloat16)
         exact, _ = run(p, "reference", torch.float32)
@@ -127,53 +124,28 @@ def test_backends_equal_reference_bf16(mode, top_k, local_only):
             assert err <= 2 * (want.float() - exact).abs().max() + 1e-2
 
 
-@pytest.mark.parametrize("backend", ["decomposed", "flex"])
-def test_sequence_shorter_than_window_and_single_token(backend):
-    for n in (1, 5):
-        p = dict(
-            b=2,
-            n=n,
-            hkv=1,
-            h=2,
-            d=8,
-            k_groups=3,
-            top_k=1,
-            window=128,
-            mode="hard",
-            local_only=False,
-            softcap=None,
-            skew=0.0,
-            seed=n,
-        )
-        with torch.no_grad():
-            want, want_lse = run(p, "reference", torch.float32)
-            got, lse = run(p, backend, torch.float32)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("n", [1, 5])
+def test_sequence_shorter_than_window_and_single_token(n):
+    p = problem(n=n, hkv=1, h=2, d=8, k_groups=3, window=128, skew=0.0, seed=n)
+    assert_matches_reference(p, ["decomposed", "flex"])
 
 
-def test_decomposed_above_block_sizes():
-    """Lengths past the band's chunking and many segments (K = 16), batch 3, GQA 8:2."""
-    p = dict(
-        b=3,
-        n=700,
-        hkv=2,
-        h=8,
-        d=16,
-        k_groups=16,
-        top_k=1,
-        window=40,
-        mode="hard",
-        local_only=False,
-        softcap=None,
-        skew=0.5,
-        seed=3,
-    )
-    with torch.no_grad():
-        want, want_lse = run(p, "reference", torch.float32)
-        got, lse = run(p, "decomposed", torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+def test_decomposed_many_segments_batch_gqa():
+    """Many segments (K = 16, uneven), batch 3, GQA 8:2, several band blocks."""
+    p = problem(b=3, n=700, h=8, d=16, k_groups=16, window=40, skew=0.5, seed=3)
+    assert_matches_reference(p, ["decomposed"])
+
+
+def test_band_chunking_does_not_change_the_result():
+    q, k, v = random_qkv(2, 300, 4, 2, 8, seed=11, dtype=torch.float32)
+    member = Routing(random_probs(2, 300, 4, seed=12)).membership(1)
+    kwargs = dict(window=50, scale=0.3, softcap=None, member=member)
+    whole = band_attention(q, k, v, **kwargs)
+    chunked = band_attention(
+        q, k, v, block=16, max_scores=2 * 4 * 16 * 66 * 3, **kwargs
+    )  # 3 blocks
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_sorted_layout_is_stable_and_invertible():
