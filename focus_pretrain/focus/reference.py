@@ -74,13 +74,25 @@ def attend_block(
         local_only=local_only,
     )  # [b|1, Lq, Lk]
     scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
-    lse = torch.logsumexp(scores, dim=-1)  # [b, Hkv, G, Lq]
+    lse = _logsumexp(scores)  # [b, Hkv, G, Lq]
     finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     weights = torch.exp(scores - finite_lse[..., None])  # rows with no allowed key: all zero
     out = torch.einsum("bhgqk,bkhd->bqhgd", weights, at_least_fp32(v))  # [b, Lq, Hkv, G, D]
     out = out.reshape(b, lq, h, d)  # [b, Lq, H, D]
     lse = lse.permute(0, 3, 1, 2).reshape(b, lq, h)  # [b, Hkv, G, Lq] -> [b, Lq, H]
     return out.to(q.dtype), lse
+
+
+def _logsumexp(scores: Tensor) -> Tensor:
+    """``logsumexp`` over the last dim; ``-inf`` for rows with no allowed key, and a zero (not
+    NaN) gradient there, so that blocks in which some queries see nothing can be
+    differentiated (the ring's per-block backward)."""
+    top = scores.amax(dim=-1, keepdim=True).detach()
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    total = torch.exp(scores - top).sum(dim=-1)
+    empty = total == 0
+    safe = torch.log(torch.where(empty, torch.ones_like(total), total)) + top.squeeze(-1)
+    return torch.where(empty, torch.full_like(safe, float("-inf")), safe)
 
 
 def reference_attention(

@@ -1,0 +1,182 @@
+"""Context parallelism for Focus attention: the sequence split over a process group.
+
+**Sharding** (Megatron's convention, so that megatron-core's RoPE slicing agrees): the global
+sequence of ``S`` tokens is cut into ``2 * CP`` equal chunks and rank ``r`` holds chunks ``r``
+and ``2 * CP - 1 - r`` (causal attention then costs every rank the same). A rank knows the global
+position of each of its tokens (:func:`zigzag_positions`); the window and the causal test use them.
+
+**Modes** (:func:`context_parallel_attention`):
+
+* ``"a2a"`` (Ulysses): an all-to-all turns sequence-sharded ``q, k, v`` into head-sharded ones
+  over the whole sequence, every rank runs :func:`focus_pretrain.focus.focus_attention` (any
+  backend) on its slice of heads, and a second all-to-all turns the output back. The soft
+  assignments are all-gathered (they are ``K`` numbers per token). GQA with fewer KV heads than
+  ranks replicates KV heads before the exchange (gradients sum back through the replication).
+* ``"ring"`` (:mod:`focus_pretrain.parallel.ring`): K/V blocks travel around the ring.
+
+Routing needs no communication in the default causal mode (a token's groups depend on itself
+only). Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
+from torch import Tensor
+
+from focus_pretrain.focus import Routing, focus_attention
+
+CP_MODES = ("a2a", "ring")
+
+
+def check_context_parallel(seq_len: int, cp_size: int, heads: int, cp_mode: str) -> None:
+    """Raise ``ValueError`` naming the fix when a sequence or head count cannot be split."""
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"parallel.cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
+    if seq_len % (2 * cp_size) != 0:
+        raise ValueError(
+            f"data.seq_length ({seq_len}) must be divisible by 2 x "
+            f"parallel.context_parallel_size (2 x {cp_size} = {2 * cp_size}): each rank holds "
+            "two equal chunks; pick a multiple or another context_parallel_size"
+        )
+    if cp_mode == "a2a" and heads % cp_size != 0:
+        raise ValueError(
+            f"parallel.cp_mode 'a2a' splits the attention heads over the context-parallel "
+            f"ranks: heads per tensor-parallel rank ({heads}) must be divisible by "
+            f"parallel.context_parallel_size ({cp_size}); use cp_mode 'ring' or another size"
+        )
+
+
+def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
+    """Global positions ``[seq_len / cp_size]`` of rank ``cp_rank``'s tokens (chunks r, 2c-1-r)."""
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second_start = (2 * cp_size - 1 - cp_rank) * chunk
+    second = torch.arange(second_start, second_start + chunk, device=device)
+    return torch.cat([first, second])
+
+
+def shard_sequence(x: Tensor, dim: int, cp_size: int, cp_rank: int) -> Tensor:
+    """This rank's tokens of a full-sequence tensor (``x.shape[dim]`` is the global length)."""
+    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank, device=x.device)
+    return x.index_select(dim, positions)
+
+
+def gather_sequence(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """All ranks' shards (no gradient) back in global order along ``dim``."""
+    cp_size = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(cp_size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    total = x.shape[dim] * cp_size
+    order = torch.cat([zigzag_positions(total, cp_size, r, x.device) for r in range(cp_size)])
+    return torch.cat(parts, dim=dim).index_select(dim, torch.argsort(order))
+
+
+def _rank_major_to_global(total: int, cp_size: int, device) -> Tensor:
+    """Permutation: rank-major concatenation of shards -> global order (``[total]``)."""
+    order = torch.cat([zigzag_positions(total, cp_size, r, device) for r in range(cp_size)])
+    return torch.argsort(order)
+
+
+def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[b, s_loc, H, D]`` sequence shards -> ``[b, S, H / CP, D]`` in global order."""
+    cp_size = dist.get_world_size(group)
+    b, s_loc, h, d = x.shape
+    chunks = x.reshape(b, s_loc, cp_size, h // cp_size, d).permute(2, 0, 1, 3, 4)
+    # [b, s, H, D] -> [CP (destination), b, s_loc, H/CP, D]
+    received = all_to_all(group, chunks.contiguous().reshape(cp_size * b, s_loc, h // cp_size, d))
+    received = received.reshape(cp_size, b, s_loc, h // cp_size, d).permute(1, 0, 2, 3, 4)
+    full = received.reshape(b, cp_size * s_loc, h // cp_size, d)  # rank-major token order
+    return full.index_select(1, _rank_major_to_global(cp_size * s_loc, cp_size, x.device))
+
+
+def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[b, S, H / CP, D]`` in global order -> ``[b, s_loc, H, D]`` sequence shards."""
+    cp_size = dist.get_world_size(group)
+    b, total, h_part, d = x.shape
+    s_loc = total // cp_size
+    order = torch.cat([zigzag_positions(total, cp_size, r, x.device) for r in range(cp_size)])
+    rank_major = x.index_select(1, order).reshape(b, cp_size, s_loc, h_part, d)
+    chunks = rank_major.permute(1, 0, 2, 3, 4).contiguous()  # [CP (destination), b, s_loc, ...]
+    received = all_to_all(group, chunks.reshape(cp_size * b, s_loc, h_part, d))
+    received = received.reshape(cp_size, b, s_loc, h_part, d)  # [CP (head chunk), b, s_loc, ...]
+    return received.permute(1, 2, 0, 3, 4).reshape(b, s_loc, cp_size * h_part, d)
+
+
+def _kv_for_a2a(k: Tensor, heads: int, cp_size: int) -> Tensor:
+    """KV heads such that splitting them ``cp_size`` ways matches the query heads' split."""
+    hkv = k.shape[2]
+    if hkv % cp_size == 0:
+        return k
+    repeat = cp_size // math.gcd(hkv, cp_size)  # smallest replication that divides evenly
+    if (hkv * repeat) % cp_size != 0 or heads % (hkv * repeat) != 0:
+        repeat = heads // hkv  # fall back to one KV head per query head
+    return k.repeat_interleave(repeat, dim=2)  # [b, s, Hkv, D] -> [b, s, Hkv * repeat, D]
+
+
+def _gather_probs(probs: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[b, s_loc, K]`` -> ``[b, S, K]`` (global order); the backward sums over ranks."""
+    cp_size = dist.get_world_size(group)
+    gathered = gather_from_sequence_parallel_region(probs.transpose(0, 1).contiguous(), True, group)
+    full = gathered.transpose(0, 1)  # [CP * s_loc, b, K] -> [b, S, K] rank-major
+    return full.index_select(1, _rank_major_to_global(full.shape[1], cp_size, probs.device))
+
+
+def a2a_focus_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor | None,
+    *,
+    group: dist.ProcessGroup,
+    **attention_kwargs,
+) -> Tensor:
+    """Ulysses context parallelism: ``[b, s_loc, H, D]`` -> ``[b, s_loc, H, D]``.
+
+    ``attention_kwargs`` go to :func:`focus_attention` (window, mode, top_k, backend, ...).
+    """
+    cp_size = dist.get_world_size(group)
+    heads = q.shape[2]
+    k, v = _kv_for_a2a(k, heads, cp_size), _kv_for_a2a(v, heads, cp_size)
+    q_h, k_h, v_h = (_seq_to_heads(t, group) for t in (q, k, v))  # [b, S, H/CP, D]
+    routing = None if probs is None else Routing(_gather_probs(probs, group))
+    out = focus_attention(q_h, k_h, v_h, routing, **attention_kwargs)  # [b, S, H/CP, D]
+    return _heads_to_seq(out, group)
+
+
+def context_parallel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor | None,
+    *,
+    group: dist.ProcessGroup,
+    cp_mode: str,
+    stats=None,
+    **attention_kwargs,
+) -> Tensor:
+    """Focus attention of this rank's tokens over the whole (sharded) sequence.
+
+    Args:
+        q: ``[b, s_loc, H, D]``; k, v: ``[b, s_loc, Hkv, D]`` (this rank's zigzag shard).
+        probs: ``[b, s_loc, K]`` soft assignments of this rank's tokens, or ``None``
+            (``local_only``).
+        group: the context-parallel process group.
+        cp_mode: ``"a2a"`` or ``"ring"``.
+        stats: a :class:`~focus_pretrain.parallel.ring.RingStats` to count skipped ring blocks.
+        attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
+            softcap, scale, local_only, backend).
+
+    Returns:
+        ``[b, s_loc, H, D]``.
+    """
+    from focus_pretrain.parallel.ring import ring_focus_attention
+
+    cp_size = dist.get_world_size(group)
+    check_context_parallel(q.shape[1] * cp_size, cp_size, q.shape[2], cp_mode)
+    if cp_mode == "a2a":
+        return a2a_focus_attention(q, k, v, probs, group=group, **attention_kwargs)
+    return ring_focus_attention(q, k, v, probs, group=group, stats=stats, **attention_kwargs)

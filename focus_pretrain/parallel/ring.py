@@ -1,0 +1,252 @@
+"""Ring context parallelism for Focus attention: K/V blocks travel, queries stay.
+
+Forward: each rank keeps its queries and sends its K/V block (with the block's soft assignments
+or hard memberships and its global positions) around the context-parallel ring; at every step
+it attends the visiting block with the exact per-block Focus attention
+(:func:`focus_pretrain.focus.reference.attend_block`, which takes explicit positions) and merges
+the result by log-sum-exp. The next block's transfer is started before the current block is
+computed (overlapped communication).
+
+Backward is its own ring: the blocks travel again, now carrying accumulators for their
+``dk, dv`` (and, in soft mode, the gradient of their soft assignments). Each rank recomputes
+its queries against the visiting block, takes the block's share of the merged output's gradient
+(``d out_b = w_b d out`` and ``d lse_b = w_b <d out, out_b - out>`` with
+``w_b = exp(lse_b - lse)``), adds its ``dk, dv`` into the travelling accumulators and keeps its
+``dq``; after a full turn the accumulators are home.
+
+Hard mode skips a block with no allowed pair (decided exactly, from positions and group bits,
+without an ``n x n`` test) in both passes; :class:`RingStats` counts them.
+Layout: ``[batch, seq_local, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from focus_pretrain.focus import Routing
+from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.pattern import at_least_fp32
+from focus_pretrain.focus.reference import attend_block
+
+
+@dataclass
+class RingStats:
+    """Ring steps computed and skipped (hard mode: blocks with no allowed pair)."""
+
+    computed: int = 0
+    skipped: int = 0
+
+
+def block_has_pair(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    *,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    local_only: bool,
+) -> bool:
+    """Whether any (query, key) pair of a block is allowed, exactly, in ``O((Lq + Lk) K)``.
+
+    A local pair exists iff some key lies in ``[i - window, i]`` of some query ``i``; a pair
+    sharing a group exists iff for some group the earliest key in it is not after the latest
+    query in it. Without memberships (soft mode) every causal pair is allowed.
+    """
+    k_sorted = torch.sort(k_pos).values
+    before = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # last key <= each query
+    valid = before >= 0
+    nearest = k_sorted[before.clamp(min=0)]
+    if bool((valid & (q_pos - nearest <= window)).any()):
+        return True
+    if local_only:
+        return False
+    if member_q is None or member_k is None:  # soft: any causal pair
+        return bool(valid.any())
+    bits = torch.arange(64, device=q_pos.device)
+    in_q = ((member_q[..., None] >> bits) & 1).bool()  # [b, Lq, 64]
+    in_k = ((member_k[..., None] >> bits) & 1).bool()  # [b, Lk, 64]
+    big = torch.iinfo(torch.int64).max
+    latest_q = torch.where(in_q, q_pos[None, :, None], -1).amax(dim=1)  # [b, 64]
+    earliest_k = torch.where(in_k, k_pos[None, :, None], big).amin(dim=1)  # [b, 64]
+    return bool((earliest_k <= latest_q).any())
+
+
+def _exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> tuple[list, list[Tensor]]:
+    """Start sending ``tensors`` to the next rank and receiving the previous rank's."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prv = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, probs, member, positions, group, options, stats):
+        size = dist.get_world_size(group)
+        soft = options["mode"] == "soft" and not options["local_only"]
+        block = (
+            [k, v, positions] + ([probs] if soft else []) + ([member] if member is not None else [])
+        )
+        out = lse = None
+        for step in range(size):
+            requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
+            result = _attend(q, probs, member, positions, block, soft, options, stats)
+            if result is not None:
+                out, lse = result if out is None else merge_by_lse((out, lse), result)
+            _wait(requests)
+            block = incoming
+        if out is None:  # cannot happen: a rank's own block holds its diagonal
+            raise RuntimeError("ring attention computed no block")
+        ctx.save_for_backward(q, k, v, probs, member, positions, out, lse)
+        ctx.group, ctx.options, ctx.soft = group, options, soft
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, probs, member, positions, out, lse = ctx.saved_tensors
+        group, options, soft = ctx.group, ctx.options, ctx.soft
+        size = dist.get_world_size(group)
+        block = (
+            [k, v, positions] + ([probs] if soft else []) + ([member] if member is not None else [])
+        )
+        grads = [torch.zeros_like(at_least_fp32(t)) for t in (k, v)]  # accumulators
+        if soft:
+            grads.append(torch.zeros_like(at_least_fp32(probs)))
+        d_q = torch.zeros_like(at_least_fp32(q))
+        d_probs = torch.zeros_like(grads[2]) if soft else None
+        d_out = at_least_fp32(d_out)
+        for step in range(size):
+            requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
+            shares = _block_grads(
+                q, probs, member, positions, block, soft, options, out, lse, d_out
+            )
+            if shares is not None:
+                d_q += shares[0]
+                for acc, g in zip(grads, shares[1:-1] if soft else shares[1:], strict=True):
+                    acc += g
+                if soft:
+                    d_probs += shares[-1]
+            if size > 1:  # the accumulators travel with their block; a full turn: home
+                grad_requests, grads = _exchange(grads, group)
+                _wait(grad_requests)
+            _wait(requests)
+            block = incoming
+        d_k, d_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
+        d_p = (d_probs + grads[2]).to(probs.dtype) if soft else None
+        return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None
+
+
+def _unpack(block: list[Tensor], soft: bool, has_member: bool):
+    k_b, v_b, pos_b = block[:3]
+    probs_b = block[3] if soft else None
+    member_b = block[-1] if has_member else None
+    return k_b, v_b, pos_b, probs_b, member_b
+
+
+def _attend(q, probs, member, positions, block, soft, options, stats):
+    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
+    if not block_has_pair(
+        positions, pos_b, options["window"], member_q=member, member_k=member_b,
+        local_only=options["local_only"],
+    ):  # fmt: skip
+        if stats is not None:
+            stats.skipped += 1
+        return None
+    if stats is not None:
+        stats.computed += 1
+    return attend_block(
+        q, k_b, v_b, probs if soft else None, probs_b, member, member_b,
+        q_pos=positions, k_pos=pos_b, **_block_options(options),
+    )  # fmt: skip
+
+
+def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_out):
+    """This rank's queries against one block: ``(dq, dk, dv[, dprobs_k, dprobs_q])``."""
+    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
+    if not block_has_pair(
+        positions, pos_b, options["window"], member_q=member, member_k=member_b,
+        local_only=options["local_only"],
+    ):  # fmt: skip
+        return None
+    leaves = [t.detach().requires_grad_(True) for t in (q, k_b, v_b)]
+    if soft:
+        leaves += [probs_b.detach().requires_grad_(True), probs.detach().requires_grad_(True)]
+    with torch.enable_grad():
+        out_b, lse_b = attend_block(
+            leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
+            leaves[3] if soft else None, member, member_b,
+            q_pos=positions, k_pos=pos_b, **_block_options(options),
+        )  # fmt: skip
+        weight = torch.exp(lse_b - lse)  # [b, s, H]: this block's share of each query
+        grad_out = d_out * weight[..., None]
+        grad_lse = weight * (d_out * (at_least_fp32(out_b) - at_least_fp32(out))).sum(dim=-1)
+        grads = torch.autograd.grad(
+            (out_b, lse_b), leaves, (grad_out.to(out_b.dtype), grad_lse), allow_unused=True
+        )
+    return [
+        torch.zeros_like(at_least_fp32(x)) if g is None else at_least_fp32(g)
+        for g, x in zip(grads, leaves, strict=True)
+    ]
+
+
+def _block_options(options: dict) -> dict:
+    return {
+        key: options[key]
+        for key in ("window", "mode", "gate_lambda", "softcap", "scale", "local_only")
+    }
+
+
+def ring_focus_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor | None,
+    *,
+    group: dist.ProcessGroup,
+    positions: Tensor | None = None,
+    window: int = 128,
+    mode: str = "soft",
+    top_k: int = 1,
+    gate_lambda: float = 10.0,
+    softcap: float | None = None,
+    scale: float | None = None,
+    local_only: bool = False,
+    backend: str = "auto",
+    check_finite: bool = False,
+    stats: RingStats | None = None,
+) -> Tensor:
+    """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
+
+    ``positions`` ``[s_loc]``: global positions of this rank's tokens (default: the zigzag
+    shard of :func:`~focus_pretrain.parallel.context_parallel.zigzag_positions`). ``backend``
+    is accepted for a uniform signature; each block runs the exact per-block attention.
+    """
+    from focus_pretrain.parallel.context_parallel import zigzag_positions
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if positions is None:
+        positions = zigzag_positions(q.shape[1] * size, size, rank, device=q.device)
+    member = None
+    if local_only:
+        probs = None
+    elif mode == "hard":
+        member = Routing(probs).membership(top_k)  # [b, s_loc]
+    options = dict(
+        window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale, local_only=local_only,
+    )  # fmt: skip
+    return _RingAttention.apply(
+        q, k, v, probs if mode == "soft" else None, member, positions, group, options, stats
+    )

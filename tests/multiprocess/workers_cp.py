@@ -1,0 +1,117 @@
+"""Workers for the context-parallel attention tests (real gloo processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from focus_pretrain.focus import FocusRouter, focus_attention
+from focus_pretrain.parallel import apply_cpu_shim
+from focus_pretrain.parallel.context_parallel import (
+    context_parallel_attention,
+    gather_sequence,
+    shard_sequence,
+)
+from focus_pretrain.parallel.ring import RingStats
+
+
+def _problem(case: dict):
+    """Global inputs (identical on every rank: same seed) and a router, in float64."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, s, h, hkv, d, width = case["b"], case["s"], case["h"], case["hkv"], case["d"], 12
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = randn(b, s, h, d), randn(b, s, hkv, d), randn(b, s, hkv, d)
+    hidden = randn(b, s, width)
+    upstream = randn(b, s, h, d)  # the gradient flowing into the attention output
+    torch.manual_seed(case["seed"])
+    router = FocusRouter(width, num_groups=case["k"], group_dim=4, tau=0.3, dtype=torch.float64)
+    return q, k, v, hidden, upstream, router
+
+
+def _attention_kwargs(case: dict) -> dict:
+    return dict(
+        window=case["window"],
+        mode=case["mode"],
+        top_k=case.get("top_k", 1),
+        softcap=case.get("softcap"),
+        local_only=case.get("local_only", False),
+        gate_lambda=4.0,
+        check_finite=False,
+    )
+
+
+def attention_matches_single_process(rank: int, world_size: int, cases: list) -> list[dict]:
+    """Per case: max |CP - single process| of the output and of the q, k, v, router gradients."""
+    apply_cpu_shim()
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        q, k, v, hidden, upstream, router = _problem(case)
+        kwargs = _attention_kwargs(case)
+        router.eval()  # no balance statistics; the same routing in both runs
+
+        # single process, the whole sequence
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        probs = None if kwargs["local_only"] else router(hidden).probs
+        want = focus_attention(*leaves, probs, backend="reference", **kwargs)
+        want.backward(upstream)
+        want_grads = [t.grad for t in leaves] + [
+            torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in router.parameters()
+        ]  # hard mode: no gradient reaches the router
+        router.zero_grad()
+
+        # context parallel: this rank's shard
+        shards = [shard_sequence(t, 1, world_size, rank).requires_grad_(True) for t in (q, k, v)]
+        local_hidden = shard_sequence(hidden, 1, world_size, rank)
+        probs = None if kwargs["local_only"] else router(local_hidden).probs
+        stats = RingStats()
+        out = context_parallel_attention(
+            *shards, probs, group=group, cp_mode=case["cp_mode"], stats=stats, **kwargs
+        )
+        out.backward(shard_sequence(upstream, 1, world_size, rank))
+        got = gather_sequence(out.detach(), 1, group)
+        got_grads = [gather_sequence(t.grad, 1, group) for t in shards]
+        for p in router.parameters():  # each rank routed its own tokens: sum over the group
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+            got_grads.append(p.grad)
+        router.zero_grad()
+        errors = [float((a - b).abs().max()) for a, b in zip(got_grads, want_grads, strict=True)]
+        results.append(
+            dict(
+                output=float((got - want.detach()).abs().max()),
+                grads=errors,
+                scale=float(want.abs().max()),
+                skipped=stats.skipped,
+                computed=stats.computed,
+            )
+        )
+    return results
+
+
+def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dict:
+    """Hard-mode ring on a constructed routing: rank 0's tokens in group 0, rank 1's in group 1
+    (or all in group 0): returns the step counts and the error against the single process."""
+    apply_cpu_shim()
+    group = dist.group.WORLD
+    b, s, h, d, k = 1, 16, 2, 4, 2
+    gen = torch.Generator().manual_seed(5)
+    q, key, v = (torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    owner = torch.zeros(s, dtype=torch.long)  # which rank holds each global position
+    for r in range(world_size):
+        owner[shard_sequence(torch.arange(s), 0, world_size, r)] = r
+    groups = torch.zeros_like(owner) if same_group else owner
+    probs = torch.nn.functional.one_hot(groups, k).double()[None] * 0.9 + 0.05  # [1, s, K]
+    kwargs = dict(window=window, mode="hard", check_finite=False)
+    want = focus_attention(q, key, v, probs, backend="reference", **kwargs)
+    stats = RingStats()
+    shards = [shard_sequence(t, 1, world_size, rank) for t in (q, key, v, probs)]
+    out = context_parallel_attention(*shards, group=group, cp_mode="ring", stats=stats, **kwargs)
+    got = gather_sequence(out, 1, group)
+    return dict(
+        skipped=stats.skipped, computed=stats.computed, error=float((got - want).abs().max())
+    )
