@@ -65,8 +65,6 @@ class FocusCoreAttention(MegatronModule):
         softcap: float | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context_parallel_size > 1 needs the Focus context-parallel path")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"Focus attention is causal; got attn_mask_type={attn_mask_type}")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -76,6 +74,9 @@ class FocusCoreAttention(MegatronModule):
         self.local_window = local_window
         self.softcap = softcap
         self.softmax_scale = softmax_scale
+        # Context parallelism installs its attention here from outside the model
+        # (focus_pretrain.parallel.apply_context_parallel); same signature as focus_attention.
+        self.attention_fn = None
 
     def forward(
         self,
@@ -99,7 +100,15 @@ class FocusCoreAttention(MegatronModule):
             window = UNLIMITED_WINDOW if self.local_window is None else self.local_window
         else:
             window = self.focus.window
-        out = focus_attention(
+        attention = focus_attention
+        if self.config.context_parallel_size > 1:
+            if self.attention_fn is None:
+                raise ValueError(
+                    "a model built with context_parallel_size > 1 must be wrapped by "
+                    "focus_pretrain.parallel.apply_context_parallel(model, group, cp_mode)"
+                )
+            attention = self.attention_fn
+        out = attention(
             q,
             k,
             v,
@@ -168,12 +177,16 @@ class FocusSelfAttention(SelfAttention):
             for p in self.router.parameters():  # replicated over TP ranks
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
         self.focus = focus
+        # Context parallelism sets this from outside: ``fn(local_seq_len) -> router kwargs``
+        # (Sinkhorn's column reduction over the whole sequence).
+        self.route_options = None
 
     def route(self, hidden_states: Tensor) -> Routing | None:
         """Route the normalised layer input ``[s, b, hidden]``; ``None`` without a router."""
         if self.router is None:
             return None
-        routing = self.router(hidden_states.transpose(0, 1))  # [s, b, h] -> [b, s, h]
+        options = {} if self.route_options is None else self.route_options(hidden_states.shape[0])
+        routing = self.router(hidden_states.transpose(0, 1), **options)  # [s, b, h] -> [b, s, h]
         # Each TP rank back-propagates through its own heads only: the copy's backward sums the
         # routing gradient over TP. _ContiguousGrad sits *after* the copy so that the gradient
         # reaching the copy's all-reduce is contiguous (else it is silently not reduced).

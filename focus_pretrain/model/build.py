@@ -48,6 +48,7 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         kv_channels=config.kv_channels,
         ffn_hidden_size=config.ffn_hidden_size,
         tensor_model_parallel_size=config.tensor_parallel_size,
+        context_parallel_size=config.context_parallel_size,
         normalization=_normalization(config),
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=family != "gpt2",

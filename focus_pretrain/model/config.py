@@ -24,6 +24,7 @@ from focus_pretrain.focus.config import check_choice, check_int, check_positive
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "olmo2", "gemma2")
 RECOMPUTE = ("none", "full", "selective")
+CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class ModelConfig:
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_mode: str = "a2a"
     recompute: str = "none"
     cpu_initialization: bool = True
     focus: FocusConfig = field(default_factory=FocusConfig)
@@ -74,6 +77,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choice("model.family", self.family, FAMILIES)
         check_choice("model.recompute", self.recompute, RECOMPUTE)
+        check_choice("model.cp_mode", self.cp_mode, CP_MODES)
         for name in (
             "num_layers",
             "hidden_size",
@@ -82,6 +86,7 @@ class ModelConfig:
             "vocab_size",
             "max_seq_length",
             "tensor_parallel_size",
+            "context_parallel_size",
         ):
             check_int(f"model.{name}", getattr(self, name), low=1)
         for name in ("num_query_groups", "head_dim", "sliding_window"):
@@ -115,6 +120,20 @@ class ModelConfig:
                 f"model.num_query_groups ({groups}) must be divisible by "
                 f"model.tensor_parallel_size ({tp})"
             )
+        cp = self.context_parallel_size
+        if cp > 1 and self.cp_mode == "a2a" and (heads // tp) % cp:
+            raise ValueError(
+                f"parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads "
+                f"({heads} / {tp} = {heads // tp}) over parallel.context_parallel_size ({cp}), "
+                "which must divide them; use cp_mode 'ring' or another size"
+            )
+        for key in ("backend", "inference_backend"):
+            chosen = getattr(self.focus, key)
+            if cp > 1 and self.cp_mode == "ring" and chosen not in ("auto", "reference"):
+                raise ValueError(
+                    f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring step "
+                    "runs the exact per-block attention); use 'auto' or parallel.cp_mode 'a2a'"
+                )
         if self.family == "gpt2" and groups != heads:
             raise ValueError(
                 "model.num_query_groups must equal model.num_attention_heads for "

@@ -28,8 +28,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_seque
 from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
-
-CP_MODES = ("a2a", "ring")
+from focus_pretrain.model.config import CP_MODES
 
 
 def check_context_parallel(seq_len: int, cp_size: int, heads: int, cp_mode: str) -> None:
@@ -180,3 +179,64 @@ def context_parallel_attention(
     if cp_mode == "a2a":
         return a2a_focus_attention(q, k, v, probs, group=group, **attention_kwargs)
     return ring_focus_attention(q, k, v, probs, group=group, stats=stats, **attention_kwargs)
+
+
+def _column_logsumexp(group: dist.ProcessGroup):
+    """Sinkhorn's column ``logsumexp`` over the whole sequence: ``[b, s_loc, K] -> [b, 1, K]``."""
+
+    def reduce(log_p: Tensor) -> Tensor:
+        local = torch.logsumexp(log_p, dim=1, keepdim=True)  # [b, 1, K]
+        gathered = gather_from_sequence_parallel_region(
+            local.transpose(0, 1).contiguous(), True, group
+        )
+        return torch.logsumexp(gathered, dim=0, keepdim=True).transpose(0, 1)  # [b, 1, K]
+
+    return reduce
+
+
+def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_mode: str):
+    """Make every Focus layer of ``model`` attend over the whole context-parallel sequence.
+
+    Installs :func:`context_parallel_attention` as each core attention's ``attention_fn`` and,
+    for Sinkhorn routing, a column reduction over the group (so that CP = N routes exactly like
+    CP = 1). The model must have been built with ``context_parallel_size`` equal to the group's
+    size, and its inputs sharded with :func:`shard_sequence`. Returns the
+    :class:`~focus_pretrain.parallel.ring.RingStats` the layers count into (ring mode).
+    """
+    from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
+    from focus_pretrain.parallel.ring import RingStats
+
+    cp_size = dist.get_world_size(group)
+    stats = RingStats()
+
+    def attention(q, k, v, routing, **kwargs):
+        probs = routing.probs if isinstance(routing, Routing) else routing
+        return context_parallel_attention(
+            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, **kwargs
+        )
+
+    def route_options(local_len: int) -> dict:
+        return dict(column_logsumexp=_column_logsumexp(group), num_tokens=local_len * cp_size)
+
+    found = 0
+    for module in model.modules():
+        if isinstance(module, FocusCoreAttention):
+            if module.config.context_parallel_size != cp_size:
+                raise ValueError(
+                    f"the model was built with context_parallel_size "
+                    f"{module.config.context_parallel_size}, the group has {cp_size} ranks"
+                )
+            module.attention_fn = attention
+            found += 1
+        if isinstance(module, FocusSelfAttention):
+            module.route_options = route_options
+    if not found:
+        raise ValueError("apply_context_parallel found no Focus attention layer in the model")
+    return stats
+
+
+def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> dict[str, Tensor]:
+    """This rank's zigzag shard of every ``[b, s, ...]`` tensor of a batch (tokens, labels,
+    loss mask, position ids: global positions survive the sharding)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return {key: shard_sequence(value, 1, size, rank) for key, value in batch.items()}

@@ -17,7 +17,9 @@ disk is touched, nothing changes on a GPU machine):
 4. ``CheckpointWithoutOutput`` (selective recompute of norms) sets ``self.fp8 = fp8 is not None``,
    which is always true and sends it down TransformerEngine's fp8 path; the shim sets it to
    ``bool(fp8)``.
-5. The tracker's "CPU RNG state changed within GPU RNG context" warning is expected here (the
+5. ``get_pos_emb_on_this_cp_rank`` (RoPE under context parallelism) moves its chunk indices to
+   the GPU with ``.cuda()``; the shim's version keeps them on the embedding's device.
+6. The tracker's "CPU RNG state changed within GPU RNG context" warning is expected here (the
    "GPU" generator *is* the CPU one) and is filtered out.
 
 Everything is idempotent; :func:`cpu_shim_applied` tells whether it is active.
@@ -90,6 +92,19 @@ def apply_cpu_shim(force: bool = False) -> bool:
         self.fp8 = bool(fp8)
 
     mcore_random.CheckpointWithoutOutput.__init__ = checkpoint_init
+
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        chunks = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        shape = pos_emb.shape
+        pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
+        pos_emb = pos_emb.index_select(seq_dim, chunks)
+        return pos_emb.view(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
+
+    rope_utils.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
 
     class _DropExpectedRngWarning(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:

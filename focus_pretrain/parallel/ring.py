@@ -80,8 +80,9 @@ def _exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> tuple[list, li
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
+    tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
     return dist.batch_isend_irecv(ops), received
 

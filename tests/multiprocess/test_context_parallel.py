@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import run_workers
 
@@ -52,3 +53,39 @@ def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, sk
     for r in results:
         assert r == dict(skipped=skipped, computed=2 - skipped, error=r["error"])
         assert r["error"] < 1e-12
+
+
+LLAMA = dict(
+    family="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=128,
+)
+GPT2 = dict(LLAMA, family="gpt2", num_query_groups=None)
+FOCUS = dict(window=5, num_groups=4)
+
+
+@pytest.mark.parametrize(
+    "model_kwargs, focus_kwargs, cp_mode",
+    [
+        (LLAMA, FOCUS, "a2a"),
+        (LLAMA, FOCUS, "ring"),
+        (GPT2, dict(FOCUS, top_k=2), "ring"),  # learned absolute positions
+        (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a"),  # the column sums cross ranks
+    ],
+    ids=["llama-a2a", "llama-ring", "gpt2-ring-top2", "llama-sinkhorn-a2a"],
+)
+def test_whole_model_with_cp2_equals_cp1(model_kwargs, focus_kwargs, cp_mode):
+    """Loss, every gradient (router included) and the hard-mode eval logits equal CP = 1."""
+    worker = f"{WORKERS}:model_loss_and_grads"
+    (want,) = run_workers(worker, 1, model_kwargs, focus_kwargs, cp_mode)
+    got = run_workers(worker, 2, model_kwargs, focus_kwargs, cp_mode)[0]
+    assert abs(float(got["loss"]) - float(want["loss"])) < 1e-5
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    assert any(".router." in name for name in want["grads"])
+    for name, grad in want["grads"].items():
+        assert grad.abs().sum() > 0 or "router" in name, name  # real gradients
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)

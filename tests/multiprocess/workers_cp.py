@@ -115,3 +115,45 @@ def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dic
     return dict(
         skipped=stats.skipped, computed=stats.computed, error=float((got - want).abs().max())
     )
+
+
+def model_loss_and_grads(
+    rank: int, world_size: int, model_kwargs: dict, focus_kwargs: dict, cp_mode: str
+) -> dict:
+    """A whole tiny model with context parallelism over all ``world_size`` ranks (TP = 1):
+    the global mean loss, the gathered eval logits and every parameter's full gradient."""
+    from megatron.core import parallel_state
+
+    from focus_pretrain.parallel.context_parallel import apply_context_parallel, shard_batch
+    from tests.multiprocess.workers_model import _batch, _build
+
+    apply_cpu_shim()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    model_kwargs = dict(model_kwargs, context_parallel_size=world_size, cp_mode=cp_mode)
+    config, model = _build(1, model_kwargs, focus_kwargs)
+    group = parallel_state.get_context_parallel_group()
+    if world_size > 1:
+        apply_context_parallel(model, group, cp_mode)
+    tokens, positions, labels = _batch(config, s=48)
+    total = labels.numel()
+    batch = dict(tokens=tokens, positions=positions, labels=labels)
+    if world_size > 1:
+        batch = shard_batch(batch, group)
+    model.train()
+    per_token = model(batch["tokens"], batch["positions"], None, labels=batch["labels"])
+    loss = per_token.float().sum() / total  # this rank's share of the global mean
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=group)  # the ranks' shares of the sequence add up
+        grads[name] = grad
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["positions"], None)  # [b, s_loc, vocab]
+    if world_size > 1:
+        logits = gather_sequence(logits, 1, group)
+    return dict(loss=loss, logits=logits, grads=grads)
