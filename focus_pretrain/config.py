@@ -51,7 +51,8 @@ class RunConfig:
 @dataclass(frozen=True)
 class Config:
     """A whole recipe: ``run``, ``model`` (with ``model.focus``), ``data``, ``train``,
-    ``parallel``. ``model.tensor_parallel_size`` is filled from ``parallel``."""
+    ``parallel``. ``model.tensor_parallel_size``, ``model.context_parallel_size`` and
+    ``model.cp_mode`` are filled from ``parallel``."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -60,17 +61,27 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.model.tensor_parallel_size != self.parallel.tensor_parallel_size:
+        for key in _FROM_PARALLEL:
+            if getattr(self.model, key) != getattr(self.parallel, key):
+                raise ValueError(
+                    f"model.{key} ({getattr(self.model, key)}) differs from parallel.{key} "
+                    f"({getattr(self.parallel, key)}); set only parallel.{key}"
+                )
+        cp = self.parallel.context_parallel_size
+        if self.data.seq_length % (2 * cp):
             raise ValueError(
-                f"model.tensor_parallel_size ({self.model.tensor_parallel_size}) differs from "
-                f"parallel.tensor_parallel_size ({self.parallel.tensor_parallel_size}); set "
-                "only parallel.tensor_parallel_size"
+                f"data.seq_length ({self.data.seq_length}) must be divisible by 2 x "
+                f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "
+                "rank holds two equal chunks of every sequence"
             )
         if self.model.max_seq_length < self.data.seq_length:
             raise ValueError(
                 f"model.max_seq_length ({self.model.max_seq_length}) must be >= "
                 f"data.seq_length ({self.data.seq_length})"
             )
+
+
+_FROM_PARALLEL = ("tensor_parallel_size", "context_parallel_size", "cp_mode")
 
 
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
@@ -91,12 +102,13 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         tree = loaded or {}
     for override in overrides:
         apply_override(tree, override)
-    # one source of truth for TP: the parallel section feeds the model's validation
+    # one source of truth for TP and CP: the parallel section feeds the model's validation
     parallel = tree.get("parallel")
-    if isinstance(parallel, dict) and "tensor_parallel_size" in parallel:
+    if isinstance(parallel, dict):
         model = tree.setdefault("model", {})
-        if isinstance(model, dict):
-            model.setdefault("tensor_parallel_size", parallel["tensor_parallel_size"])
+        for key in _FROM_PARALLEL:
+            if key in parallel and isinstance(model, dict):
+                model.setdefault(key, parallel[key])
     return from_mapping(Config, tree, section="")
 
 

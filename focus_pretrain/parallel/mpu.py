@@ -27,17 +27,19 @@ class MegatronMPU:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
 
+    # DeepSpeed's "data parallel" is data x context parallel: context-parallel ranks hold the
+    # same weights and their gradients are averaged (and ZeRO-partitioned) like replicas'.
     def get_data_parallel_rank(self) -> int:
-        return ps.get_data_parallel_rank()
+        return ps.get_data_parallel_rank(with_context_parallel=True)
 
     def get_data_parallel_world_size(self) -> int:
-        return ps.get_data_parallel_world_size()
+        return ps.get_data_parallel_world_size(with_context_parallel=True)
 
     def get_data_parallel_group(self):
-        return ps.get_data_parallel_group()
+        return ps.get_data_parallel_group(with_context_parallel=True)
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(ps.get_data_parallel_group())
+        return dist.get_process_group_ranks(self.get_data_parallel_group())
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return 0

@@ -117,9 +117,15 @@ class ParallelConfig:
         gpus: devices the recipe is planned for (the ``--dry-run`` memory plan uses it;
             ``None``: one tensor-parallel group). Training uses whatever the launcher starts.
         gpu_memory_gb: memory per device the plan must fit.
+        context_parallel_size: ranks that split each sequence (Focus context parallelism);
+            the data-parallel size is ``world / (tensor_parallel_size * context_parallel_size)``.
+        cp_mode: ``"a2a"`` (all-to-all, heads split over the CP ranks) or ``"ring"`` (K/V
+            blocks passed around the ranks).
     """
 
     tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_mode: str = "a2a"
     zero_stage: int = 1
     cpu_offload: bool = False
     gpus: int | None = None
@@ -128,13 +134,16 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_int("parallel.tensor_parallel_size", self.tensor_parallel_size, low=1)
         check_int("parallel.zero_stage", self.zero_stage, low=0, high=3)
+        check_int("parallel.context_parallel_size", self.context_parallel_size, low=1)
+        check_choice("parallel.cp_mode", self.cp_mode, ("a2a", "ring"))
         if self.gpus is not None:
             check_int("parallel.gpus", self.gpus, low=1)
         check_positive("parallel.gpu_memory_gb", self.gpu_memory_gb)
         if self.cpu_offload and self.zero_stage == 0:
             raise ValueError("parallel.cpu_offload needs parallel.zero_stage >= 1")
-        if self.gpus is not None and self.gpus % self.tensor_parallel_size:
+        model_parallel = self.tensor_parallel_size * self.context_parallel_size
+        if self.gpus is not None and self.gpus % model_parallel:
             raise ValueError(
                 f"parallel.gpus ({self.gpus}) must be a multiple of "
-                f"parallel.tensor_parallel_size ({self.tensor_parallel_size})"
+                f"parallel.tensor_parallel_size x context_parallel_size ({model_parallel})"
             )

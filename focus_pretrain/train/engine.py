@@ -98,14 +98,16 @@ def _setup_parallel(config: Config) -> None:
     from focus_pretrain.parallel import apply_cpu_shim
 
     apply_cpu_shim()
-    tp = config.parallel.tensor_parallel_size
-    if dist.get_world_size() % tp:
+    tp, cp = config.parallel.tensor_parallel_size, config.parallel.context_parallel_size
+    if dist.get_world_size() % (tp * cp):
         raise ValueError(
             f"world size {dist.get_world_size()} is not a multiple of "
-            f"parallel.tensor_parallel_size ({tp})"
+            f"parallel.tensor_parallel_size x context_parallel_size ({tp} x {cp})"
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, context_parallel_size=cp
+        )
     seed = config.run.seed
     random.seed(seed)
     np.random.seed(seed)
@@ -162,11 +164,27 @@ def _batch_to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _loss(engine, batch: dict) -> torch.Tensor:
-    """Mean next-token loss over unmasked tokens of a micro-batch."""
+def _loss(engine, batch: dict, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss of a micro-batch: ``(for backward, mean over unmasked tokens)``.
+
+    Under context parallelism each rank holds a shard of every sequence: the mean divides by
+    the unmasked tokens of all shards, and the backward loss is scaled by the CP size because
+    DeepSpeed averages gradients over data x context-parallel ranks.
+    """
+    if cp_group is not None:
+        from focus_pretrain.parallel.context_parallel import shard_batch
+
+        batch = shard_batch(batch, cp_group)
     per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    mask = batch["loss_mask"].float()  # [b, s]
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    mask = batch["loss_mask"].float()  # [b, s_local]
+    total, count = (per_token.float() * mask).sum(), mask.sum()
+    if cp_group is None:
+        mean = total / count.clamp(min=1)
+        return mean, mean.detach()
+    both = torch.stack([total.detach(), count])
+    dist.all_reduce(both, group=cp_group)
+    global_count = both[1].clamp(min=1)
+    return total * dist.get_world_size(cp_group) / global_count, both[0] / global_count
 
 
 def _dp_mean(value: torch.Tensor) -> float:
@@ -175,6 +193,15 @@ def _dp_mean(value: torch.Tensor) -> float:
     value = value.detach().float().clone()
     dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
     return float(value) / parallel_state.get_data_parallel_world_size()
+
+
+def _cp_group(config: Config):
+    """The context-parallel process group, or ``None`` without context parallelism."""
+    from megatron.core import parallel_state
+
+    if config.parallel.context_parallel_size == 1:
+        return None
+    return parallel_state.get_context_parallel_group()
 
 
 def pretrain(config: Config) -> dict:
@@ -256,6 +283,12 @@ def pretrain(config: Config) -> dict:
         )
 
     model = build_model(config.model)
+    cp_group = _cp_group(config)
+    ring_stats = None
+    if cp_group is not None:
+        from focus_pretrain.parallel.context_parallel import apply_context_parallel
+
+        ring_stats = apply_context_parallel(model, cp_group, config.parallel.cp_mode)
     ckpt_root = out / "checkpoints"
     if train_cfg.init_from_hf and latest_tag(ckpt_root) is None:
         from focus_pretrain.convert import load_hf_weights
@@ -304,7 +337,8 @@ def pretrain(config: Config) -> dict:
             f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} frozen "
             f"parameters ({counts['router']:,} router), the optimizer holds "
             f"{sum(p.numel() for g in groups for p in g['params']):,}, dp={dp}, "
-            f"tp={config.parallel.tensor_parallel_size}, grad_accum={grad_accum}; {where}",
+            f"tp={config.parallel.tensor_parallel_size}, "
+            f"cp={config.parallel.context_parallel_size}, grad_accum={grad_accum}; {where}",
             flush=True,
         )
     flops = flops_per_sample(config.model, config.data.seq_length)
@@ -323,10 +357,10 @@ def pretrain(config: Config) -> dict:
             engine.train()
             step_loss = torch.zeros((), device=device)
             for _ in range(grad_accum):
-                loss = _loss(engine, _batch_to(next(loader), device))
+                loss, mean = _loss(engine, _batch_to(next(loader), device), cp_group)
                 engine.backward(loss)
                 engine.step()
-                step_loss += loss.detach() / grad_accum
+                step_loss += mean / grad_accum
             step += 1
             consumed += train_cfg.global_batch_size
             _update_balance(routers, parallel_state)
@@ -350,18 +384,21 @@ def pretrain(config: Config) -> dict:
                         "mfu": None if peak is None else tflops / peak,
                         "peak_mem_gb": peak_memory_gb(),
                         "max_group_share": _max_group_share(routers, parallel_state),
+                        "ring_skipped": _ring_skipped(ring_stats),
                     },
                 )
                 interval_loss, interval_steps, tic = 0.0, 0, time.perf_counter()
             if train_cfg.eval_interval and (
                 step % train_cfg.eval_interval == 0 or step == train_cfg.steps
             ):
-                valid_loss = evaluate(engine, valid_set, train_cfg, parallel_state, device)
+                valid_loss = evaluate(
+                    engine, valid_set, train_cfg, parallel_state, device, cp_group
+                )
                 scalars = {"loss": valid_loss, "ppl": math.exp(min(valid_loss, 50))}
                 if recall is not None:
                     engine.eval()
                     recall_scores = recall_metrics(
-                        engine, recall, train_cfg.micro_batch_size, device
+                        engine, recall, train_cfg.micro_batch_size, device, cp_group
                     )
                     engine.train()
                     scalars.update(
@@ -422,15 +459,27 @@ def _demo_only(config: Config) -> bool:
 
 
 def _update_balance(routers: list[FocusRouter], parallel_state) -> None:
-    """After an optimizer step: average each router's load target over data-parallel ranks."""
-    group = parallel_state.get_data_parallel_group()
+    """After an optimizer step: average each router's load target over data- and
+    context-parallel ranks (each saw a different part of the batch)."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     for router in routers:
         target = router.balance_target()
         if target is None:
             continue
         target = target.float().clone()
         dist.all_reduce(target, group=group)
-        router.update_balance(target / parallel_state.get_data_parallel_world_size())
+        router.update_balance(target / size)
+
+
+def _ring_skipped(stats) -> float | None:
+    """Share of ring steps skipped since the last log (hard-mode blocks with no allowed pair;
+    training runs the soft gate, so it counts evaluation)."""
+    if stats is None or stats.computed + stats.skipped == 0:
+        return None
+    share = stats.skipped / (stats.computed + stats.skipped)
+    stats.computed = stats.skipped = 0
+    return share
 
 
 def _max_group_share(routers: list[FocusRouter], parallel_state) -> float | None:
@@ -438,13 +487,15 @@ def _max_group_share(routers: list[FocusRouter], parallel_state) -> float | None
     if not routers:
         return None
     counts = torch.stack([r.pop_load().float() for r in routers])  # [layers, K]
-    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(
+        counts, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
     shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
     return float(shares.max())
 
 
 @torch.no_grad()
-def evaluate(engine, valid_set, train_cfg, parallel_state, device) -> float:
+def evaluate(engine, valid_set, train_cfg, parallel_state, device, cp_group=None) -> float:
     """Mean validation loss over ``eval_iters`` micro-batches (the model's inference mode)."""
     from focus_pretrain.data.datasets import ResumableSampler
 
@@ -468,6 +519,6 @@ def evaluate(engine, valid_set, train_cfg, parallel_state, device) -> float:
     for i, batch in enumerate(batches):
         if i == train_cfg.eval_iters:
             break
-        losses.append(_loss(engine, _batch_to(batch, device)))
+        losses.append(_loss(engine, _batch_to(batch, device), cp_group)[1])
     engine.train()
     return _dp_mean(torch.stack(losses).mean())

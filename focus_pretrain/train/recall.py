@@ -97,7 +97,9 @@ def recall_batch(
 
 
 @torch.no_grad()
-def recall_metrics(model, batch: RecallBatch, micro_batch_size: int, device) -> dict[str, float]:
+def recall_metrics(
+    model, batch: RecallBatch, micro_batch_size: int, device, cp_group=None
+) -> dict[str, float]:
     """Loss and accuracy of ``model`` (a Megatron ``GPTModel`` or a DeepSpeed engine around
     one, in the mode it is in) on the recall lines' query tokens (key and value pieces), each
     part alone, and on all other tokens.
@@ -122,7 +124,14 @@ def recall_metrics(model, batch: RecallBatch, micro_batch_size: int, device) -> 
         rows = slice(start, start + micro_batch_size)
         tokens, labels = batch.tokens[rows].to(device), batch.labels[rows].to(device)
         positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)  # [b, s]
-        logits = model(tokens, positions, None)  # [b, s, vocab / tp]
+        if cp_group is None:
+            logits = model(tokens, positions, None)  # [b, s, vocab / tp]
+        else:  # each context-parallel rank runs its shard; the logits are gathered back
+            from focus_pretrain.parallel.context_parallel import gather_sequence, shard_batch
+
+            shard = shard_batch(dict(tokens=tokens, positions=positions), cp_group)
+            logits = model(shard["tokens"], shard["positions"], None)  # [b, s_loc, vocab / tp]
+            logits = gather_sequence(logits, 1, cp_group)  # [b, s, vocab / tp]
         logits = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
         loss = torch.nn.functional.cross_entropy(
             logits.transpose(1, 2), labels, reduction="none"

@@ -160,6 +160,22 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, cache):
         ("data.seq_length=256", "model.max_seq_length (128) must be >= data.seq_length (256)"),
         ("parallel.tensor_parallel_size=3", "num_attention_heads (4) must be divisible by"),
         ("train.stepz=3", "unknown key(s) train.stepz; allowed keys: steps,"),
+        (
+            ["parallel.context_parallel_size=3", "parallel.cp_mode=ring"],
+            "data.seq_length (128) must be divisible by 2 x parallel.context_parallel_size",
+        ),
+        (
+            "parallel.context_parallel_size=8",
+            "parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads (4 / 1 = 4)",
+        ),
+        (
+            [
+                "parallel.context_parallel_size=2",
+                "parallel.cp_mode=ring",
+                "model.focus.inference_backend=flex",
+            ],
+            "model.focus.inference_backend 'flex' cannot run inside the ring",
+        ),
         pytest.param(
             "train.precision=fp16",
             "train.precision=fp16 needs a GPU",
@@ -168,7 +184,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, cache):
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, cache, bad, message):
-    run = launch(overrides(tmp_path, cache, bad))
+    run = launch(overrides(tmp_path, cache, *(bad if isinstance(bad, list) else [bad])))
     assert run.returncode != 0
     assert message in run.stderr, run.stderr[-2000:]
     assert "train step" not in run.stdout and not (tmp_path / "checkpoints").exists()
@@ -245,11 +261,14 @@ def test_dry_run_plans_the_7b_recipe():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "dp2-zero3", "dp2-offload"])
+@pytest.mark.parametrize(
+    "layout", ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-a2a", "cp2-ring-zero3"]
+)
 def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
-    """TP=2 (through DeepSpeed's mpu adapter) and DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
-    optimizer offloaded to CPU (DeepSpeedCPUAdam) train like one process (same global batch:
-    DP=1 accumulates two micro-batches)."""
+    """TP=2 (through DeepSpeed's mpu adapter), DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
+    optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism CP=2 (all-to-all;
+    ring under ZeRO-3) train like one process (same global batch: DP=1 accumulates two
+    micro-batches)."""
     base = overrides(tmp_path / "one", cache, "train.steps=3")
     (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
     extra = {
@@ -257,6 +276,12 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
         "dp2": ["parallel.zero_stage=2"],
         "dp2-zero3": ["parallel.zero_stage=3"],
         "dp2-offload": ["parallel.zero_stage=2", "parallel.cpu_offload=true"],
+        "cp2-a2a": ["parallel.context_parallel_size=2"],
+        "cp2-ring-zero3": [
+            "parallel.context_parallel_size=2",
+            "parallel.cp_mode=ring",
+            "parallel.zero_stage=3",
+        ],
     }[layout]
     sets = overrides(tmp_path / layout, cache, "train.steps=3", *extra)
     results = run_workers("tests.e2e.workers_train:train", 2, sets)
@@ -431,3 +456,26 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
     wrong = launch(overrides(tmp_path / "wrong", cache, *RETROFIT_GPT2, f"train.init_from_hf={hf}"))
     assert wrong.returncode != 0
     assert "ships its own tokenizer" in wrong.stderr and "train step" not in wrong.stdout
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_with_data_parallel_through_torchrun(tmp_path, cache):
+    """Four torchrun processes: CP=2 (ring) x DP=2 with ZeRO-2 train like one process."""
+    base = overrides(tmp_path / "one", cache, "train.steps=3")
+    (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
+    port = str(free_port())
+    sets = overrides(
+        tmp_path / "cp", cache, "train.steps=3", "parallel.context_parallel_size=2",
+        "parallel.cp_mode=ring", "parallel.zero_stage=2",
+    )  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    command += ["--master-port", port, LAUNCHER, "--config", RECIPE]
+    for item in sets:
+        command += ["--set", item]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "dp=2, tp=1, cp=2" in run.stdout
+    seen = losses(run.stdout)
+    assert sorted(seen) == [1, 2, 3]
+    assert seen[3] == pytest.approx(single["train_loss"], rel=2e-4)
+    assert (tmp_path / "cp" / "checkpoints" / "latest").read_text() == "step_00000003"
