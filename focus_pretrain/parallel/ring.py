@@ -32,6 +32,8 @@ from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32
 from focus_pretrain.focus.reference import attend_block
 
+SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
+
 
 @dataclass
 class RingStats:
@@ -156,50 +158,77 @@ def _unpack(block: list[Tensor], soft: bool, has_member: bool):
     return k_b, v_b, pos_b, probs_b, member_b
 
 
-def _attend(q, probs, member, positions, block, soft, options, stats):
-    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
-    if not block_has_pair(
+def _row_chunks(q: Tensor, keys: int) -> list[slice]:
+    """Query-row slices whose scores ``[b, H, rows, keys]`` stay within :data:`SCORE_BUDGET`."""
+    b, n, h, _ = q.shape
+    rows = max(1, SCORE_BUDGET // max(1, b * h * keys))
+    return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
+
+
+def _has_pair(positions, pos_b, member, member_b, options) -> bool:
+    return block_has_pair(
         positions, pos_b, options["window"], member_q=member, member_k=member_b,
         local_only=options["local_only"],
-    ):  # fmt: skip
+    )  # fmt: skip
+
+
+def _attend(q, probs, member, positions, block, soft, options, stats):
+    """This rank's queries against one visiting block: ``(out, lse)`` or ``None`` (skipped)."""
+    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
+    if not _has_pair(positions, pos_b, member, member_b, options):
         if stats is not None:
             stats.skipped += 1
         return None
     if stats is not None:
         stats.computed += 1
-    return attend_block(
-        q, k_b, v_b, probs if soft else None, probs_b, member, member_b,
-        q_pos=positions, k_pos=pos_b, **_block_options(options),
-    )  # fmt: skip
+    outs, lses = [], []
+    for rows in _row_chunks(q, k_b.shape[1]):  # bounded score memory, not a group loop
+        out, lse = attend_block(
+            q[:, rows], k_b, v_b, probs[:, rows] if soft else None, probs_b,
+            None if member is None else member[:, rows], member_b,
+            q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
+        )  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_out):
-    """This rank's queries against one block: ``(dq, dk, dv[, dprobs_k, dprobs_q])``."""
+    """This rank's queries against one block: ``[dq, dk, dv]`` (soft: ``+ [dprobs_k,
+    dprobs_q]``), at least fp32, or ``None`` when the block was skipped."""
     k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
-    if not block_has_pair(
-        positions, pos_b, options["window"], member_q=member, member_k=member_b,
-        local_only=options["local_only"],
-    ):  # fmt: skip
+    if not _has_pair(positions, pos_b, member, member_b, options):
         return None
-    leaves = [t.detach().requires_grad_(True) for t in (q, k_b, v_b)]
-    if soft:
-        leaves += [probs_b.detach().requires_grad_(True), probs.detach().requires_grad_(True)]
-    with torch.enable_grad():
-        out_b, lse_b = attend_block(
-            leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
-            leaves[3] if soft else None, member, member_b,
-            q_pos=positions, k_pos=pos_b, **_block_options(options),
-        )  # fmt: skip
-        weight = torch.exp(lse_b - lse)  # [b, s, H]: this block's share of each query
-        grad_out = d_out * weight[..., None]
-        grad_lse = weight * (d_out * (at_least_fp32(out_b) - at_least_fp32(out))).sum(dim=-1)
-        grads = torch.autograd.grad(
-            (out_b, lse_b), leaves, (grad_out.to(out_b.dtype), grad_lse), allow_unused=True
-        )
-    return [
-        torch.zeros_like(at_least_fp32(x)) if g is None else at_least_fp32(g)
-        for g, x in zip(grads, leaves, strict=True)
-    ]
+    d_q = torch.zeros_like(at_least_fp32(q))
+    d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
+    d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None
+    d_pq = torch.zeros_like(at_least_fp32(probs)) if soft else None
+    for rows in _row_chunks(q, k_b.shape[1]):
+        leaves = [t.detach().requires_grad_(True) for t in (q[:, rows], k_b, v_b)]
+        if soft:
+            leaves += [probs_b.detach().requires_grad_(True), probs[:, rows].detach()]
+            leaves[4].requires_grad_(True)
+        with torch.enable_grad():
+            out_b, lse_b = attend_block(
+                leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
+                leaves[3] if soft else None, None if member is None else member[:, rows],
+                member_b, q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
+            )  # fmt: skip
+            weight = torch.exp(lse_b - lse[:, rows])  # [b, rows, H]: the block's share
+            grad_out = d_out[:, rows] * weight[..., None]
+            mine = at_least_fp32(out_b) - at_least_fp32(out[:, rows])
+            grad_lse = weight * (d_out[:, rows] * mine).sum(dim=-1)
+            grads = torch.autograd.grad(
+                (out_b, lse_b), leaves, (grad_out.to(out_b.dtype), grad_lse), allow_unused=True
+            )
+        grads = [None if g is None else at_least_fp32(g) for g in grads]
+        d_q[:, rows] += grads[0]
+        for acc, g in zip((d_k, d_v, d_pk), grads[1:4], strict=False):
+            if acc is not None and g is not None:
+                acc += g
+        if soft and grads[4] is not None:
+            d_pq[:, rows] += grads[4]
+    return [d_q, d_k, d_v] + ([d_pk, d_pq] if soft else [])
 
 
 def _block_options(options: dict) -> dict:

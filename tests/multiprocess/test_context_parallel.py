@@ -20,6 +20,9 @@ def cases() -> list[dict]:
         out.append(dict(BASE, cp_mode=cp_mode, mode="hard", top_k=2, softcap=2.0, seed=len(out)))
         out.append(dict(BASE, cp_mode=cp_mode, mode="soft", hkv=1, window=0, seed=len(out)))
         out.append(dict(BASE, cp_mode=cp_mode, mode="soft", local_only=True, seed=len(out)))
+    # the ring's query-row chunks (3 rows of 4 heads x 2 samples against the block)
+    out.append(dict(BASE, cp_mode="ring", mode="soft", score_budget=3 * 4 * 2 * 16, seed=99))
+    out.append(dict(BASE, cp_mode="ring", mode="hard", score_budget=3 * 4 * 2 * 16, seed=98))
     return out
 
 

@@ -48,7 +48,11 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
     apply_cpu_shim()
     group = dist.group.WORLD
     results = []
+    from focus_pretrain.parallel import ring
+
+    default_budget = ring.SCORE_BUDGET
     for case in cases:
+        ring.SCORE_BUDGET = case.get("score_budget", default_budget)  # small: row chunks
         q, k, v, hidden, upstream, router = _problem(case)
         kwargs = _attention_kwargs(case)
         router.eval()  # no balance statistics; the same routing in both runs
