@@ -6,6 +6,13 @@ training keeps 4 + 4 + 12) divided over data-parallel ranks by stage. Activation
 Korthikanti et al. (2022) without the ``s^2`` term (attention is computed blockwise), with full
 recompute keeping one layer input per layer plus one layer's working set, and the fp32 logits
 with their gradient. A 10% margin is kept for workspace and fragmentation.
+
+Context parallelism (``CP`` ranks per sequence) divides every activation term by ``CP`` (each
+rank holds ``s / CP`` tokens), ZeRO partitions over data x context-parallel ranks (DeepSpeed's
+data-parallel group), and the attention adds its communication buffers: for the ring, two K/V
+blocks (the one computed and the one in flight) plus, in backward, two fp32 ``dK/dV``
+accumulators and the score chunk of one step (``SCORE_BUDGET`` fp32); for all-to-all, the
+head-sharded ``q, k, v`` and output of one layer.
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     (TP=1 totals).
     """
     par, train, model = config.parallel, config.train, config.model
-    tp = par.tensor_parallel_size
-    gpus = par.gpus or tp
-    dp = gpus // tp
+    tp, cp = par.tensor_parallel_size, par.context_parallel_size
+    gpus = par.gpus or tp * cp
+    dp = gpus // (tp * cp)
+    shards = dp * cp  # ZeRO partitions over DeepSpeed's data x context-parallel group
     total = counts["sharded"] + counts["replicated"]
     per_gpu = counts["sharded"] / tp + counts["replicated"]
     trainable = per_gpu * counts["trainable"] / total
@@ -39,13 +47,13 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     if par.cpu_offload:
         optim = 0.0
     if par.zero_stage >= 1:
-        optim /= dp
+        optim /= shards
     if par.zero_stage >= 2:
-        grads /= dp
+        grads /= shards
     if par.zero_stage >= 3:
-        weights /= dp
+        weights /= shards
     s, b, h, layers = (
-        config.data.seq_length,
+        config.data.seq_length // cp,  # tokens per rank
         train.micro_batch_size,
         model.hidden_size,
         model.num_layers,
@@ -56,11 +64,24 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     else:
         activations = layers * layer_working
     logits = 2 * s * b * model.vocab_size / tp * 4
-    used = (weights + grads + optim + activations + logits) / GB
+    context = 0.0
+    if cp > 1:
+        from focus_pretrain.parallel.ring import SCORE_BUDGET
+
+        kv = 2 * s * b * model.kv_heads // tp * model.kv_channels  # one K/V block
+        if par.cp_mode == "ring":
+            context = 2 * kv * w_bytes + 2 * kv * 4 + SCORE_BUDGET * 4
+        else:
+            q = s * b * model.num_attention_heads // tp * model.kv_channels
+            context = (2 * q + kv) * w_bytes
+    used = (weights + grads + optim + activations + logits + context) / GB
     return {
         "gpus": gpus,
         "tensor_parallel": tp,
+        "context_parallel": cp,
+        "cp_mode": par.cp_mode,
         "data_parallel": dp,
+        "tokens_per_gpu": s * b,
         "zero_stage": par.zero_stage,
         "parameters": total,
         "parameters_per_gpu": int(per_gpu),
@@ -69,6 +90,7 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
         "optimizer_gb": optim / GB,
         "activations_gb": activations / GB,
         "logits_gb": logits / GB,
+        "context_parallel_gb": context / GB,
         "total_gb": used,
         "gpu_memory_gb": par.gpu_memory_gb,
         "fits": used <= MARGIN * par.gpu_memory_gb,
@@ -90,7 +112,7 @@ def count_split(config: Config) -> dict[str, int]:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     with torch.device("meta"):
-        model = build_model(replace(config.model, tensor_parallel_size=1))
+        model = build_model(replace(config.model, tensor_parallel_size=1, context_parallel_size=1))
     apply_freeze_policy(model, config.train)
     sharded = replicated = trainable = 0
     for param in model.parameters():
@@ -120,13 +142,15 @@ def print_plan(config: Config) -> dict:
             "optimizer_gb",
             "activations_gb",
             "logits_gb",
+            "context_parallel_gb",
             "total_gb",
         ):
             print(f"| {key[:-3]} | {plan[key]:.2f} |")
         verdict = "fits" if plan["fits"] else "does NOT fit"
         print(
-            f"{plan['gpus']} GPUs (TP {plan['tensor_parallel']} x DP {plan['data_parallel']}, "
-            f"ZeRO-{plan['zero_stage']}): {plan['total_gb']:.1f} GB of "
+            f"{plan['gpus']} GPUs (TP {plan['tensor_parallel']} x CP {plan['context_parallel']} "
+            f"({plan['cp_mode']}) x DP {plan['data_parallel']}, ZeRO-{plan['zero_stage']}; "
+            f"{plan['tokens_per_gpu']:,} tokens per GPU): {plan['total_gb']:.1f} GB of "
             f"{plan['gpu_memory_gb']:.0f} GB per GPU -> {verdict}"
         )
         print(json.dumps(plan))

@@ -260,6 +260,29 @@ def test_dry_run_plans_the_7b_recipe():
     assert not json.loads(one_gpu.stdout.strip().splitlines()[-1])["fits"]  # 16 B/param > 80 GB
 
 
+def test_dry_run_plans_the_million_token_recipe():
+    """configs/7b-1m.yaml: 2^20 tokens on TP 8 x CP 8 (ring) fits 80 GB GPUs; the same model
+    without context parallelism (TP 8, 8 GPUs: 2^20 tokens per GPU) does not."""
+    args = [sys.executable, LAUNCHER, "--config", str(ROOT / "configs" / "7b-1m.yaml")]
+    args.append("--dry-run")
+
+    def plan(*sets: str) -> dict:
+        extra = [x for item in sets for x in ("--set", item)]
+        result = subprocess.run(
+            [*args, *extra], capture_output=True, text=True, timeout=300, check=True
+        )
+        assert "CP 8 (ring)" in result.stdout or sets
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    million = plan()
+    assert million["gpus"] == 64 and million["context_parallel"] == 8
+    assert million["tokens_per_gpu"] == 2**20 // 8 and million["fits"]
+    assert 0 < million["context_parallel_gb"] < 2 and million["total_gb"] < 72
+    alone = plan("parallel.context_parallel_size=1", "parallel.gpus=8")
+    assert alone["tokens_per_gpu"] == 2**20 and not alone["fits"]
+    assert alone["activations_gb"] > 7 * million["activations_gb"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout", ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-a2a", "cp2-ring-zero3"]
