@@ -285,13 +285,14 @@ def test_dry_run_plans_the_million_token_recipe():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "layout", ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-a2a", "cp2-ring-zero3"]
+    "layout",
+    ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-a2a", "cp2-ring-zero3", "tp2-cp2-ring"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
     """TP=2 (through DeepSpeed's mpu adapter), DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
     optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism CP=2 (all-to-all;
     ring under ZeRO-3) train like one process (same global batch: DP=1 accumulates two
-    micro-batches)."""
+    micro-batches; TP=2 x CP=2 runs four processes)."""
     base = overrides(tmp_path / "one", cache, "train.steps=3")
     (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
     extra = {
@@ -305,9 +306,14 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
             "parallel.cp_mode=ring",
             "parallel.zero_stage=3",
         ],
+        "tp2-cp2-ring": [
+            "parallel.tensor_parallel_size=2",
+            "parallel.context_parallel_size=2",
+            "parallel.cp_mode=ring",
+        ],
     }[layout]
     sets = overrides(tmp_path / layout, cache, "train.steps=3", *extra)
-    results = run_workers("tests.e2e.workers_train:train", 2, sets)
+    results = run_workers("tests.e2e.workers_train:train", 4 if "tp2-cp2" in layout else 2, sets)
     for result in results:
         assert result["step"] == 3
         assert result["train_loss"] == pytest.approx(single["train_loss"], rel=2e-4)

@@ -72,20 +72,21 @@ FOCUS = dict(window=5, num_groups=4)
 
 
 @pytest.mark.parametrize(
-    "model_kwargs, focus_kwargs, cp_mode",
+    "model_kwargs, focus_kwargs, cp_mode, cp",
     [
-        (LLAMA, FOCUS, "a2a"),
-        (LLAMA, FOCUS, "ring"),
-        (GPT2, dict(FOCUS, top_k=2), "ring"),  # learned absolute positions
-        (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a"),  # the column sums cross ranks
+        (LLAMA, FOCUS, "a2a", 2),
+        (LLAMA, FOCUS, "ring", 2),
+        (GPT2, dict(FOCUS, top_k=2), "ring", 2),  # learned absolute positions
+        (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a", 2),  # the column sums cross ranks
+        (LLAMA, FOCUS, "ring", 4),
     ],
-    ids=["llama-a2a", "llama-ring", "gpt2-ring-top2", "llama-sinkhorn-a2a"],
+    ids=["llama-a2a", "llama-ring", "gpt2-ring-top2", "llama-sinkhorn-a2a", "llama-ring-cp4"],
 )
-def test_whole_model_with_cp2_equals_cp1(model_kwargs, focus_kwargs, cp_mode):
+def test_whole_model_with_context_parallel_equals_cp1(model_kwargs, focus_kwargs, cp_mode, cp):
     """Loss, every gradient (router included) and the hard-mode eval logits equal CP = 1."""
     worker = f"{WORKERS}:model_loss_and_grads"
     (want,) = run_workers(worker, 1, model_kwargs, focus_kwargs, cp_mode)
-    got = run_workers(worker, 2, model_kwargs, focus_kwargs, cp_mode)[0]
+    got = run_workers(worker, cp, model_kwargs, focus_kwargs, cp_mode)[0]
     assert abs(float(got["loss"]) - float(want["loss"])) < 1e-5
     torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
     assert any(".router." in name for name in want["grads"])
