@@ -84,15 +84,12 @@ def attend_block(
 
 
 def _logsumexp(scores: Tensor) -> Tensor:
-    """``logsumexp`` over the last dim; ``-inf`` for rows with no allowed key, and a zero (not
-    NaN) gradient there, so that blocks in which some queries see nothing can be
-    differentiated (the ring's per-block backward)."""
-    top = scores.amax(dim=-1, keepdim=True).detach()
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    total = torch.exp(scores - top).sum(dim=-1)
-    empty = total == 0
-    safe = torch.log(torch.where(empty, torch.ones_like(total), total)) + top.squeeze(-1)
-    return torch.where(empty, torch.full_like(safe, float("-inf")), safe)
+    """``torch.logsumexp`` over the last dim, except that a row with no allowed key gives
+    ``-inf`` with a zero (not NaN) gradient, so that blocks in which some queries see nothing
+    can be differentiated (the ring's per-block backward). Rows with keys are unchanged."""
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)  # [..., 1]
+    lse = torch.logsumexp(torch.where(empty, torch.zeros_like(scores), scores), dim=-1)
+    return torch.where(empty.squeeze(-1), torch.full_like(lse, float("-inf")), lse)
 
 
 def reference_attention(

@@ -286,13 +286,13 @@ def test_dry_run_plans_the_million_token_recipe():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-a2a", "cp2-ring-zero3", "tp2-cp2-ring"],
+    ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-cp2-ring"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
     """TP=2 (through DeepSpeed's mpu adapter), DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
-    optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism CP=2 (all-to-all;
-    ring under ZeRO-3) train like one process (same global batch: DP=1 accumulates two
-    micro-batches; TP=2 x CP=2 runs four processes)."""
+    optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism (CP=2 ring under
+    ZeRO-3; TP=2 x CP=2 ring; all-to-all in the torchrun test below) train like one process
+    (same global batch: DP=1 accumulates two micro-batches; TP=2 x CP=2 runs four processes)."""
     base = overrides(tmp_path / "one", cache, "train.steps=3")
     (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
     extra = {
@@ -300,7 +300,6 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
         "dp2": ["parallel.zero_stage=2"],
         "dp2-zero3": ["parallel.zero_stage=3"],
         "dp2-offload": ["parallel.zero_stage=2", "parallel.cpu_offload=true"],
-        "cp2-a2a": ["parallel.context_parallel_size=2"],
         "cp2-ring-zero3": [
             "parallel.context_parallel_size=2",
             "parallel.cp_mode=ring",
@@ -489,13 +488,13 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
 
 @pytest.mark.multiprocess
 def test_context_parallel_with_data_parallel_through_torchrun(tmp_path, cache):
-    """Four torchrun processes: CP=2 (ring) x DP=2 with ZeRO-2 train like one process."""
+    """Four torchrun processes: CP=2 (all-to-all) x DP=2 with ZeRO-2 train like one process."""
     base = overrides(tmp_path / "one", cache, "train.steps=3")
     (single,) = run_workers("tests.e2e.workers_train:train", 1, base)
     port = str(free_port())
     sets = overrides(
         tmp_path / "cp", cache, "train.steps=3", "parallel.context_parallel_size=2",
-        "parallel.cp_mode=ring", "parallel.zero_stage=2",
+        "parallel.cp_mode=a2a", "parallel.zero_stage=2",
     )  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
     command += ["--master-port", port, LAUNCHER, "--config", RECIPE]

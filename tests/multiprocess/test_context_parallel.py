@@ -71,25 +71,36 @@ GPT2 = dict(LLAMA, family="gpt2", num_query_groups=None)
 FOCUS = dict(window=5, num_groups=4)
 
 
-@pytest.mark.parametrize(
-    "model_kwargs, focus_kwargs, cp_mode, cp",
-    [
-        (LLAMA, FOCUS, "a2a", 2),
-        (LLAMA, FOCUS, "ring", 2),
-        (GPT2, dict(FOCUS, top_k=2), "ring", 2),  # learned absolute positions
-        (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a", 2),  # the column sums cross ranks
-        (LLAMA, FOCUS, "ring", 4),
-    ],
-    ids=["llama-a2a", "llama-ring", "gpt2-ring-top2", "llama-sinkhorn-a2a", "llama-ring-cp4"],
-)
-def test_whole_model_with_context_parallel_equals_cp1(model_kwargs, focus_kwargs, cp_mode, cp):
+MODEL_CASES = {  # id: (model, focus, cp_mode, CP size)
+    "llama-a2a": (LLAMA, FOCUS, "a2a", 2),
+    "llama-ring": (LLAMA, FOCUS, "ring", 2),
+    "gpt2-ring-top2": (GPT2, dict(FOCUS, top_k=2), "ring", 2),  # learned absolute positions
+    "llama-sinkhorn-a2a": (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a", 2),  # column sums
+    "llama-ring-cp4": (LLAMA, FOCUS, "ring", 4),
+}
+
+
+@pytest.fixture(scope="module")
+def model_runs():
+    """Every case at CP = 1, then each CP size once (one set of processes per size)."""
+    worker = f"{WORKERS}:models_loss_and_grads"
+    cases = {name: case[:3] for name, case in MODEL_CASES.items()}
+    want = dict(zip(cases, run_workers(worker, 1, list(cases.values()))[0], strict=True))
+    got = {}
+    for size in sorted({case[3] for case in MODEL_CASES.values()}):
+        names = [name for name, case in MODEL_CASES.items() if case[3] == size]
+        results = run_workers(worker, size, [cases[name] for name in names])[0]
+        got.update(zip(names, results, strict=True))
+    return want, got
+
+
+@pytest.mark.parametrize("name", list(MODEL_CASES))
+def test_whole_model_with_context_parallel_equals_cp1(model_runs, name):
     """Loss, every gradient (router included) and the hard-mode eval logits equal CP = 1."""
-    worker = f"{WORKERS}:model_loss_and_grads"
-    (want,) = run_workers(worker, 1, model_kwargs, focus_kwargs, cp_mode)
-    got = run_workers(worker, cp, model_kwargs, focus_kwargs, cp_mode)[0]
+    want, got = model_runs[0][name], model_runs[1][name]
     assert abs(float(got["loss"]) - float(want["loss"])) < 1e-5
     torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
     assert any(".router." in name for name in want["grads"])
-    for name, grad in want["grads"].items():
-        assert grad.abs().sum() > 0 or "router" in name, name  # real gradients
-        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    for key, grad in want["grads"].items():
+        assert grad.abs().sum() > 0 or "router" in key, key  # real gradients
+        torch.testing.assert_close(got["grads"][key], grad, rtol=1e-4, atol=1e-5, msg=key)

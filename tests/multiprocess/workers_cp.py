@@ -121,6 +121,16 @@ def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dic
     )
 
 
+def models_loss_and_grads(rank: int, world_size: int, cases: list) -> list[dict]:
+    """:func:`model_loss_and_grads` for each ``(model_kwargs, focus_kwargs, cp_mode)``."""
+    from megatron.core import parallel_state
+
+    apply_cpu_shim()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    return [model_loss_and_grads(rank, world_size, *case) for case in cases]
+
+
 def model_loss_and_grads(
     rank: int, world_size: int, model_kwargs: dict, focus_kwargs: dict, cp_mode: str
 ) -> dict:
@@ -131,9 +141,6 @@ def model_loss_and_grads(
     from focus_pretrain.parallel.context_parallel import apply_context_parallel, shard_batch
     from tests.multiprocess.workers_model import _batch, _build
 
-    apply_cpu_shim()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     model_kwargs = dict(model_kwargs, context_parallel_size=world_size, cp_mode=cp_mode)
     config, model = _build(1, model_kwargs, focus_kwargs)
     group = parallel_state.get_context_parallel_group()
