@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
+from tests.multiprocess.workers_model import LLAMA
 
 pytestmark = pytest.mark.multiprocess
 WORKERS = "tests.multiprocess.workers_cp"
@@ -58,15 +59,6 @@ def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, sk
         assert r["error"] < 1e-12
 
 
-LLAMA = dict(
-    family="llama",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=96,
-    vocab_size=128,
-)
 GPT2 = dict(LLAMA, family="gpt2", num_query_groups=None)
 FOCUS = dict(window=5, num_groups=4)
 

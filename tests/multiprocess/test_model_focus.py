@@ -6,18 +6,10 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
+from tests.multiprocess.workers_model import LLAMA
 
 pytestmark = pytest.mark.multiprocess
 WORKER = "tests.multiprocess.workers_model:forward_backward"
-LLAMA = dict(
-    family="llama",
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=96,
-    vocab_size=128,
-)
 GEMMA = dict(
     LLAMA, family="gemma2", head_dim=16, sliding_window=6, attn_softcap=5.0, final_softcap=3.0
 )

@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+LLAMA = dict(  # the tiny Llama-style model of the multi-process model tests
+    family="llama",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=96,
+    vocab_size=128,
+)
+
 
 def _init(world_size: int) -> None:
     from focus_pretrain.parallel import apply_cpu_shim
