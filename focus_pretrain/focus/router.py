@@ -233,8 +233,9 @@ class FocusRouter(nn.Module):
         column_logsumexp: ColumnLogSumExp | None = None,
         num_tokens: int | None = None,
     ) -> Routing:
-        """Route ``hidden`` ``[b, s, d]``. ``column_logsumexp``/``num_tokens`` only matter in
-        ``sinkhorn`` mode (see :func:`sinkhorn_log`)."""
+        """Route ``hidden`` ``[b, s, d]``. ``column_logsumexp``/``num_tokens`` (see
+        :func:`sinkhorn_log`) make Sinkhorn see a sequence split over ranks: the routing in
+        ``sinkhorn`` mode, the balance statistic in ``causal`` mode."""
         logits = self.logits(hidden)
         if self.balance == "sinkhorn":
             log_p, _ = sinkhorn_log(
@@ -246,7 +247,7 @@ class FocusRouter(nn.Module):
             routing = Routing(log_p.exp())
         else:
             if self.training:
-                self._accumulate_balance_target(logits.detach())
+                self._accumulate_balance_target(logits.detach(), column_logsumexp, num_tokens)
             routing = Routing(torch.softmax(logits + self.balance_offsets, dim=-1))
         if self.training:
             self._count_load(routing.probs.detach())
@@ -267,9 +268,20 @@ class FocusRouter(nn.Module):
         return counts
 
     @torch.no_grad()
-    def _accumulate_balance_target(self, logits: Tensor) -> None:
-        flat = logits.reshape(1, -1, self.num_groups)  # the whole micro-batch as one "sequence"
-        _, potential = sinkhorn_log(flat, self.sinkhorn_iters)
+    def _accumulate_balance_target(
+        self,
+        logits: Tensor,
+        column_logsumexp: ColumnLogSumExp | None = None,
+        num_tokens: int | None = None,
+    ) -> None:
+        b, s, _ = logits.shape
+        flat = logits.reshape(1, b * s, self.num_groups)  # the micro-batch as one "sequence"
+        _, potential = sinkhorn_log(
+            flat,
+            self.sinkhorn_iters,
+            column_logsumexp=column_logsumexp,
+            num_tokens=None if num_tokens is None else b * num_tokens,
+        )
         self._target_sum += potential[0]
         self._target_count += 1
 

@@ -197,10 +197,11 @@ def _column_logsumexp(group: dist.ProcessGroup):
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_mode: str):
     """Make every Focus layer of ``model`` attend over the whole context-parallel sequence.
 
-    Installs :func:`context_parallel_attention` as each core attention's ``attention_fn`` and,
-    for Sinkhorn routing, a column reduction over the group (so that CP = N routes exactly like
-    CP = 1). The model must have been built with ``context_parallel_size`` equal to the group's
-    size, and its inputs sharded with :func:`shard_sequence`. Returns the
+    Installs :func:`context_parallel_attention` as each core attention's ``attention_fn`` and
+    gives the routers Sinkhorn's column reduction over the group, so that CP = N routes
+    (``sinkhorn`` mode) and collects balance statistics (``causal`` mode) exactly like CP = 1.
+    The model must have been built with ``context_parallel_size`` equal to the group's size, and
+    its inputs sharded with :func:`shard_sequence`. Returns the
     :class:`~focus_pretrain.parallel.ring.RingStats` the layers count into (ring mode).
     """
     from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention

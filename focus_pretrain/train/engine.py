@@ -303,6 +303,7 @@ def pretrain(config: Config) -> dict:
     counts = apply_freeze_policy(model, train_cfg)
     routers = [m for m in model.modules() if isinstance(m, FocusRouter)]
     groups = parameter_groups(model, train_cfg)
+    optimized = sum(p.numel() for g in groups for p in g["params"])  # before ZeRO-3 partitions
     optimizer = _adamw(groups, train_cfg, config.parallel.cpu_offload)
     gate = PhaseGate(model) if train_cfg.freeze == "two_phase" else None
     engine, optimizer, _, _ = deepspeed.initialize(
@@ -336,7 +337,7 @@ def pretrain(config: Config) -> dict:
         print(
             f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} frozen "
             f"parameters ({counts['router']:,} router), the optimizer holds "
-            f"{sum(p.numel() for g in groups for p in g['params']):,}, dp={dp}, "
+            f"{optimized:,}, dp={dp}, "
             f"tp={config.parallel.tensor_parallel_size}, "
             f"cp={config.parallel.context_parallel_size}, grad_accum={grad_accum}; {where}",
             flush=True,

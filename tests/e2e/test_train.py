@@ -316,6 +316,18 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, layout):
     for result in results:
         assert result["step"] == 3
         assert result["train_loss"] == pytest.approx(single["train_loss"], rel=2e-4)
+    if layout == "cp2-ring-zero3":  # a context-parallel ZeRO-3 checkpoint exports like one
+        from safetensors.torch import load_file
+
+        from focus_pretrain.convert import export_hf
+
+        exported = [
+            load_file(export_hf(tmp_path / run, tmp_path / f"hf-{run}") / "model.safetensors")
+            for run in ("one", layout)
+        ]
+        assert exported[0].keys() == exported[1].keys()
+        for key, value in exported[0].items():  # balance offsets included (Sinkhorn over CP)
+            torch.testing.assert_close(exported[1][key], value, rtol=1e-3, atol=1e-4, msg=key)
 
 
 @pytest.mark.multiprocess
