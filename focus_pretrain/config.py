@@ -24,7 +24,7 @@ import yaml
 
 from focus_pretrain.data.datasets import DataConfig
 from focus_pretrain.focus.config import check_int
-from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.config import ModelConfig, check_cp_seq_length
 from focus_pretrain.train.config import ParallelConfig, TrainConfig
 
 
@@ -67,13 +67,7 @@ class Config:
                     f"model.{key} ({getattr(self.model, key)}) differs from parallel.{key} "
                     f"({getattr(self.parallel, key)}); set only parallel.{key}"
                 )
-        cp = self.parallel.context_parallel_size
-        if self.data.seq_length % (2 * cp):
-            raise ValueError(
-                f"data.seq_length ({self.data.seq_length}) must be divisible by 2 x "
-                f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "
-                "rank holds two equal chunks of every sequence"
-            )
+        check_cp_seq_length(self.data.seq_length, self.parallel.context_parallel_size)
         if self.model.max_seq_length < self.data.seq_length:
             raise ValueError(
                 f"model.max_seq_length ({self.model.max_seq_length}) must be >= "

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local
+from focus_pretrain.focus.reference import softmax_with_lse
 
 DEFAULT_BAND_BLOCK = 64
 MAX_BAND_SCORES = 1 << 25  # scores held at once (fp32: 128 MiB); chunks of query blocks
@@ -89,9 +90,7 @@ def band_attention(
             allowed = allowed & cross
         allowed = allowed[:, :, None, None]  # [b|1, c, 1, 1, block, span]
         scores = scores.masked_fill(~allowed, float("-inf"))  # [b, c, Hkv, G, block, span]
-        lse = torch.logsumexp(scores, dim=-1)  # [b, c, Hkv, G, block]
-        finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        weights = torch.exp(scores - finite[..., None])
+        weights, lse = softmax_with_lse(scores)  # lse: [b, c, Hkv, G, block]
         out = torch.einsum("bthgqk,bthdk->btqhgd", weights, v_win[:, c0:c1])
         outs.append(out.reshape(b, (c1 - c0) * block, h, d))  # [b, c * block, H, D]
         lses.append(lse.permute(0, 1, 4, 2, 3).reshape(b, (c1 - c0) * block, h))

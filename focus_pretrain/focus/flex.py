@@ -41,10 +41,10 @@ except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
 from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.pattern import member_bits
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 DEFAULT_BLOCK = 128  # FlexAttention's sparse block size
-_BITS = torch.arange(64)
 
 
 def flex_available_on(device: str) -> bool:
@@ -127,7 +127,7 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
 
     # OR of the bitmasks in each block, through segments (a block holds few of them)
     seg_member = member[layout.cu_seqlens[:-1].long()]  # [S]
-    seg_bits = ((seg_member[:, None] >> _BITS.to(device)) & 1).to(torch.int32)  # [S, 64]
+    seg_bits = member_bits(seg_member).to(torch.int32)  # [S, 64]
     first_block = layout.cu_seqlens[:-1].long() // block  # [S]
     last_block = (layout.cu_seqlens[1:].long() - 1) // block
     delta = torch.zeros(nb + 1, 64, dtype=torch.int32, device=device)

@@ -40,6 +40,12 @@ def membership_bitmask(top_groups: Tensor) -> Tensor:
     return bits.sum(dim=-1)  # distinct bits: the sum is the bitwise or
 
 
+def member_bits(member: Tensor) -> Tensor:
+    """``[..., 64]`` bool: bit ``k`` of each int64 membership bitmask (group ``k`` membership)."""
+    bits = torch.arange(64, device=member.device)
+    return ((member[..., None] >> bits) & 1).bool()
+
+
 def shares_group(member_q: Tensor, member_k: Tensor) -> Tensor:
     """``[b, Lq, Lk]`` bool: do the membership bitmasks ``[b, Lq]`` and ``[b, Lk]`` intersect?"""
     return (member_q[:, :, None] & member_k[:, None, :]) != 0

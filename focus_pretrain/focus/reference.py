@@ -74,13 +74,22 @@ def attend_block(
         local_only=local_only,
     )  # [b|1, Lq, Lk]
     scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
-    lse = _logsumexp(scores)  # [b, Hkv, G, Lq]
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(scores - finite_lse[..., None])  # rows with no allowed key: all zero
+    weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, Lq, Lk], [b, Hkv, G, Lq]
     out = torch.einsum("bhgqk,bkhd->bqhgd", weights, at_least_fp32(v))  # [b, Lq, Hkv, G, D]
     out = out.reshape(b, lq, h, d)  # [b, Lq, H, D]
     lse = lse.permute(0, 3, 1, 2).reshape(b, lq, h)  # [b, Hkv, G, Lq] -> [b, Lq, H]
     return out.to(q.dtype), lse
+
+
+def softmax_with_lse(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim of masked scores (``-inf`` = not allowed) and its log-sum-exp.
+
+    A row with no allowed key gets all-zero weights and ``lse = -inf`` (so blocks merge by
+    log-sum-exp), with zero, not NaN, gradients.
+    """
+    lse = _logsumexp(scores)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - finite_lse[..., None]), lse
 
 
 def _logsumexp(scores: Tensor) -> Tensor:

@@ -27,6 +27,27 @@ RECOMPUTE = ("none", "full", "selective")
 CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
 
 
+def check_cp_heads(heads: int, tp: int, cp: int, cp_mode: str) -> None:
+    """All-to-all context parallelism splits each tensor-parallel rank's heads over CP ranks."""
+    check_choice("parallel.cp_mode", cp_mode, CP_MODES)
+    if cp > 1 and cp_mode == "a2a" and (heads // tp) % cp:
+        raise ValueError(
+            f"parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads "
+            f"({heads} / {tp} = {heads // tp}) over parallel.context_parallel_size ({cp}), "
+            "which must divide them; use cp_mode 'ring' or another size"
+        )
+
+
+def check_cp_seq_length(seq_len: int, cp: int) -> None:
+    """Each context-parallel rank holds two equal chunks of every sequence."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"data.seq_length ({seq_len}) must be divisible by 2 x "
+            f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "
+            "rank holds two equal chunks of every sequence"
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of the model.
@@ -77,7 +98,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choice("model.family", self.family, FAMILIES)
         check_choice("model.recompute", self.recompute, RECOMPUTE)
-        check_choice("model.cp_mode", self.cp_mode, CP_MODES)
         for name in (
             "num_layers",
             "hidden_size",
@@ -121,12 +141,7 @@ class ModelConfig:
                 f"model.tensor_parallel_size ({tp})"
             )
         cp = self.context_parallel_size
-        if cp > 1 and self.cp_mode == "a2a" and (heads // tp) % cp:
-            raise ValueError(
-                f"parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads "
-                f"({heads} / {tp} = {heads // tp}) over parallel.context_parallel_size ({cp}), "
-                "which must divide them; use cp_mode 'ring' or another size"
-            )
+        check_cp_heads(heads, tp, cp, self.cp_mode)
         for key in ("backend", "inference_backend"):
             chosen = getattr(self.focus, key)
             if cp > 1 and self.cp_mode == "ring" and chosen not in ("auto", "reference"):

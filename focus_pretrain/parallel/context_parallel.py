@@ -20,6 +20,7 @@ only). Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,25 +29,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_seque
 from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
-from focus_pretrain.model.config import CP_MODES
-
-
-def check_context_parallel(seq_len: int, cp_size: int, heads: int, cp_mode: str) -> None:
-    """Raise ``ValueError`` naming the fix when a sequence or head count cannot be split."""
-    if cp_mode not in CP_MODES:
-        raise ValueError(f"parallel.cp_mode must be one of {CP_MODES}, got {cp_mode!r}")
-    if seq_len % (2 * cp_size) != 0:
-        raise ValueError(
-            f"data.seq_length ({seq_len}) must be divisible by 2 x "
-            f"parallel.context_parallel_size (2 x {cp_size} = {2 * cp_size}): each rank holds "
-            "two equal chunks; pick a multiple or another context_parallel_size"
-        )
-    if cp_mode == "a2a" and heads % cp_size != 0:
-        raise ValueError(
-            f"parallel.cp_mode 'a2a' splits the attention heads over the context-parallel "
-            f"ranks: heads per tensor-parallel rank ({heads}) must be divisible by "
-            f"parallel.context_parallel_size ({cp_size}); use cp_mode 'ring' or another size"
-        )
+from focus_pretrain.model.config import check_cp_heads, check_cp_seq_length
 
 
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
@@ -69,15 +52,17 @@ def gather_sequence(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     cp_size = dist.get_world_size(group)
     parts = [torch.empty_like(x) for _ in range(cp_size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    total = x.shape[dim] * cp_size
-    order = torch.cat([zigzag_positions(total, cp_size, r, x.device) for r in range(cp_size)])
-    return torch.cat(parts, dim=dim).index_select(dim, torch.argsort(order))
+    _, to_global = _rank_major_orders(x.shape[dim] * cp_size, cp_size, x.device)
+    return torch.cat(parts, dim=dim).index_select(dim, to_global)
 
 
-def _rank_major_to_global(total: int, cp_size: int, device) -> Tensor:
-    """Permutation: rank-major concatenation of shards -> global order (``[total]``)."""
+@functools.lru_cache(maxsize=16)
+def _rank_major_orders(total: int, cp_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(order, to_global)`` ``[total]``: the global position of each token of the rank-major
+    concatenation of all shards, and the permutation that puts that concatenation in global
+    order. Cached: every a2a layer call of a run uses the same two."""
     order = torch.cat([zigzag_positions(total, cp_size, r, device) for r in range(cp_size)])
-    return torch.argsort(order)
+    return order, torch.argsort(order)
 
 
 def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -89,7 +74,8 @@ def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     received = all_to_all(group, chunks.contiguous().reshape(cp_size * b, s_loc, h // cp_size, d))
     received = received.reshape(cp_size, b, s_loc, h // cp_size, d).permute(1, 0, 2, 3, 4)
     full = received.reshape(b, cp_size * s_loc, h // cp_size, d)  # rank-major token order
-    return full.index_select(1, _rank_major_to_global(cp_size * s_loc, cp_size, x.device))
+    _, to_global = _rank_major_orders(cp_size * s_loc, cp_size, x.device)
+    return full.index_select(1, to_global)
 
 
 def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -97,7 +83,7 @@ def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     cp_size = dist.get_world_size(group)
     b, total, h_part, d = x.shape
     s_loc = total // cp_size
-    order = torch.cat([zigzag_positions(total, cp_size, r, x.device) for r in range(cp_size)])
+    order, _ = _rank_major_orders(total, cp_size, x.device)
     rank_major = x.index_select(1, order).reshape(b, cp_size, s_loc, h_part, d)
     chunks = rank_major.permute(1, 0, 2, 3, 4).contiguous()  # [CP (destination), b, s_loc, ...]
     received = all_to_all(group, chunks.reshape(cp_size * b, s_loc, h_part, d))
@@ -121,7 +107,8 @@ def _gather_probs(probs: Tensor, group: dist.ProcessGroup) -> Tensor:
     cp_size = dist.get_world_size(group)
     gathered = gather_from_sequence_parallel_region(probs.transpose(0, 1).contiguous(), True, group)
     full = gathered.transpose(0, 1)  # [CP * s_loc, b, K] -> [b, S, K] rank-major
-    return full.index_select(1, _rank_major_to_global(full.shape[1], cp_size, probs.device))
+    _, to_global = _rank_major_orders(full.shape[1], cp_size, probs.device)
+    return full.index_select(1, to_global)
 
 
 def a2a_focus_attention(
@@ -175,7 +162,8 @@ def context_parallel_attention(
     from focus_pretrain.parallel.ring import ring_focus_attention
 
     cp_size = dist.get_world_size(group)
-    check_context_parallel(q.shape[1] * cp_size, cp_size, q.shape[2], cp_mode)
+    check_cp_seq_length(q.shape[1] * cp_size, cp_size)
+    check_cp_heads(q.shape[2], 1, cp_size, cp_mode)  # q holds this TP rank's heads
     if cp_mode == "a2a":
         return a2a_focus_attention(q, k, v, probs, group=group, **attention_kwargs)
     return ring_focus_attention(q, k, v, probs, group=group, stats=stats, **attention_kwargs)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.band import merge_by_lse
-from focus_pretrain.focus.pattern import at_least_fp32
+from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
@@ -68,9 +68,7 @@ def block_has_pair(
         return False
     if member_q is None or member_k is None:  # soft: any causal pair
         return bool(valid.any())
-    bits = torch.arange(64, device=q_pos.device)
-    in_q = ((member_q[..., None] >> bits) & 1).bool()  # [b, Lq, 64]
-    in_k = ((member_k[..., None] >> bits) & 1).bool()  # [b, Lk, 64]
+    in_q, in_k = member_bits(member_q), member_bits(member_k)  # [b, Lq|Lk, 64]
     big = torch.iinfo(torch.int64).max
     latest_q = torch.where(in_q, q_pos[None, :, None], -1).amax(dim=1)  # [b, 64]
     earliest_k = torch.where(in_k, k_pos[None, :, None], big).amin(dim=1)  # [b, 64]
@@ -99,13 +97,13 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, probs, member, positions, group, options, stats):
         size = dist.get_world_size(group)
         soft = options["mode"] == "soft" and not options["local_only"]
-        block = (
-            [k, v, positions] + ([probs] if soft else []) + ([member] if member is not None else [])
-        )
+        block = _block(k, v, positions, probs if soft else None, member)
         out = lse = None
+        computed = []  # per step: was the visiting block attended (backward skips the same)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
             result = _attend(q, probs, member, positions, block, soft, options, stats)
+            computed.append(result is not None)
             if result is not None:
                 out, lse = result if out is None else merge_by_lse((out, lse), result)
             _wait(requests)
@@ -113,7 +111,7 @@ class _RingAttention(torch.autograd.Function):
         if out is None:  # cannot happen: a rank's own block holds its diagonal
             raise RuntimeError("ring attention computed no block")
         ctx.save_for_backward(q, k, v, probs, member, positions, out, lse)
-        ctx.group, ctx.options, ctx.soft = group, options, soft
+        ctx.group, ctx.options, ctx.soft, ctx.computed = group, options, soft, computed
         return out
 
     @staticmethod
@@ -121,9 +119,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, probs, member, positions, out, lse = ctx.saved_tensors
         group, options, soft = ctx.group, ctx.options, ctx.soft
         size = dist.get_world_size(group)
-        block = (
-            [k, v, positions] + ([probs] if soft else []) + ([member] if member is not None else [])
-        )
+        block = _block(k, v, positions, probs if soft else None, member)
         grads = [torch.zeros_like(at_least_fp32(t)) for t in (k, v)]  # accumulators
         if soft:
             grads.append(torch.zeros_like(at_least_fp32(probs)))
@@ -132,10 +128,10 @@ class _RingAttention(torch.autograd.Function):
         d_out = at_least_fp32(d_out)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
-            shares = _block_grads(
-                q, probs, member, positions, block, soft, options, out, lse, d_out
-            )
-            if shares is not None:
+            if ctx.computed[step]:
+                shares = _block_grads(
+                    q, probs, member, positions, block, soft, options, out, lse, d_out
+                )
                 d_q += shares[0]
                 for acc, g in zip(grads, shares[1:-1] if soft else shares[1:], strict=True):
                     acc += g
@@ -149,6 +145,11 @@ class _RingAttention(torch.autograd.Function):
         d_k, d_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
         d_p = (d_probs + grads[2]).to(probs.dtype) if soft else None
         return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None
+
+
+def _block(k, v, positions, probs, member) -> list[Tensor]:
+    """What travels the ring: K, V, positions, then soft assignments and/or memberships."""
+    return [t for t in (k, v, positions, probs, member) if t is not None]
 
 
 def _unpack(block: list[Tensor], soft: bool, has_member: bool):
@@ -165,17 +166,13 @@ def _row_chunks(q: Tensor, keys: int) -> list[slice]:
     return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
-def _has_pair(positions, pos_b, member, member_b, options) -> bool:
-    return block_has_pair(
-        positions, pos_b, options["window"], member_q=member, member_k=member_b,
-        local_only=options["local_only"],
-    )  # fmt: skip
-
-
 def _attend(q, probs, member, positions, block, soft, options, stats):
     """This rank's queries against one visiting block: ``(out, lse)`` or ``None`` (skipped)."""
     k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
-    if not _has_pair(positions, pos_b, member, member_b, options):
+    if not block_has_pair(
+        positions, pos_b, options["window"], member_q=member, member_k=member_b,
+        local_only=options["local_only"],
+    ):  # fmt: skip
         if stats is not None:
             stats.skipped += 1
         return None
@@ -194,11 +191,9 @@ def _attend(q, probs, member, positions, block, soft, options, stats):
 
 
 def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_out):
-    """This rank's queries against one block: ``[dq, dk, dv]`` (soft: ``+ [dprobs_k,
-    dprobs_q]``), at least fp32, or ``None`` when the block was skipped."""
+    """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (soft: ``+
+    [dprobs_k, dprobs_q]``), at least fp32."""
     k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
-    if not _has_pair(positions, pos_b, member, member_b, options):
-        return None
     d_q = torch.zeros_like(at_least_fp32(q))
     d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
     d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None

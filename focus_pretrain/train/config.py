@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from focus_pretrain.focus.config import check_choice, check_int, check_positive
+from focus_pretrain.model.config import CP_MODES
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -135,7 +136,7 @@ class ParallelConfig:
         check_int("parallel.tensor_parallel_size", self.tensor_parallel_size, low=1)
         check_int("parallel.zero_stage", self.zero_stage, low=0, high=3)
         check_int("parallel.context_parallel_size", self.context_parallel_size, low=1)
-        check_choice("parallel.cp_mode", self.cp_mode, ("a2a", "ring"))
+        check_choice("parallel.cp_mode", self.cp_mode, CP_MODES)
         if self.gpus is not None:
             check_int("parallel.gpus", self.gpus, low=1)
         check_positive("parallel.gpu_memory_gb", self.gpu_memory_gb)
