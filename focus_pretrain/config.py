@@ -1,5 +1,12 @@
 """Recipes: YAML validated into typed dataclasses, with dotted command-line overrides.
 
+A recipe has five sections; each layer owns the dataclass of its own (``model``:
+:class:`~focus_pretrain.model.config.ModelConfig` with ``model.focus``; ``data``:
+:class:`~focus_pretrain.data.datasets.DataConfig`; ``parallel``:
+:class:`~focus_pretrain.parallel.config.ParallelConfig`), and this module holds the ``run`` and
+``train`` sections (the trainer consumes the whole recipe, so its section lives below it) and
+the checks that span sections.
+
 ``load_config("configs/7b.yaml", ["run.output_dir=runs/x", "model.focus.window=256"])`` reads the
 YAML, applies each ``section.key=value`` override (values parsed as YAML scalars), and builds the
 typed :class:`Config`. Unknown keys, wrong types and bad values fail before any work, naming the
@@ -23,9 +30,9 @@ from typing import Any
 import yaml
 
 from focus_pretrain.data.datasets import DataConfig
-from focus_pretrain.focus.config import check_int
-from focus_pretrain.model.config import ModelConfig, check_cp_seq_length
-from focus_pretrain.train.config import ParallelConfig, TrainConfig
+from focus_pretrain.focus.config import check_choice, check_int, check_positive
+from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.parallel.config import ParallelConfig, check_cp_seq_length
 
 
 @dataclass(frozen=True)
@@ -48,11 +55,110 @@ class RunConfig:
         check_int("run.seed", self.seed, low=0)
 
 
+PRECISIONS = ("bf16", "fp16", "fp32")
+SCHEDULES = ("cosine", "linear", "constant")
+FREEZE_POLICIES = ("scratch", "retrofit", "two_phase")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, schedule, freezing, logging and checkpoint cadence.
+
+    Attributes:
+        steps: optimizer steps.
+        micro_batch_size: samples per device per micro-step.
+        global_batch_size: samples per optimizer step over all data-parallel ranks
+            (``micro_batch_size * dp * gradient_accumulation``; must divide exactly).
+        precision: ``bf16`` | ``fp16`` | ``fp32``.
+        lr, min_lr, warmup_steps, schedule: linear warm-up to ``lr``, then ``cosine`` or
+            ``linear`` decay to ``min_lr`` at ``steps`` (or ``constant``).
+        weight_decay: AdamW decay (never on norms, biases, router centroids).
+        betas, eps: AdamW moments.
+        clip_grad: global gradient-norm clipping (0 disables).
+        freeze: ``scratch`` (train everything), ``retrofit`` (only routers, every original
+            weight frozen and outside the optimizer), ``two_phase`` (routers only for
+            ``router_only_steps``, then everything).
+        router_only_steps: length of phase 1 of ``two_phase``.
+        init_from_hf: a local HuggingFace checkpoint directory (config.json + safetensors)
+            whose weights initialise a fresh run (routers keep their own initialisation); the
+            ``model`` section must have its architecture (``tools/import_hf.py`` prints it).
+            Ignored when the run resumes from its own checkpoint.
+        log_interval, eval_interval, eval_iters: console/TensorBoard cadence; validation every
+            ``eval_interval`` steps over ``eval_iters`` micro-batches (0 disables).
+        recall_docs: held-out demo documents scored at each validation for long-range recall
+            (loss and accuracy on recalled values; demo corpus only, 0 disables).
+        save_interval: checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT).
+        keep_last: checkpoints kept (older ones are deleted after a new one is complete).
+        peak_tflops: per-device peak for MFU; ``None`` looks the GPU up (CPU: MFU not shown).
+        tensorboard: write TensorBoard events under ``run.output_dir/tensorboard``.
+    """
+
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    precision: str = "bf16"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    freeze: str = "scratch"
+    router_only_steps: int = 0
+    init_from_hf: str | None = None
+    log_interval: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 4
+    recall_docs: int = 16
+    save_interval: int = 0
+    keep_last: int = 2
+    peak_tflops: float | None = None
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "keep_last"):
+            check_int(f"train.{name}", getattr(self, name), low=1)
+        for name in (
+            "warmup_steps",
+            "router_only_steps",
+            "eval_interval",
+            "eval_iters",
+            "recall_docs",
+            "save_interval",
+        ):
+            check_int(f"train.{name}", getattr(self, name), low=0)
+        check_choice("train.precision", self.precision, PRECISIONS)
+        check_choice("train.schedule", self.schedule, SCHEDULES)
+        check_choice("train.freeze", self.freeze, FREEZE_POLICIES)
+        check_positive("train.lr", self.lr)
+        check_positive("train.eps", self.eps)
+        for name in ("min_lr", "weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr}) must be <= train.lr ({self.lr})")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be a "
+                f"multiple of train.micro_batch_size ({self.micro_batch_size})"
+            )
+        if self.freeze == "two_phase" and not 0 < self.router_only_steps < self.steps:
+            raise ValueError(
+                "train.router_only_steps must be in (0, train.steps) for "
+                f"train.freeze=two_phase, got {self.router_only_steps}"
+            )
+        if self.peak_tflops is not None:
+            check_positive("train.peak_tflops", self.peak_tflops)
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole recipe: ``run``, ``model`` (with ``model.focus``), ``data``, ``train``,
-    ``parallel``. ``model.tensor_parallel_size``, ``model.context_parallel_size`` and
-    ``model.cp_mode`` are filled from ``parallel``."""
+    ``parallel`` (the only section that sets tensor and context parallelism)."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -61,12 +167,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        for key in _FROM_PARALLEL:
-            if getattr(self.model, key) != getattr(self.parallel, key):
-                raise ValueError(
-                    f"model.{key} ({getattr(self.model, key)}) differs from parallel.{key} "
-                    f"({getattr(self.parallel, key)}); set only parallel.{key}"
-                )
+        self.parallel.check_model(self.model)
         check_cp_seq_length(self.data.seq_length, self.parallel.context_parallel_size)
         if self.model.max_seq_length < self.data.seq_length:
             raise ValueError(
@@ -75,7 +176,8 @@ class Config:
             )
 
 
-_FROM_PARALLEL = ("tensor_parallel_size", "context_parallel_size", "cp_mode")
+# Recipes and checkpoints written before the parallel section became the only home of these.
+_MOVED_TO_PARALLEL = ("tensor_parallel_size", "context_parallel_size", "cp_mode")
 
 
 def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> Config:
@@ -96,14 +198,26 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         tree = loaded or {}
     for override in overrides:
         apply_override(tree, override)
-    # one source of truth for TP and CP: the parallel section feeds the model's validation
-    parallel = tree.get("parallel")
-    if isinstance(parallel, dict):
-        model = tree.setdefault("model", {})
-        for key in _FROM_PARALLEL:
-            if key in parallel and isinstance(model, dict):
-                model.setdefault(key, parallel[key])
+    _move_legacy_parallel_keys(tree)
     return from_mapping(Config, tree, section="")
+
+
+def _move_legacy_parallel_keys(tree: dict[str, Any]) -> None:
+    """``model.tensor_parallel_size`` (and CP size, mode) of older recipes and checkpoints go
+    to ``parallel``; a value that contradicts ``parallel`` is an error."""
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    parallel = tree.setdefault("parallel", {})
+    for key in _MOVED_TO_PARALLEL:
+        if key not in model or not isinstance(parallel, dict):
+            continue
+        value = model.pop(key)
+        if parallel.setdefault(key, value) != value:
+            raise ValueError(
+                f"model.{key} ({value}) differs from parallel.{key} ({parallel[key]}); "
+                f"set only parallel.{key}"
+            )
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:

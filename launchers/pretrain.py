@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 
 from focus_pretrain.config import load_config
+from focus_pretrain.train import pretrain
+from focus_pretrain.train.plan import print_plan
 
 
 def main() -> None:
@@ -38,12 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     config = load_config(args.config, args.overrides)
     if args.dry_run:
-        from focus_pretrain.train.plan import print_plan
-
         print_plan(config)
         return
-    from focus_pretrain.train.engine import pretrain
-
     pretrain(config)
 
 

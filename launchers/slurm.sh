@@ -6,8 +6,10 @@
 #   sbatch launchers/slurm.sh configs/7b.yaml
 #   sbatch --nodes 2 launchers/slurm.sh configs/7b.yaml --set run.output_dir=runs/7b-a
 #
-# Ranks come from SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (read by
-# focus_pretrain.train.engine.init_distributed); the first node hosts the rendezvous.
+# Each task's rank comes from SLURM_PROCID, the world size from SLURM_STEP_NUM_TASKS (set by srun
+# inside the job step) and the local device from SLURM_LOCALID; MASTER_ADDR and MASTER_PORT
+# (exported below, both required) name the rendezvous on the first node. These are the variables
+# focus_pretrain.parallel.launch_environment reads.
 #SBATCH --job-name=focus-pretrain
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8

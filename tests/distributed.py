@@ -1,7 +1,9 @@
 """Run a test worker in N real processes on the gloo backend and collect what each returns.
 
 A worker is a module-level function ``fn(rank, world_size, *args) -> object`` (picklable by
-name); its return value is saved with ``torch.save`` and handed back in rank order.
+name); its return value is saved with ``torch.save`` and handed back in rank order. The
+processes meet through a file in a temporary directory, not a TCP port, so concurrent test runs
+on one machine cannot collide.
 """
 
 from __future__ import annotations
@@ -15,19 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from focus_pretrain.train.engine import free_port
+from focus_pretrain.parallel.launch import free_port
+
+__all__ = ["free_port", "run_workers"]
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, out_dir: str):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+def _entry(rank: int, world_size: int, target: str, args: tuple, out_dir: str):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    rendezvous = f"file://{Path(out_dir) / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
     try:
         module, name = target.rsplit(":", 1)
         result = getattr(importlib.import_module(module), name)(rank, world_size, *args)
@@ -45,7 +44,7 @@ def run_workers(target: str, world_size: int, *args: object, timeout: float = 30
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), target, args, out_dir),
+            args=(world_size, target, args, out_dir),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -17,7 +17,7 @@ import argparse
 import json
 import pathlib
 
-from focus_pretrain.focus.benchmark import (
+from focus_pretrain.bench.attention import (
     DTYPES,
     BenchConfig,
     environment,

@@ -18,7 +18,7 @@ import json
 import math
 
 from focus_pretrain.config import load_config
-from focus_pretrain.train.recall import compare_with_window_twin
+from focus_pretrain.experiments import compare_with_window_twin
 
 
 def main() -> None:

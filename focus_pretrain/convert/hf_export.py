@@ -9,6 +9,7 @@ converted from our SentencePiece model (or copied, for an HF tokenizer) and a ge
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -20,7 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from focus_pretrain.config import load_config
 from focus_pretrain.convert.families import COLUMN, GLU, ROW, Geometry, rules_for
+from focus_pretrain.data.datasets import tokenizer_path_for
+from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 
 MODELING_DIR = Path(__file__).with_name("hf_modeling")
@@ -180,8 +185,6 @@ def export_hf(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, max_shard_size: str = "2GB"
 ) -> Path:
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
-    from focus_pretrain.config import load_config
-
     ckpt = resolve_checkpoint(checkpoint)
     config = load_config(ckpt / "config.yaml", [])
     model_cfg = config.model
@@ -190,7 +193,7 @@ def export_hf(
         raise NotImplementedError(
             "exporting focus.balance=sinkhorn is not supported (its routing is not causal)"
         )
-    shards = _load_shards(ckpt, model_cfg.tensor_parallel_size, config.parallel.zero_stage)
+    shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     tensors = hf_state_dict(shards, model_cfg)
     family = _CLASS[model_cfg.family]
     modeling = load_modeling()
@@ -240,11 +243,9 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     :func:`attach_focus_adapter` (a few hundred KB instead of a model copy)."""
     from safetensors.torch import save_file
 
-    from focus_pretrain.config import load_config
-
     ckpt = resolve_checkpoint(checkpoint)
     config = load_config(ckpt / "config.yaml", [])
-    shards = _load_shards(ckpt, config.model.tensor_parallel_size, config.parallel.zero_stage)
+    shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
         raise ValueError(f"{ckpt} has no routers (focus disabled or window-only)")
@@ -267,33 +268,24 @@ def attach_focus_adapter(model, adapter_dir: str | os.PathLike):
     return load_modeling().attach_focus_adapter(model, adapter_dir)
 
 
-_EXPORTED_FOCUS_FIELDS = (
-    "enabled",
-    "window_only",
-    "num_groups",
-    "group_dim",
-    "window",
-    "tau",
-    "top_k",
-    "inference_mode",
-    "gate_lambda",
-    "normalize",
-    "backend",
-    "inference_backend",
+# Training-only knobs the shipped modeling code does not read (an export routes causally, with
+# the balance offsets saved as tensors, and does not re-check inputs); every other FocusConfig
+# field goes into config.json's ``focus`` section. The shipped FOCUS_DEFAULTS must list exactly
+# the exported fields with FocusConfig's defaults (tested).
+NOT_EXPORTED_FOCUS_FIELDS = ("balance", "sinkhorn_iters", "balance_rate", "check_finite")
+EXPORTED_FOCUS_FIELDS = tuple(
+    f.name for f in dataclasses.fields(FocusConfig) if f.name not in NOT_EXPORTED_FOCUS_FIELDS
 )
 
 
 def _focus_section(focus) -> dict[str, Any]:
     """The FocusConfig fields the shipped HF modeling code reads."""
-    return {name: getattr(focus, name) for name in _EXPORTED_FOCUS_FIELDS}
+    return {name: getattr(focus, name) for name in EXPORTED_FOCUS_FIELDS}
 
 
 def _tokenizer_for(config):
     """The run's tokenizer (``data.tokenizer``, or the one it trained into its cache)."""
     import warnings
-
-    from focus_pretrain.data.datasets import tokenizer_path_for
-    from focus_pretrain.data.tokenizer import Tokenizer
 
     path = tokenizer_path_for(config.data, config.run.seed)
     if not Path(path).exists():

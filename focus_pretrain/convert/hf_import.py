@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from torch import Tensor
 
 from focus_pretrain.convert.families import FAMILY_RULES, Geometry, rules_for, shard
@@ -54,7 +55,8 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of an HF checkpoint (``overrides``: Focus, TP, ... fields)."""
+    """The :class:`ModelConfig` of an HF checkpoint (``overrides``: Focus, recompute, ...
+    fields)."""
     return ModelConfig(**{**_architecture(read_hf_config(hf_dir)), **overrides})
 
 
@@ -191,17 +193,19 @@ def import_hf(
     hf_dir: str | os.PathLike,
     config: ModelConfig,
     tp_rank: int | None = None,
+    tp_size: int | None = None,
 ) -> dict[str, Tensor]:
-    """Our state dict (this tensor-parallel rank's shards) from an HF checkpoint directory.
+    """Our state dict (tensor-parallel rank ``tp_rank`` of ``tp_size``'s shards) from an HF
+    checkpoint directory; both default to Megatron's initialised parallel state (else 0 of 1).
 
-    ``config`` must have the checkpoint's architecture (:func:`check_compatible`); its Focus,
-    tensor-parallel and recompute settings are free. Router tensors are not included.
+    ``config`` must have the checkpoint's architecture (:func:`check_compatible`); its Focus
+    and recompute settings are free. Router tensors are not included.
     """
     hf = read_hf_config(hf_dir)
     check_compatible(config, hf)
-    if tp_rank is None:
-        tp_rank = _tp_rank()
-    tp = config.tensor_parallel_size
+    rank, size = _tp_layout()
+    tp_rank = rank if tp_rank is None else tp_rank
+    tp = size if tp_size is None else tp_size
     if config.vocab_size % tp:
         raise ValueError(
             f"model.vocab_size ({config.vocab_size}) must be divisible by "
@@ -247,12 +251,15 @@ def _expected_shape(rule, config: ModelConfig, geo: Geometry) -> tuple[int, ...]
     return None
 
 
-def _tp_rank() -> int:
-    from megatron.core import parallel_state
-
+def _tp_layout() -> tuple[int, int]:
+    """``(rank, size)`` of this process in Megatron's tensor-parallel group (``(0, 1)``
+    before the parallel state is initialised)."""
     if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
-    return 0
+        return (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
+    return 0, 1
 
 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, config: ModelConfig) -> int:

@@ -265,12 +265,15 @@ def _validate(
             raise ValueError(f"routing.probs must be on {q.device}, got {probs.device}")
         check_int("top_k", top_k, low=1, high=probs.shape[-1], high_name="K (number of groups)")
     if check_finite:
-        named = [("q", q), ("k", k), ("v", v)]
-        if probs is not None and not local_only:
-            named.append(("routing.probs", probs))
-        for name, t in named:
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"{name} contains NaN or inf values")
+        raise_if_not_finite(q=q, k=k, v=v, **{"routing.probs": None if local_only else probs})
+
+
+def raise_if_not_finite(**tensors: Tensor | None) -> None:
+    """Raise ``ValueError`` naming the first of ``tensors`` (``None`` skipped) holding NaN or
+    inf (a device sync on GPU)."""
+    for name, t in tensors.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf values")
 
 
 CPU_DECOMPOSED_MIN_SEQ = 1024  # below it the reference is as fast on CPU (docs/benchmarks.md)

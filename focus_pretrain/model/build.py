@@ -1,8 +1,9 @@
 """``build_model(config)``: a megatron-core ``GPTModel`` whose self-attention is Focus.
 
 Megatron's parallel state must be initialised by the caller (without CUDA, after
-:func:`focus_pretrain.parallel.apply_cpu_shim`). Build under ``torch.device("meta")`` to count
-parameters of a large config without allocating memory (:func:`count_parameters`).
+:func:`focus_pretrain.parallel.apply_cpu_shim`): the model takes its tensor- and
+context-parallel sizes from it. Build under ``torch.device("meta")`` to count parameters of a
+large config without allocating memory (:func:`count_parameters`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -27,9 +29,23 @@ from focus_pretrain.model.layers import FullWidthQKNorm, PostNormMLP
 _RMS = ("llama", "mistral", "qwen2", "olmo2", "gemma2")
 
 
+def parallel_sizes() -> tuple[int, int]:
+    """``(tensor, context)``-parallel sizes of Megatron's parallel state (``(1, 1)`` before it
+    is initialised)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 1
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+
+
 def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.float32):
-    """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels)."""
+    """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels) at
+    the parallel state's tensor- and context-parallel sizes."""
     family = config.family
+    tp, cp = parallel_sizes()
+    config.check_tensor_parallel(tp)
     recompute = {}
     if config.recompute == "full":
         recompute = dict(
@@ -47,8 +63,8 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         num_query_groups=config.kv_heads,
         kv_channels=config.kv_channels,
         ffn_hidden_size=config.ffn_hidden_size,
-        tensor_model_parallel_size=config.tensor_parallel_size,
-        context_parallel_size=config.context_parallel_size,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
         normalization=_normalization(config),
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=family != "gpt2",
@@ -176,8 +192,8 @@ def _softcap_logits(cap: float):
 def count_parameters(config: ModelConfig) -> dict[str, int]:
     """Parameter counts of ``config`` built on the meta device (no memory is allocated).
 
-    Counts are of this rank's shards (``tensor_parallel_size`` must match the initialised
-    parallel state). Returns ``{"total", "router", "without_router"}``.
+    Counts are of this rank's shards (at the initialised parallel state's tensor-parallel
+    size). Returns ``{"total", "router", "without_router"}``.
     """
     with torch.device("meta"):
         model = build_model(config)

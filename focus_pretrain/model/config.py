@@ -1,4 +1,4 @@
-"""The ``model:`` section of a recipe: architecture, attention family, parallel layout.
+"""The ``model:`` section of a recipe: architecture and attention family.
 
 Families (each a real switch in the built model):
 
@@ -12,7 +12,9 @@ Families (each a real switch in the built model):
 
 Gemma-2 also scales its input embeddings by ``sqrt(hidden)``; "caps" are logit soft-caps.
 
-Validation happens at construction, before anything is allocated, and names the key.
+Validation happens at construction, before anything is allocated, and names the key. How the
+model is split over devices is the ``parallel:`` section's (:mod:`focus_pretrain.parallel.config`);
+the built model reads its tensor- and context-parallel sizes from Megatron's ``parallel_state``.
 """
 
 from __future__ import annotations
@@ -24,28 +26,6 @@ from focus_pretrain.focus.config import check_choice, check_int, check_positive
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "olmo2", "gemma2")
 RECOMPUTE = ("none", "full", "selective")
-CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
-
-
-def check_cp_heads(heads: int, tp: int, cp: int, cp_mode: str) -> None:
-    """All-to-all context parallelism splits each tensor-parallel rank's heads over CP ranks."""
-    check_choice("parallel.cp_mode", cp_mode, CP_MODES)
-    if cp > 1 and cp_mode == "a2a" and (heads // tp) % cp:
-        raise ValueError(
-            f"parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads "
-            f"({heads} / {tp} = {heads // tp}) over parallel.context_parallel_size ({cp}), "
-            "which must divide them; use cp_mode 'ring' or another size"
-        )
-
-
-def check_cp_seq_length(seq_len: int, cp: int) -> None:
-    """Each context-parallel rank holds two equal chunks of every sequence."""
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"data.seq_length ({seq_len}) must be divisible by 2 x "
-            f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "
-            "rank holds two equal chunks of every sequence"
-        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +68,6 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
-    tensor_parallel_size: int = 1
-    context_parallel_size: int = 1
-    cp_mode: str = "a2a"
     recompute: str = "none"
     cpu_initialization: bool = True
     focus: FocusConfig = field(default_factory=FocusConfig)
@@ -105,8 +82,6 @@ class ModelConfig:
             "ffn_hidden_size",
             "vocab_size",
             "max_seq_length",
-            "tensor_parallel_size",
-            "context_parallel_size",
         ):
             check_int(f"model.{name}", getattr(self, name), low=1)
         for name in ("num_query_groups", "head_dim", "sliding_window"):
@@ -119,7 +94,7 @@ class ModelConfig:
         for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
             if getattr(self, name) is not None:
                 check_positive(f"model.{name}", getattr(self, name))
-        heads, groups, tp = self.num_attention_heads, self.kv_heads, self.tensor_parallel_size
+        heads, groups = self.num_attention_heads, self.kv_heads
         if self.head_dim is None and self.hidden_size % heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -130,25 +105,6 @@ class ModelConfig:
                 f"model.num_attention_heads ({heads}) must be divisible by "
                 f"model.num_query_groups ({groups})"
             )
-        if heads % tp:
-            raise ValueError(
-                f"model.num_attention_heads ({heads}) must be divisible by "
-                f"model.tensor_parallel_size ({tp})"
-            )
-        if groups % tp:
-            raise ValueError(
-                f"model.num_query_groups ({groups}) must be divisible by "
-                f"model.tensor_parallel_size ({tp})"
-            )
-        cp = self.context_parallel_size
-        check_cp_heads(heads, tp, cp, self.cp_mode)
-        for key in ("backend", "inference_backend"):
-            chosen = getattr(self.focus, key)
-            if cp > 1 and self.cp_mode == "ring" and chosen not in ("auto", "reference"):
-                raise ValueError(
-                    f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring step "
-                    "runs the exact per-block attention); use 'auto' or parallel.cp_mode 'a2a'"
-                )
         if self.family == "gpt2" and groups != heads:
             raise ValueError(
                 "model.num_query_groups must equal model.num_attention_heads for "
@@ -168,6 +124,18 @@ class ModelConfig:
                         f"model.{name} is only used by family gemma2, "
                         f"got it for family {self.family!r}"
                     )
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ``ValueError`` unless the heads and KV heads split over ``tp`` ranks."""
+        for name, count in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.kv_heads),
+        ):
+            if count % tp:
+                raise ValueError(
+                    f"model.{name} ({count}) must be divisible by "
+                    f"parallel.tensor_parallel_size ({tp})"
+                )
 
     @property
     def kv_heads(self) -> int:

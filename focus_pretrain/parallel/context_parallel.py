@@ -1,9 +1,7 @@
 """Context parallelism for Focus attention: the sequence split over a process group.
 
-**Sharding** (Megatron's convention, so that megatron-core's RoPE slicing agrees): the global
-sequence of ``S`` tokens is cut into ``2 * CP`` equal chunks and rank ``r`` holds chunks ``r``
-and ``2 * CP - 1 - r`` (causal attention then costs every rank the same). A rank knows the global
-position of each of its tokens (:func:`zigzag_positions`); the window and the causal test use them.
+Each rank holds a zigzag shard of every sequence (:mod:`focus_pretrain.parallel.sharding`:
+Megatron's convention, chunks ``r`` and ``2 * CP - 1 - r`` of ``2 * CP``).
 
 **Modes** (:func:`context_parallel_attention`):
 
@@ -20,7 +18,6 @@ only). Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -29,40 +26,10 @@ from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_seque
 from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
-from focus_pretrain.model.config import check_cp_heads, check_cp_seq_length
-
-
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> Tensor:
-    """Global positions ``[seq_len / cp_size]`` of rank ``cp_rank``'s tokens (chunks r, 2c-1-r)."""
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    second_start = (2 * cp_size - 1 - cp_rank) * chunk
-    second = torch.arange(second_start, second_start + chunk, device=device)
-    return torch.cat([first, second])
-
-
-def shard_sequence(x: Tensor, dim: int, cp_size: int, cp_rank: int) -> Tensor:
-    """This rank's tokens of a full-sequence tensor (``x.shape[dim]`` is the global length)."""
-    positions = zigzag_positions(x.shape[dim], cp_size, cp_rank, device=x.device)
-    return x.index_select(dim, positions)
-
-
-def gather_sequence(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
-    """All ranks' shards (no gradient) back in global order along ``dim``."""
-    cp_size = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(cp_size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    _, to_global = _rank_major_orders(x.shape[dim] * cp_size, cp_size, x.device)
-    return torch.cat(parts, dim=dim).index_select(dim, to_global)
-
-
-@functools.lru_cache(maxsize=16)
-def _rank_major_orders(total: int, cp_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(order, to_global)`` ``[total]``: the global position of each token of the rank-major
-    concatenation of all shards, and the permutation that puts that concatenation in global
-    order. Cached: every a2a layer call of a run uses the same two."""
-    order = torch.cat([zigzag_positions(total, cp_size, r, device) for r in range(cp_size)])
-    return order, torch.argsort(order)
+from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
+from focus_pretrain.parallel.config import RING_BACKENDS, check_cp_heads, check_cp_seq_length
+from focus_pretrain.parallel.ring import RingStats, ring_focus_attention
+from focus_pretrain.parallel.sharding import rank_major_orders
 
 
 def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -74,7 +41,7 @@ def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     received = all_to_all(group, chunks.contiguous().reshape(cp_size * b, s_loc, h // cp_size, d))
     received = received.reshape(cp_size, b, s_loc, h // cp_size, d).permute(1, 0, 2, 3, 4)
     full = received.reshape(b, cp_size * s_loc, h // cp_size, d)  # rank-major token order
-    _, to_global = _rank_major_orders(cp_size * s_loc, cp_size, x.device)
+    _, to_global = rank_major_orders(cp_size * s_loc, cp_size, x.device)
     return full.index_select(1, to_global)
 
 
@@ -83,7 +50,7 @@ def _heads_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     cp_size = dist.get_world_size(group)
     b, total, h_part, d = x.shape
     s_loc = total // cp_size
-    order, _ = _rank_major_orders(total, cp_size, x.device)
+    order, _ = rank_major_orders(total, cp_size, x.device)
     rank_major = x.index_select(1, order).reshape(b, cp_size, s_loc, h_part, d)
     chunks = rank_major.permute(1, 0, 2, 3, 4).contiguous()  # [CP (destination), b, s_loc, ...]
     received = all_to_all(group, chunks.reshape(cp_size * b, s_loc, h_part, d))
@@ -107,7 +74,7 @@ def _gather_probs(probs: Tensor, group: dist.ProcessGroup) -> Tensor:
     cp_size = dist.get_world_size(group)
     gathered = gather_from_sequence_parallel_region(probs.transpose(0, 1).contiguous(), True, group)
     full = gathered.transpose(0, 1)  # [CP * s_loc, b, K] -> [b, S, K] rank-major
-    _, to_global = _rank_major_orders(full.shape[1], cp_size, probs.device)
+    _, to_global = rank_major_orders(full.shape[1], cp_size, probs.device)
     return full.index_select(1, to_global)
 
 
@@ -154,18 +121,24 @@ def context_parallel_attention(
         cp_mode: ``"a2a"`` or ``"ring"``.
         stats: a :class:`~focus_pretrain.parallel.ring.RingStats` to count skipped ring blocks.
         attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
-            softcap, scale, local_only, backend).
+            softcap, scale, local_only, check_finite, backend; the ring computes every block
+            with the exact per-block attention, so it takes only the backends
+            :data:`~focus_pretrain.parallel.config.RING_BACKENDS`).
 
     Returns:
         ``[b, s_loc, H, D]``.
     """
-    from focus_pretrain.parallel.ring import ring_focus_attention
-
     cp_size = dist.get_world_size(group)
     check_cp_seq_length(q.shape[1] * cp_size, cp_size)
     check_cp_heads(q.shape[2], 1, cp_size, cp_mode)  # q holds this TP rank's heads
     if cp_mode == "a2a":
         return a2a_focus_attention(q, k, v, probs, group=group, **attention_kwargs)
+    backend = attention_kwargs.pop("backend", "auto")
+    if backend not in RING_BACKENDS:
+        raise ValueError(
+            f"backend {backend!r} cannot run inside the ring (each ring step runs the exact "
+            f"per-block attention); use one of {', '.join(RING_BACKENDS)} or cp_mode 'a2a'"
+        )
     return ring_focus_attention(q, k, v, probs, group=group, stats=stats, **attention_kwargs)
 
 
@@ -189,12 +162,9 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_
     gives the routers Sinkhorn's column reduction over the group, so that CP = N routes
     (``sinkhorn`` mode) and collects balance statistics (``causal`` mode) exactly like CP = 1.
     The model must have been built with ``context_parallel_size`` equal to the group's size, and
-    its inputs sharded with :func:`shard_sequence`. Returns the
+    its inputs sharded with :func:`~focus_pretrain.parallel.sharding.shard_sequence`. Returns the
     :class:`~focus_pretrain.parallel.ring.RingStats` the layers count into (ring mode).
     """
-    from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
-    from focus_pretrain.parallel.ring import RingStats
-
     cp_size = dist.get_world_size(group)
     stats = RingStats()
 
@@ -222,10 +192,3 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_
     if not found:
         raise ValueError("apply_context_parallel found no Focus attention layer in the model")
     return stats
-
-
-def shard_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> dict[str, Tensor]:
-    """This rank's zigzag shard of every ``[b, s, ...]`` tensor of a batch (tokens, labels,
-    loss mask, position ids: global positions survive the sharding)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return {key: shard_sequence(value, 1, size, rank) for key, value in batch.items()}

@@ -28,9 +28,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from focus_pretrain.focus import Routing
+from focus_pretrain.focus.attention import raise_if_not_finite
 from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
+from focus_pretrain.parallel.sharding import zigzag_positions
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
 
@@ -248,18 +250,17 @@ def ring_focus_attention(
     softcap: float | None = None,
     scale: float | None = None,
     local_only: bool = False,
-    backend: str = "auto",
     check_finite: bool = False,
     stats: RingStats | None = None,
 ) -> Tensor:
     """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
 
     ``positions`` ``[s_loc]``: global positions of this rank's tokens (default: the zigzag
-    shard of :func:`~focus_pretrain.parallel.context_parallel.zigzag_positions`). ``backend``
-    is accepted for a uniform signature; each block runs the exact per-block attention.
+    shard of :func:`~focus_pretrain.parallel.sharding.zigzag_positions`). Each block runs the
+    exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs.
     """
-    from focus_pretrain.parallel.context_parallel import zigzag_positions
-
+    if check_finite:
+        raise_if_not_finite(q=q, k=k, v=v, probs=None if local_only else probs)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if positions is None:
         positions = zigzag_positions(q.shape[1] * size, size, rank, device=q.device)

@@ -1,5 +1,22 @@
-"""Training: configuration sections, the DeepSpeed engine and loop, checkpoints, metrics."""
+"""Training: the trainer and its components (checkpoints, validation, the stop agreement,
+metrics), freezing policies and schedules, the dry-run memory plan."""
 
-from focus_pretrain.train.config import ParallelConfig, TrainConfig
+from focus_pretrain.config import TrainConfig
+from focus_pretrain.parallel.config import ParallelConfig
+from focus_pretrain.train.checkpoint import Checkpointer
+from focus_pretrain.train.metrics import MetricsLogger, read_metrics
+from focus_pretrain.train.stop import StopSignal
+from focus_pretrain.train.trainer import Trainer, pretrain
+from focus_pretrain.train.validate import Validator
 
-__all__ = ["ParallelConfig", "TrainConfig"]
+__all__ = [
+    "Checkpointer",
+    "MetricsLogger",
+    "ParallelConfig",
+    "StopSignal",
+    "TrainConfig",
+    "Trainer",
+    "Validator",
+    "pretrain",
+    "read_metrics",
+]

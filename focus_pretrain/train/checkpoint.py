@@ -1,10 +1,11 @@
 """DeepSpeed checkpoints whose ``latest`` only ever points at a complete checkpoint.
 
 Layout under ``run.output_dir/checkpoints``: one directory per step (``step_00000100``) with
-DeepSpeed's files, the resolved ``config.yaml`` and ``client_state`` (step, consumed samples,
-RNG states); a ``latest`` file naming the newest complete one. A checkpoint is written under a
-temporary name, renamed when every rank has finished, and only then does ``latest`` move (by an
-atomic rename), so a crash or SIGTERM mid-save leaves the previous checkpoint in charge.
+DeepSpeed's files, the resolved ``config.yaml`` and ``client_state`` (the trainer's
+``state_dict``: step, consumed samples, RNG states); a ``latest`` file naming the newest
+complete one. A checkpoint is written under a temporary name, renamed when every rank has
+finished, and only then does ``latest`` move (by an atomic rename), so a crash or SIGTERM
+mid-save leaves the previous checkpoint in charge.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from focus_pretrain.config import save_config
+from focus_pretrain.config import Config, save_config
 
 _TAG = re.compile(r"^step_(\d+)$")
 
 
 def tag_for(step: int) -> str:
+    """The directory name of step ``step``'s checkpoint."""
     return f"step_{step:08d}"
 
 
@@ -41,44 +44,93 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(
-    engine, root: Path, step: int, client_state: dict[str, Any], config, keep_last: int
-) -> Path:
-    """Save on every rank; rank 0 renames, moves ``latest`` and prunes old checkpoints."""
-    root.mkdir(parents=True, exist_ok=True)
-    tag, tmp_tag = tag_for(step), f".tmp-{tag_for(step)}"
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-    if rank0:
-        save_config(config, root / tmp_tag / "config.yaml")
-        if (root / tag).exists():
-            shutil.rmtree(root / tag)
-        os.replace(root / tmp_tag, root / tag)
-        _write_atomic(root / "latest", tag)
-        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _TAG.match(p.name)))
-        for old in steps[:-keep_last]:
-            shutil.rmtree(root / tag_for(old), ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
-    return root / tag
 
 
-def load_checkpoint(engine, root: Path) -> dict[str, Any] | None:
-    """Restore the checkpoint ``latest`` names into ``engine``; its client state, or ``None``.
+class Checkpointer:
+    """Saves and restores a DeepSpeed engine and the trainer's state, on its own cadence.
 
-    Rank 0 first deletes what a killed save left behind (``.tmp-*`` directories).
+    Args:
+        root: the checkpoints directory (``run.output_dir/checkpoints``).
+        engine: the DeepSpeed engine (every rank saves its shards).
+        config: the resolved recipe, written into every checkpoint; ``train.save_interval``
+            (0: only the last step) and ``train.keep_last`` set the cadence and retention.
+        client_state: returns what the trainer needs to resume (called at each save).
     """
-    if (not dist.is_initialized() or dist.get_rank() == 0) and root.is_dir():
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
-    tag = latest_tag(root)
-    if tag is None:
-        return None
-    path, client_state = engine.load_checkpoint(str(root), tag=tag)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
-    return client_state
+
+    def __init__(
+        self,
+        root: Path,
+        engine,
+        config: Config,
+        client_state: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.root = Path(root)
+        self.engine = engine
+        self.config = config
+        self.client_state = client_state
+        self.interval = config.train.save_interval
+        self.keep_last = config.train.keep_last
+        self.saved_step: int | None = None  # never rewrite the checkpoint `latest` names
+
+    def save(self, step: int, *, last: bool = False) -> Path | None:
+        """Save step ``step`` if it is due: every ``interval`` steps, or ``last`` (the end of
+        training or a stop) unless this step is saved already. Collective: every rank calls
+        it at the same step. Returns the checkpoint directory, or ``None`` when not due."""
+        due = last or (self.interval > 0 and step % self.interval == 0)
+        if not due or self.saved_step == step:
+            return None
+        path = self._write(step)
+        self.saved_step = step
+        return path
+
+    def load(self) -> dict[str, Any] | None:
+        """Restore the checkpoint ``latest`` names into the engine; its client state, or
+        ``None`` when there is none. Rank 0 first deletes what a killed save left behind
+        (``.tmp-*`` directories)."""
+        if _is_main() and self.root.is_dir():
+            for stale in self.root.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+        tag = latest_tag(self.root)
+        if tag is None:
+            return None
+        path, client_state = self.engine.load_checkpoint(str(self.root), tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
+        self.saved_step = client_state["step"]
+        return client_state
+
+    @property
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names."""
+        tag = latest_tag(self.root)
+        return None if tag is None else self.root / tag
+
+    def _write(self, step: int) -> Path:
+        """Every rank writes its shards under a temporary tag; rank 0 renames the directory,
+        moves ``latest`` and prunes old checkpoints once all ranks are done."""
+        root = self.root
+        root.mkdir(parents=True, exist_ok=True)
+        tag, tmp_tag = tag_for(step), f".tmp-{tag_for(step)}"
+        self.engine.save_checkpoint(
+            str(root), tag=tmp_tag, client_state=self.client_state(), save_latest=False
+        )
+        _barrier()
+        if _is_main():
+            save_config(self.config, root / tmp_tag / "config.yaml")
+            if (root / tag).exists():
+                shutil.rmtree(root / tag)
+            os.replace(root / tmp_tag, root / tag)
+            _write_atomic(root / "latest", tag)
+            steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _TAG.match(p.name)))
+            for old in steps[: -self.keep_last]:
+                shutil.rmtree(root / tag_for(old), ignore_errors=True)
+        _barrier()
+        return root / tag

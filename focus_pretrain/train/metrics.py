@@ -1,24 +1,29 @@
-"""Throughput accounting (FLOPs, MFU), memory, and the log line / TensorBoard scalars."""
+"""Throughput accounting (FLOPs, MFU), memory, and what a run records: the console line,
+TensorBoard scalars and ``metrics.jsonl``."""
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from focus_pretrain.model.config import ModelConfig
 
+METRICS_FILE = "metrics.jsonl"
+
 # Dense bf16 peak per device (TFLOP/s), for MFU when train.peak_tflops is not set.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def attention_pairs(seq: int, window: int, mode: str, density: float | None = None) -> float:
+def attention_pairs(seq: int, mode: str, density: float | None = None) -> float:
     """Query-key pairs one head computes over a causal sequence of ``seq`` tokens.
 
-    Training (soft gate) computes every causal pair; the hard pattern computes the window plus
-    the allowed fraction of the rest (``density`` of all causal pairs, measured or estimated).
+    Training (soft gate) computes every causal pair; the hard pattern computes ``density`` of
+    them (the window's pairs included; measured or estimated), all of them when unknown.
     """
     causal = seq * (seq + 1) / 2
     if mode == "soft" or density is None:
@@ -44,12 +49,12 @@ def flops_per_sample(
     attn_flops = 0.0
     for layer in range(1, config.num_layers + 1):
         local = config.is_local_layer(layer)
-        window = config.sliding_window - 1 if local else focus.window
         if local:
+            window = config.sliding_window - 1
             pairs = sum(min(i, window) + 1 for i in range(seq))
         else:
             mode = "soft" if training or not focus.enabled else focus.inference_mode
-            pairs = attention_pairs(seq, window, mode, None if not focus.enabled else density)
+            pairs = attention_pairs(seq, mode, None if not focus.enabled else density)
             if focus.enabled:
                 attn_flops += seq * 2 * (h * focus.group_dim + focus.group_dim * focus.num_groups)
         attn_flops += 4 * d * heads * pairs
@@ -76,31 +81,113 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
+class IntervalMeter:
+    """Loss and throughput over one log interval (reset by :meth:`scalars`).
+
+    Args:
+        flops_per_sample: model FLOPs of one training sample (:func:`flops_per_sample`).
+        samples_per_step: the global batch.
+        tokens_per_sample: the sequence length.
+        devices: all ranks (TFLOP/s and MFU are per device).
+        peak: per-device peak TFLOP/s for MFU, or ``None``.
+    """
+
+    def __init__(
+        self,
+        flops_per_sample: float,
+        samples_per_step: int,
+        tokens_per_sample: int,
+        devices: int,
+        peak: float | None,
+    ) -> None:
+        self.flops_per_sample = flops_per_sample
+        self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample
+        self.devices = devices
+        self.peak = peak
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss, self.steps, self.tic = 0.0, 0, time.perf_counter()
+
+    def add(self, loss: float) -> None:
+        """One optimizer step's mean loss."""
+        self.loss += loss
+        self.steps += 1
+
+    def scalars(self) -> dict[str, float | None]:
+        """``loss`` (mean over the interval), ``tokens_per_s``, ``tflops`` (per device),
+        ``mfu``; starts the next interval."""
+        elapsed = time.perf_counter() - self.tic
+        samples = self.steps * self.samples_per_step
+        tflops = self.flops_per_sample * samples / elapsed / (self.devices * 1e12)
+        out = {
+            "loss": self.loss / max(self.steps, 1),
+            "tokens_per_s": samples * self.tokens_per_sample / elapsed,
+            "tflops": tflops,
+            "mfu": None if self.peak is None else tflops / self.peak,
+        }
+        self._reset()
+        return out
+
+
 class MetricsLogger:
-    """One console line per interval from rank 0, the same scalars to TensorBoard."""
+    """What a run measured, from rank 0: one console line per interval, the same scalars to
+    TensorBoard (``run.output_dir/tensorboard``) and to ``run.output_dir/metrics.jsonl``.
+
+    ``metrics.jsonl`` holds one JSON object per line: ``{"split": "train" | "valid", "step",
+    <scalars>}`` for every log line, and ``{"event": "start" | "end", ...}`` records around
+    each launch (a resumed run appends; a step logged twice, after a restart from an earlier
+    checkpoint, is measured again: the later record is the one that counts). It is what tests,
+    plots and scripts read; the console is for people.
+    """
 
     def __init__(self, output_dir: Path | None, enabled: bool, tensorboard: bool) -> None:
-        self.enabled = enabled
+        self.enabled = enabled and output_dir is not None
         self.writer = None
-        if enabled and tensorboard and output_dir is not None:
+        self.jsonl = None
+        if not self.enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(output_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(output_dir / "tensorboard"))
 
     def log(self, step: int, scalars: dict[str, float | None], prefix: str = "train") -> None:
+        """One interval's scalars (``None`` values are left out)."""
         if not self.enabled:
             return
         shown = {k: v for k, v in scalars.items() if v is not None}
         parts = [f"{prefix} step {step}"] + [f"{k} {_fmt(v)}" for k, v in shown.items()]
         print(" | ".join(parts), flush=True)
+        self._append({"split": prefix, "step": step, **shown})
         if self.writer is not None:
             for key, value in shown.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
             self.writer.flush()
 
+    def event(self, name: str, **fields: object) -> None:
+        """A run-level record (``start``: layout, parameter counts, resumed step; ``end``)."""
+        if self.enabled:
+            self._append({"event": name, **fields})
+
+    def _append(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """The records of ``output_dir/metrics.jsonl``, in order."""
+    path = Path(output_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _fmt(value: float) -> str:

@@ -1,4 +1,5 @@
-"""Freezing policies, AdamW parameter groups and the learning-rate schedule."""
+"""Freezing policies, AdamW parameter groups and optimizer, the learning-rate schedule, and the
+DeepSpeed configuration of a recipe."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from focus_pretrain.train.config import TrainConfig
+from focus_pretrain.config import Config, TrainConfig
 
 
 def is_router_parameter(name: str) -> bool:
@@ -64,6 +65,37 @@ def parameter_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
         }
         for (router, no_decay), params in sorted(groups.items())
     ]
+
+
+def build_optimizer(groups: list[dict], config: TrainConfig, cpu_offload: bool):
+    """AdamW over ``groups``; with ZeRO-Offload DeepSpeed's vectorised CPU AdamW (compiled on
+    first use), which DeepSpeed requires for offloaded optimizer states."""
+    kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+    if cpu_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def deepspeed_config(config: Config, grad_accum: int) -> dict:
+    """The DeepSpeed config dict of a recipe (micro-batch, accumulation, clipping, ZeRO stage
+    and offload, precision); logging and the schedule stay ours."""
+    train, parallel = config.train, config.parallel
+    zero: dict = {"stage": parallel.zero_stage}
+    if parallel.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": train.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
 
 
 def lr_lambda(config: TrainConfig) -> Callable[[int], float]:

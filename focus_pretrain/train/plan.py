@@ -17,11 +17,18 @@ head-sharded ``q, k, v`` and output of one layer.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
 
+import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from focus_pretrain.config import Config
+from focus_pretrain.model import build_model
+from focus_pretrain.parallel.cpu_shim import apply_cpu_shim
+from focus_pretrain.parallel.launch import init_distributed
+from focus_pretrain.parallel.ring import SCORE_BUDGET
+from focus_pretrain.train.optim import apply_freeze_policy
 
 GB = 1e9
 MARGIN = 0.9
@@ -66,8 +73,6 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     logits = 2 * s * b * model.vocab_size / tp * 4
     context = 0.0
     if cp > 1:
-        from focus_pretrain.parallel.ring import SCORE_BUDGET
-
         kv = 2 * s * b * model.kv_heads // tp * model.kv_channels  # one K/V block
         if par.cp_mode == "ring":
             context = 2 * kv * w_bytes + 2 * kv * 4 + SCORE_BUDGET * 4
@@ -99,20 +104,12 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
 
 def count_split(config: Config) -> dict[str, int]:
     """Build the model at TP=1 on the meta device; count TP-sharded, replicated, trainable."""
-    import torch
-    from megatron.core import parallel_state
-
-    from focus_pretrain.model import build_model
-    from focus_pretrain.parallel import apply_cpu_shim
-    from focus_pretrain.train.engine import init_distributed
-    from focus_pretrain.train.optim import apply_freeze_policy
-
     init_distributed()
     apply_cpu_shim()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     with torch.device("meta"):
-        model = build_model(replace(config.model, tensor_parallel_size=1, context_parallel_size=1))
+        model = build_model(config.model)
     apply_freeze_policy(model, config.train)
     sharded = replicated = trainable = 0
     for param in model.parameters():
@@ -126,8 +123,6 @@ def count_split(config: Config) -> dict[str, int]:
 
 def print_plan(config: Config) -> dict:
     """Print parameters and the per-GPU memory plan (a table and one JSON line)."""
-    import json
-
     plan = memory_plan(config, count_split(config))
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(

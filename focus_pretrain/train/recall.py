@@ -1,12 +1,12 @@
 """Long-range recall on held-out demo documents: what Focus reaches and a window cannot.
 
-Each demo document defines key-value pairs and recalls them hundreds of tokens later
+Each demo document defines key-value pairs and recalls them later
 (:mod:`focus_pretrain.data.demo_corpus`). A recalled value is predictable only from its
-definition, which lies beyond the local window; a sliding-window model can do no better than the
-prior over the value words (``ln 64 = 4.16`` nats). This module builds a batch of held-out
-documents (another seed of the generator, so never seen in training) that start at position 0,
-marks the label positions that are recalled values (and keys), and measures the model's loss and
-argmax accuracy there, next to its loss on every other token.
+definition, which the recipes put beyond the local window; a sliding-window model can do no
+better than the prior over the value words (``ln data.demo_values`` nats). This module builds a
+batch of held-out documents (another seed of the generator, so never seen in training) that
+start at position 0, marks the label positions that are recalled values (and keys), and
+measures the model's loss and argmax accuracy there, next to its loss on every other token.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import re
 from dataclasses import dataclass
 
 import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.parallel.sharding import gather_sequence, shard_batch
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
 _RECALL = re.compile(r"recall: the code of (\w+) is (\w+)\.")
@@ -111,8 +113,6 @@ def recall_metrics(
         ``{"recall_loss", "recall_acc", "key_loss", "value_loss", "other_loss",
         "recall_tokens"}`` (``recall_*``: keys and values together).
     """
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     parts = {
         "recall": batch.key_mask | batch.value_mask,
         "key": batch.key_mask,
@@ -127,8 +127,6 @@ def recall_metrics(
         if cp_group is None:
             logits = model(tokens, positions, None)  # [b, s, vocab / tp]
         else:  # each context-parallel rank runs its shard; the logits are gathered back
-            from focus_pretrain.parallel.context_parallel import gather_sequence, shard_batch
-
             shard = shard_batch(dict(tokens=tokens, positions=positions), cp_group)
             logits = model(shard["tokens"], shard["positions"], None)  # [b, s_loc, vocab / tp]
             logits = gather_sequence(logits, 1, cp_group)  # [b, s, vocab / tp]
@@ -152,33 +150,3 @@ def recall_metrics(
         "other_loss": mean("other", 0),
         "recall_tokens": int(sums["recall"][2]),
     }
-
-
-def compare_with_window_twin(config) -> dict[str, dict[str, float]]:
-    """Train ``config`` (a demo-corpus recipe) with Focus and as its window-only twin.
-
-    Both runs use the recipe's seed, steps and data; they write to ``run.output_dir/focus`` and
-    ``run.output_dir/window_only`` (a run resumes if its directory holds a checkpoint).
-    Returns ``{"focus": scores, "window_only": scores}`` from :func:`recall_metrics` at the
-    last step.
-    """
-    from dataclasses import replace
-
-    from focus_pretrain.train.engine import pretrain
-
-    if not config.model.focus.enabled or config.model.focus.window_only:
-        raise ValueError("compare_with_window_twin needs a Focus recipe (model.focus.enabled)")
-    train = replace(
-        config.train, eval_interval=config.train.steps, recall_docs=max(config.train.recall_docs, 1)
-    )
-    results = {}
-    for name, window_only in (("focus", False), ("window_only", True)):
-        focus = replace(config.model.focus, window_only=window_only)
-        run = replace(config.run, output_dir=f"{config.run.output_dir}/{name}")
-        result = pretrain(
-            replace(config, run=run, train=train, model=replace(config.model, focus=focus))
-        )
-        if result["recall"] is None:
-            raise ValueError("the recall metric needs a demo corpus recipe (data.sources: demo)")
-        results[name] = result["recall"]
-    return results

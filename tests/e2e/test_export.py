@@ -13,7 +13,7 @@ import torch
 
 from focus_pretrain.convert import export_hf
 from tests.distributed import run_workers
-from tests.e2e.test_train import launch, overrides
+from tests.e2e.runs import launch, overrides
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import pathlib
 
 def train(rank: int, world_size: int, overrides: list[str]) -> dict:
     from focus_pretrain.config import load_config
-    from focus_pretrain.train.engine import pretrain
+    from focus_pretrain.train import pretrain
 
     recipe = pathlib.Path(__file__).parents[2] / "configs" / "tiny.yaml"
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -22,10 +22,10 @@ def checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens, new_tokens:
 
     from focus_pretrain.config import load_config
     from focus_pretrain.model import build_model
-    from focus_pretrain.train.engine import _setup_parallel
+    from focus_pretrain.parallel import ParallelLayout
 
     config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
-    _setup_parallel(config)
+    ParallelLayout.initialize(config.parallel, config.run.seed)
     model = build_model(config.model)
     state = torch.load(pathlib.Path(ckpt) / "mp_rank_00_model_states.pt", weights_only=False)
     model.load_state_dict(state["module"], strict=False)
@@ -55,10 +55,10 @@ def sharded_checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens):
 
     from focus_pretrain.config import load_config
     from focus_pretrain.model import build_model
-    from focus_pretrain.train.engine import _setup_parallel
+    from focus_pretrain.parallel import ParallelLayout
 
     config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
-    _setup_parallel(config)
+    ParallelLayout.initialize(config.parallel, config.run.seed)
     model = build_model(config.model).eval()
     path = pathlib.Path(ckpt) / f"mp_rank_{rank:02d}_model_states.pt"
     model.load_state_dict(torch.load(path, weights_only=False)["module"], strict=False)

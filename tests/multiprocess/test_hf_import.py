@@ -82,7 +82,7 @@ def our_logits(rank: int, world_size: int, hf_dir: str, focus: dict) -> torch.Te
     apply_cpu_shim()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     model_parallel_cuda_manual_seed(0)
-    config = hf_model_config(hf_dir, tensor_parallel_size=world_size, focus=FocusConfig(**focus))
+    config = hf_model_config(hf_dir, focus=FocusConfig(**focus))
     model = build_model(config).eval()
     load_hf_weights(model, hf_dir, config)
     x = tokens()

@@ -138,10 +138,9 @@ def model_loss_and_grads(
     the global mean loss, the gathered eval logits and every parameter's full gradient."""
     from megatron.core import parallel_state
 
-    from focus_pretrain.parallel.context_parallel import apply_context_parallel, shard_batch
+    from focus_pretrain.parallel import apply_context_parallel, shard_batch
     from tests.multiprocess.workers_model import _batch, _build
 
-    model_kwargs = dict(model_kwargs, context_parallel_size=world_size, cp_mode=cp_mode)
     config, model = _build(1, model_kwargs, focus_kwargs)
     group = parallel_state.get_context_parallel_group()
     if world_size > 1:

@@ -38,9 +38,7 @@ def _build(
     from focus_pretrain.focus import FocusConfig
     from focus_pretrain.model import ModelConfig, build_model
 
-    config = ModelConfig(
-        tensor_parallel_size=world_size, focus=FocusConfig(**focus_kwargs), **model_kwargs
-    )
+    config = ModelConfig(focus=FocusConfig(**focus_kwargs), **model_kwargs)
     model_parallel_cuda_manual_seed(42 + seed)
     torch.manual_seed(seed)
     return config, build_model(config, params_dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from focus_pretrain.train.engine import launch_environment
+from focus_pretrain.parallel.launch import launch_environment
 
 
 def test_launcher_variables_are_kept():

@@ -16,14 +16,6 @@ ROOT = pathlib.Path(__file__).parents[2]
     "kwargs, message",
     [
         (
-            dict(hidden_size=72, num_attention_heads=6, tensor_parallel_size=4),
-            r"model.num_attention_heads \(6\) must be divisible by model.tensor_parallel_size",
-        ),
-        (
-            dict(num_attention_heads=8, num_query_groups=2, tensor_parallel_size=4),
-            r"model.num_query_groups \(2\) must be divisible by model.tensor_parallel_size \(4\)",
-        ),
-        (
             dict(num_attention_heads=4, num_query_groups=3),
             r"model.num_attention_heads \(4\) must be divisible by model.num_query_groups \(3\)",
         ),
@@ -42,6 +34,40 @@ ROOT = pathlib.Path(__file__).parents[2]
 def test_bad_model_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["model.hidden_size=72", "model.num_attention_heads=6"],
+            r"model.num_attention_heads \(6\) must be divisible by parallel.tensor_parallel_size",
+        ),
+        (
+            ["model.num_attention_heads=8", "model.num_query_groups=2"],
+            r"model.num_query_groups \(2\) must be divisible by parallel.tensor_parallel_size",
+        ),
+    ],
+)
+def test_heads_must_split_over_tensor_parallel_ranks(sets, message):
+    """Tensor parallelism is set only in ``parallel``; the model's heads must divide by it."""
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [*sets, "parallel.tensor_parallel_size=4"])
+
+
+def test_parallel_sizes_live_only_in_the_parallel_section(tmp_path):
+    """Recipes and checkpoints written with ``model.tensor_parallel_size`` (and CP size, mode)
+    still load: the values move to ``parallel``; a contradiction is refused."""
+    from focus_pretrain.model import ModelConfig
+
+    legacy = ["model.tensor_parallel_size=2", "model.cp_mode=ring"]
+    config = load_config(None, [*legacy, "parallel.tensor_parallel_size=2"])
+    assert (config.parallel.tensor_parallel_size, config.parallel.cp_mode) == (2, "ring")
+    assert not hasattr(config.model, "tensor_parallel_size") and "cp_mode" not in str(
+        ModelConfig.__dataclass_fields__
+    )
+    with pytest.raises(ValueError, match=r"model.tensor_parallel_size \(2\) differs from "):
+        load_config(None, [*legacy, "parallel.tensor_parallel_size=1"])
 
 
 def test_recipe_model_sections_load():

@@ -1,0 +1,1 @@
+"""Benchmarks (``tools/bench_attention.py``): timing code kept out of the method package."""

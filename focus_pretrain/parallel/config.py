@@ -1,0 +1,102 @@
+"""The ``parallel:`` section of a recipe: the one place tensor and context parallelism are set.
+
+The model section describes the architecture only; :meth:`ParallelConfig.check_model` holds the
+checks that need both (heads split over tensor-parallel ranks, all-to-all heads over
+context-parallel ranks, backends that can run inside the ring). The model itself reads its
+tensor- and context-parallel sizes from Megatron's initialised ``parallel_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from focus_pretrain.focus.config import check_choice, check_int, check_positive
+from focus_pretrain.model.config import ModelConfig
+
+CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
+RING_BACKENDS = ("auto", "reference")  # each ring step runs the exact per-block attention
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices.
+
+    Attributes:
+        tensor_parallel_size: Megatron tensor parallelism (heads and MLP split over ranks).
+        context_parallel_size: ranks that split each sequence (Focus context parallelism);
+            the data-parallel size is ``world / (tensor_parallel_size * context_parallel_size)``.
+        cp_mode: ``"a2a"`` (all-to-all, heads split over the CP ranks) or ``"ring"`` (K/V
+            blocks passed around the ranks).
+        zero_stage: DeepSpeed ZeRO stage 0-3 over the data-parallel ranks.
+        cpu_offload: ZeRO optimizer-state offload to CPU memory (stages 1-3).
+        gpus: devices the recipe is planned for (the ``--dry-run`` memory plan uses it;
+            ``None``: one tensor x context-parallel group). Training uses whatever the launcher
+            starts.
+        gpu_memory_gb: memory per device the plan must fit.
+    """
+
+    tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    cp_mode: str = "a2a"
+    zero_stage: int = 1
+    cpu_offload: bool = False
+    gpus: int | None = None
+    gpu_memory_gb: float = 80.0
+
+    def __post_init__(self) -> None:
+        check_int("parallel.tensor_parallel_size", self.tensor_parallel_size, low=1)
+        check_int("parallel.zero_stage", self.zero_stage, low=0, high=3)
+        check_int("parallel.context_parallel_size", self.context_parallel_size, low=1)
+        check_choice("parallel.cp_mode", self.cp_mode, CP_MODES)
+        if self.gpus is not None:
+            check_int("parallel.gpus", self.gpus, low=1)
+        check_positive("parallel.gpu_memory_gb", self.gpu_memory_gb)
+        if self.cpu_offload and self.zero_stage == 0:
+            raise ValueError("parallel.cpu_offload needs parallel.zero_stage >= 1")
+        if self.gpus is not None and self.gpus % self.model_parallel_size:
+            raise ValueError(
+                f"parallel.gpus ({self.gpus}) must be a multiple of "
+                "parallel.tensor_parallel_size x context_parallel_size "
+                f"({self.model_parallel_size})"
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model between them (tensor x context parallel)."""
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ``ValueError`` unless ``model`` can be split the way this section says."""
+        model.check_tensor_parallel(self.tensor_parallel_size)
+        cp = self.context_parallel_size
+        check_cp_heads(model.num_attention_heads, self.tensor_parallel_size, cp, self.cp_mode)
+        if cp > 1 and self.cp_mode == "ring":
+            for key in ("backend", "inference_backend"):
+                chosen = getattr(model.focus, key)
+                if chosen not in RING_BACKENDS:
+                    raise ValueError(
+                        f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring "
+                        "step runs the exact per-block attention); use 'auto' or "
+                        "parallel.cp_mode 'a2a'"
+                    )
+
+
+def check_cp_heads(heads: int, tp: int, cp: int, cp_mode: str) -> None:
+    """All-to-all context parallelism splits each tensor-parallel rank's heads over CP ranks."""
+    check_choice("parallel.cp_mode", cp_mode, CP_MODES)
+    if cp > 1 and cp_mode == "a2a" and (heads // tp) % cp:
+        raise ValueError(
+            f"parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads "
+            f"({heads} / {tp} = {heads // tp}) over parallel.context_parallel_size ({cp}), "
+            "which must divide them; use cp_mode 'ring' or another size"
+        )
+
+
+def check_cp_seq_length(seq_len: int, cp: int) -> None:
+    """Each context-parallel rank holds two equal chunks of every sequence."""
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"data.seq_length ({seq_len}) must be divisible by 2 x "
+            f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "
+            "rank holds two equal chunks of every sequence"
+        )

@@ -1,0 +1,44 @@
+"""Focus bookkeeping of a training run: router balance updates after each optimizer step, and
+the statistics logged each interval (largest group share, ring blocks skipped)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from focus_pretrain.focus import FocusRouter
+from focus_pretrain.parallel.ring import RingStats
+
+
+def update_balance(routers: list[FocusRouter], group: dist.ProcessGroup) -> None:
+    """After an optimizer step: average each router's load target over ``group`` (data x
+    context-parallel ranks: each saw a different part of the batch) and step its offsets."""
+    size = dist.get_world_size(group)
+    for router in routers:
+        target = router.balance_target()
+        if target is None:
+            continue
+        target = target.float().clone()
+        dist.all_reduce(target, group=group)
+        router.update_balance(target / size)
+
+
+def max_group_share(routers: list[FocusRouter], group: dist.ProcessGroup) -> float | None:
+    """Largest top-1 group share over the interval, worst layer (counts summed over
+    ``group``); 1/K is perfect balance, 1 a collapsed router."""
+    if not routers:
+        return None
+    counts = torch.stack([r.pop_load().float() for r in routers])  # [layers, K]
+    dist.all_reduce(counts, group=group)
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+    return float(shares.max())
+
+
+def ring_skipped_share(stats: RingStats | None) -> float | None:
+    """Share of ring steps skipped since the last call (hard-mode blocks with no allowed pair;
+    training runs the soft gate, so it counts evaluation)."""
+    if stats is None or stats.computed + stats.skipped == 0:
+        return None
+    share = stats.skipped / (stats.computed + stats.skipped)
+    stats.computed = stats.skipped = 0
+    return share

@@ -1,0 +1,342 @@
+"""``Trainer``: a recipe's run, from process groups to the last checkpoint.
+
+The constructor builds the run in order: parallel layout -> data -> model (build -> context
+parallelism -> HuggingFace initialisation -> freezing) -> optimizer and DeepSpeed -> resume.
+:meth:`Trainer.train_step` is one optimizer step, :meth:`Trainer.train` the loop. The
+components own their cadence: :class:`~focus_pretrain.train.checkpoint.Checkpointer`
+(interval, keep-last-N, atomic ``latest``), :class:`~focus_pretrain.train.validate.Validator`
+(validation and the recall metric), :class:`~focus_pretrain.train.stop.StopSignal` (a stop all
+ranks agree on), :class:`~focus_pretrain.train.metrics.MetricsLogger` (console, TensorBoard,
+``metrics.jsonl``). :func:`pretrain` is the one-call entry that ``launchers/pretrain.py`` runs
+under ``deepspeed``, ``torchrun``, ``srun`` or plain ``python``.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from focus_pretrain.config import Config, save_config
+from focus_pretrain.convert import check_tokenizer_matches, load_hf_weights
+from focus_pretrain.data.datasets import ResumableSampler, build_datasets, prepare_data
+from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.focus import FocusRouter
+from focus_pretrain.model import build_model
+from focus_pretrain.parallel.context_parallel import apply_context_parallel
+from focus_pretrain.parallel.launch import ParallelLayout
+from focus_pretrain.parallel.mpu import MegatronMPU
+from focus_pretrain.train.checkpoint import Checkpointer, latest_tag
+from focus_pretrain.train.focus_stats import max_group_share, ring_skipped_share, update_balance
+from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
+from focus_pretrain.train.metrics import (
+    IntervalMeter,
+    MetricsLogger,
+    flops_per_sample,
+    peak_memory_gb,
+    peak_tflops,
+)
+from focus_pretrain.train.optim import (
+    PhaseGate,
+    apply_freeze_policy,
+    build_optimizer,
+    deepspeed_config,
+    lr_lambda,
+    parameter_groups,
+)
+from focus_pretrain.train.stop import StopSignal
+from focus_pretrain.train.validate import Validator
+
+
+class Trainer:
+    """Trains ``config``; resumes from ``run.output_dir/checkpoints`` when it holds one.
+
+    Attributes:
+        config: the resolved recipe.
+        layout: the process grid (:class:`~focus_pretrain.parallel.launch.ParallelLayout`).
+        engine, optimizer: DeepSpeed's engine around the Megatron model, and its optimizer.
+        step, consumed_samples: optimizer steps done and samples drawn (the resume point).
+        checkpointer, validator, logger, stop: the run's components.
+    """
+
+    def __init__(self, config: Config) -> None:
+        if config.train.precision == "fp16" and not torch.cuda.is_available():
+            raise ValueError(
+                "train.precision=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 "
+                "support); use bf16 or fp32 on CPU"
+            )
+        self.config = config
+        self.layout = ParallelLayout.initialize(config.parallel, config.run.seed)
+        self.output_dir = Path(config.run.output_dir)
+        self.grad_accum = self._gradient_accumulation()
+        if self.layout.is_main:
+            save_config(config, self.output_dir / "config.yaml")
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.tokenizer, self.train_set, valid_set = self._build_data()
+        self.validator = Validator(config, valid_set, self.tokenizer, self.layout, self.device)
+        self.model, self.counts, self.ring_stats = self._build_model()
+        self.routers = [m for m in self.model.modules() if isinstance(m, FocusRouter)]
+        self.engine, self.optimizer, self.gate = self._build_engine()
+        self.schedule = lr_lambda(config.train)
+        self.checkpointer = Checkpointer(
+            self.output_dir / "checkpoints", self.engine, config, self.state_dict
+        )
+        state = self.checkpointer.load()
+        self.resumed_step = None if state is None else state["step"]
+        self.load_state_dict(state or {"step": 0, "consumed_samples": 0})
+        self.logger = MetricsLogger(self.output_dir, self.layout.is_main, config.train.tensorboard)
+        self.stop = StopSignal()
+        self.last_train_loss: float | None = None
+
+    # -- building -----------------------------------------------------------------------------
+
+    def _gradient_accumulation(self) -> int:
+        train = self.config.train
+        per_step = train.micro_batch_size * self.layout.data_parallel_size
+        if train.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size ({train.global_batch_size}) must be a "
+                f"multiple of train.micro_batch_size x data-parallel size ({per_step})"
+            )
+        return train.global_batch_size // per_step
+
+    def _build_data(self) -> tuple[Tokenizer, Any, Any]:
+        """Token files prepared once (rank 0), then every rank's train and valid splits."""
+        config, train = self.config, self.config.train
+        if train.init_from_hf:  # before any data work: the retrofit must use the model's tokens
+            check_tokenizer_matches(train.init_from_hf, config.data.tokenizer)
+        if self.layout.is_main:
+            prepare_data(config.data, config.run.seed)
+        dist.barrier()
+        tokenizer_path, prefixes = prepare_data(config.data, config.run.seed)
+        tokenizer = Tokenizer(tokenizer_path)
+        if tokenizer.vocab_size > config.model.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but "
+                f"model.vocab_size is {config.model.vocab_size}; raise model.vocab_size"
+            )
+        per_step = train.micro_batch_size * self.layout.data_parallel_size
+        rounds = train.steps // train.eval_interval + 1 if train.eval_interval else 1
+        train_set, valid_set = build_datasets(
+            config.data,
+            tokenizer,
+            prefixes,
+            train.steps * train.global_batch_size,
+            max(1, train.eval_iters * per_step * rounds),
+            config.run.seed,
+        )
+        return tokenizer, train_set, valid_set
+
+    def _build_model(self):
+        """The Megatron model with context parallelism installed, HuggingFace weights on a
+        fresh retrofit run, and the freezing policy applied; its parameter counts."""
+        config = self.config
+        model = build_model(config.model)
+        ring_stats = None
+        cp_group = self.layout.context_parallel_group
+        if cp_group is not None:
+            ring_stats = apply_context_parallel(model, cp_group, config.parallel.cp_mode)
+        hf_tensors = None
+        fresh = latest_tag(self.output_dir / "checkpoints") is None
+        if config.train.init_from_hf and fresh:
+            hf_tensors = load_hf_weights(model, config.train.init_from_hf, config.model)
+            if self.layout.is_main:
+                print(
+                    f"focus-pretrain: initialised {hf_tensors} tensors from the HuggingFace "
+                    f"checkpoint {config.train.init_from_hf} (routers: fresh)",
+                    flush=True,
+                )
+        counts = apply_freeze_policy(model, config.train)
+        counts["hf_tensors"] = hf_tensors
+        return model, counts, ring_stats
+
+    def _build_engine(self):
+        """AdamW groups, DeepSpeed (ZeRO over data x context-parallel ranks, Megatron's groups
+        as ``mpu``) and the two-phase gate."""
+        config = self.config
+        groups = parameter_groups(self.model, config.train)
+        # counted before ZeRO-3 partitions the parameters (their numel is 0 afterwards)
+        self.counts["optimized"] = sum(p.numel() for g in groups for p in g["params"])
+        optimizer = build_optimizer(groups, config.train, config.parallel.cpu_offload)
+        gate = PhaseGate(self.model) if config.train.freeze == "two_phase" else None
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=self.model,
+            optimizer=optimizer,
+            config=deepspeed_config(config, self.grad_accum),
+            mpu=MegatronMPU(),
+        )
+        return engine, optimizer, gate
+
+    def _train_loader(self):
+        sampler = ResumableSampler(
+            len(self.train_set),
+            self.consumed_samples,
+            self.config.train.micro_batch_size,
+            self.layout.data_parallel_rank,
+            self.layout.data_parallel_size,
+        )
+        return iter(torch.utils.data.DataLoader(self.train_set, batch_sampler=sampler))
+
+    # -- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides the engine: step, consumed samples, RNG states."""
+        return {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (:meth:`state_dict`): the data stream resumes exactly."""
+        self.step, self.consumed_samples = state["step"], state["consumed_samples"]
+        if "rng" in state:
+            random.setstate(state["rng"]["python"])
+            np.random.set_state(state["rng"]["numpy"])
+            torch.set_rng_state(state["rng"]["torch"])
+        if self.gate is not None and self.step >= self.config.train.router_only_steps:
+            self.gate.open()
+        self.loader = self._train_loader()
+
+    # -- training -----------------------------------------------------------------------------
+
+    def train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches, then the routers' balance
+        update. Returns the step's loss (mean over tokens, averaged over data-parallel ranks)."""
+        train = self.config.train
+        if self.gate is not None and self.gate.closed and self.step >= train.router_only_steps:
+            self.gate.open()
+        for group in self.optimizer.param_groups:
+            scale = self.gate.scale(group) if self.gate is not None else group.get("lr_scale", 1)
+            group["lr"] = train.lr * self.schedule(self.step) * scale
+        self.engine.train()
+        loss = torch.zeros((), device=self.device)
+        cp_group = self.layout.context_parallel_group
+        for _ in range(self.grad_accum):
+            batch = batch_to(next(self.loader), self.device)
+            backward, mean = micro_batch_loss(self.engine, batch, cp_group)
+            self.engine.backward(backward)
+            self.engine.step()
+            loss += mean / self.grad_accum
+        self.step += 1
+        self.consumed_samples += train.global_batch_size
+        update_balance(self.routers, self.layout.data_context_group)
+        return group_mean(loss, self.layout.data_parallel_group)
+
+    def train(self) -> dict[str, Any]:
+        """Train to ``train.steps`` or until any rank receives SIGTERM/SIGINT (all ranks stop
+        at the same step); the last step is always checkpointed.
+
+        Returns:
+            ``{"step", "train_loss", "valid_loss", "recall", "output_dir",
+            "stopped_by_signal"}``; ``recall`` holds the last long-range recall scores (demo
+            corpus, else ``None``).
+        """
+        config = self.config
+        meter = IntervalMeter(
+            flops_per_sample(config.model, config.data.seq_length),
+            config.train.global_batch_size,
+            config.data.seq_length,
+            self.layout.world_size,
+            peak_tflops(config.train.peak_tflops),
+        )
+        self._announce()
+        try:
+            with self.stop:
+                while self.step < config.train.steps and not self.stop.should_stop():
+                    meter.add(self.train_step())
+                    self._after_step(meter)
+                self.checkpointer.save(self.step, last=True)
+            return self._finish()
+        finally:
+            self.logger.close()
+
+    def _after_step(self, meter: IntervalMeter) -> None:
+        """Log, validate and checkpoint when each is due."""
+        train = self.config.train
+        if self.step % train.log_interval == 0 or self.step == train.steps:
+            self.logger.log(self.step, self._train_scalars(meter))
+        if self.validator.due(self.step):
+            self.logger.log(self.step, self.validator.run(self.engine), prefix="valid")
+        self.checkpointer.save(self.step)
+
+    def _train_scalars(self, meter: IntervalMeter) -> dict[str, float | None]:
+        interval = meter.scalars()
+        self.last_train_loss = interval["loss"]
+        norm = self.engine.get_global_grad_norm()
+        return {
+            "loss": interval["loss"],
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": None if norm is None else float(norm),
+            "tokens_per_s": interval["tokens_per_s"],
+            "tflops": interval["tflops"],
+            "mfu": interval["mfu"],
+            "peak_mem_gb": peak_memory_gb(),
+            "max_group_share": max_group_share(self.routers, self.layout.data_context_group),
+            "ring_skipped": ring_skipped_share(self.ring_stats),
+        }
+
+    def _announce(self) -> None:
+        """The start line and the ``start`` record of ``metrics.jsonl``."""
+        layout, counts = self.layout, self.counts
+        start = {
+            "step": self.step,
+            "resumed": self.resumed_step is not None,
+            "dp": layout.data_parallel_size,
+            "tp": layout.tensor_parallel_size,
+            "cp": layout.context_parallel_size,
+            "grad_accum": self.grad_accum,
+            **counts,
+        }
+        self.logger.event("start", **start)
+        if layout.is_main:
+            where = f"resuming at step {self.step}" if self.resumed_step is not None else "starting"
+            print(
+                f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} "
+                f"frozen parameters ({counts['router']:,} router), the optimizer holds "
+                f"{counts['optimized']:,}, dp={layout.data_parallel_size}, "
+                f"tp={layout.tensor_parallel_size}, cp={layout.context_parallel_size}, "
+                f"grad_accum={self.grad_accum}; {where}",
+                flush=True,
+            )
+
+    def _finish(self) -> dict[str, Any]:
+        """The end line, the ``end`` record, and the result."""
+        latest, stopped = self.checkpointer.latest, self.stop.agreed
+        self.logger.event("end", step=self.step, stopped_by_signal=stopped, checkpoint=str(latest))
+        if self.layout.is_main:
+            where = f"checkpoint {latest}"
+            if self.config.train.tensorboard:
+                where += f"; TensorBoard: tensorboard --logdir {self.output_dir / 'tensorboard'}"
+            if stopped is not None:
+                print(
+                    f"focus-pretrain: stopped by signal {stopped} at step {self.step}; {where}; "
+                    "resume with the same command",
+                    flush=True,
+                )
+            else:
+                print(f"focus-pretrain: done at step {self.step}; {where}", flush=True)
+        return {
+            "step": self.step,
+            "train_loss": self.last_train_loss,
+            "valid_loss": self.validator.last_loss,
+            "recall": self.validator.last_recall,
+            "output_dir": str(self.output_dir),
+            "stopped_by_signal": stopped,
+        }
+
+
+def pretrain(config: Config) -> dict[str, Any]:
+    """Train ``config`` (see :meth:`Trainer.train`); resumes from its last checkpoint."""
+    return Trainer(config).train()

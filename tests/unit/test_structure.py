@@ -1,0 +1,228 @@
+"""The package's shape: no module-level import cycle, dependencies pointing inwards, short
+functions in the trainer, every name the docs tell a user to import importable, one source for
+the Focus settings."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import pathlib
+import re
+
+import yaml
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+# Which of our top-level parts each part may import at module level (inwards only).
+ALLOWED = {
+    "focus": set(),
+    "model": {"focus"},
+    "parallel": {"focus", "model"},
+    "data": {"focus"},
+    "config": {"focus", "model", "data", "parallel"},
+    "convert": {"focus", "model", "data", "config"},
+    "train": {"focus", "model", "parallel", "data", "config", "convert"},
+    "experiments": {"config", "train"},
+    "bench": {"focus"},
+}
+
+
+def _module_name(root: pathlib.Path, path: pathlib.Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> our modules it imports at module level (not inside functions). ``from a.b
+    import c`` imports ``a.b.c`` if that is a module, else ``a.b``; importing a module also runs
+    its parent packages, except the importer's own ancestors (already running).
+    ``hf_modeling`` is left out: it ships inside exports and imports only transformers."""
+    paths = {
+        _module_name(root, p): p
+        for p in (root / "focus_pretrain").rglob("*.py")
+        if "hf_modeling" not in p.parts
+    }
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = []
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.Import):
+                targets += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets += [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names
+                ]
+        found = set()
+        for target in targets:
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix in paths and prefix != name and not name.startswith(prefix + "."):
+                    found.add(prefix)
+        graph[name] = found
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (``[a, b, ..., a]``), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def test_no_module_level_import_cycle():
+    graph = import_graph(ROOT)
+    assert len(graph) > 40 and "focus_pretrain.train.trainer" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_check_finds_cycles(tmp_path):
+    """The checker itself: a cycle through module-level imports is found (also through a
+    package's ``__init__``); an import inside a function is not module level."""
+    pkg = tmp_path / "focus_pretrain"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from focus_pretrain.sub.c import y\n")
+    (pkg / "sub" / "c.py").write_text("y = 1\n")
+    (pkg / "a.py").write_text("from focus_pretrain.b import x\n")
+    (pkg / "b.py").write_text("import os\n\n\ndef f():\n    import focus_pretrain.a\n")
+    graph = import_graph(tmp_path)
+    assert graph["focus_pretrain.a"] == {"focus_pretrain.b"} and not graph["focus_pretrain.b"]
+    assert find_cycle(graph) is None
+    (pkg / "b.py").write_text("from focus_pretrain import a\n")
+    assert find_cycle(import_graph(tmp_path)) == [
+        "focus_pretrain.a",
+        "focus_pretrain.b",
+        "focus_pretrain.a",
+    ]
+    (pkg / "b.py").write_text("x = 1\n")
+    (pkg / "sub" / "c.py").write_text("from focus_pretrain.a import z\n")
+    (pkg / "a.py").write_text("import focus_pretrain.sub.c\n")
+    cycle = find_cycle(import_graph(tmp_path))
+    assert cycle is not None and "focus_pretrain.sub" in cycle
+
+
+def test_dependencies_point_inwards():
+    """``focus`` imports nothing of ours, ``model`` only ``focus``, ... (see :data:`ALLOWED`)."""
+    bad = []
+    for name, targets in import_graph(ROOT).items():
+        part = name.split(".")[1] if "." in name else None
+        for target in targets:
+            other = target.split(".")[1] if "." in target else None
+            if part and other and other != part and other not in ALLOWED[part]:
+                bad.append(f"{name} -> {target}")
+    assert not bad, bad
+
+
+def test_trainer_functions_are_short():
+    """No function in ``train/`` is longer than 80 lines (docstring included)."""
+    long = []
+    for path in (ROOT / "focus_pretrain" / "train").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert not long, long
+
+
+_FROM_IMPORT = re.compile(r"^\s*from (focus_pretrain[\w.]*) import ([\w, ]+)$", flags=re.M)
+_DOTTED = re.compile(r"\bfocus_pretrain(?:\.\w+)+")
+
+
+def _quoted_names() -> set[str]:
+    """``focus_pretrain...`` names in README.md and docs/*.md: what ``python`` code blocks
+    import, ``from X import a, b`` lines of other blocks, and dotted names in code spans and
+    blocks (``X.y`` or ``X.y(...)``)."""
+    names = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        blocks = re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S)
+        for language, block in blocks:
+            if language == "python":
+                for node in ast.walk(ast.parse(block)):
+                    if isinstance(node, ast.ImportFrom) and node.module.startswith(
+                        "focus_pretrain"
+                    ):
+                        names |= {f"{node.module}.{alias.name}" for alias in node.names}
+            for module, items in _FROM_IMPORT.findall(block):
+                names |= {f"{module}.{item.strip()}" for item in items.split(",")}
+        spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        for chunk in [block for _, block in blocks] + spans:
+            names |= {m for m in _DOTTED.findall(chunk) if not m.endswith((".py", ".md"))}
+    return names
+
+
+def _resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_every_name_the_docs_quote_exists():
+    names = _quoted_names()
+    assert {
+        "focus_pretrain.train.pretrain",
+        "focus_pretrain.parallel.apply_context_parallel",
+    } <= names
+    missing = []
+    for name in sorted(names):
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as error:
+            missing.append(f"{name}: {error}")
+    assert not missing, missing
+
+
+def _focus_defaults() -> dict[str, object]:
+    from focus_pretrain.focus import FocusConfig
+
+    return {f.name: f.default for f in dataclasses.fields(FocusConfig)}
+
+
+def test_focus_defaults_yaml_lists_every_setting_with_its_default():
+    section = yaml.safe_load((ROOT / "configs" / "focus-defaults.yaml").read_text())["focus"]
+    assert section == _focus_defaults()
+
+
+def test_exported_focus_settings_come_from_the_config():
+    """The export's ``focus`` section is FocusConfig minus the training-only knobs, and the
+    shipped (standalone) modeling code's defaults are FocusConfig's."""
+    from focus_pretrain.convert import hf_export
+    from focus_pretrain.convert.hf_modeling.configuration_focus import FOCUS_DEFAULTS
+    from focus_pretrain.focus import FocusConfig
+
+    defaults = _focus_defaults()
+    exported = set(hf_export.EXPORTED_FOCUS_FIELDS)
+    assert exported | set(hf_export.NOT_EXPORTED_FOCUS_FIELDS) == set(defaults)
+    assert {name: defaults[name] for name in exported} == FOCUS_DEFAULTS
+    assert hf_export._focus_section(FocusConfig(num_groups=3)) == {
+        **FOCUS_DEFAULTS,
+        "num_groups": 3,
+    }
