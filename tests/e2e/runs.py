@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -51,10 +52,29 @@ def script_args(sets: list[str], script: str = LAUNCHER) -> list[str]:
     return args
 
 
+def run(args: list[str], timeout: float = TIMEOUT, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(args)`` capturing text output, in its own process group: on timeout
+    the whole group is killed (a launcher's workers too, not only the launcher)."""
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def launch(sets: list[str], **kwargs) -> subprocess.CompletedProcess:
     """``python launchers/pretrain.py`` with the tiny recipe and ``sets``."""
-    args = [sys.executable, *script_args(sets)]
-    return subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
+    return run([sys.executable, *script_args(sets)], **kwargs)
 
 
 def train_losses(run: pathlib.Path) -> dict[int, float]:

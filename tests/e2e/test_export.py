@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 
 import pytest
 import torch
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, cache):
     root = tmp_path_factory.mktemp("export")
-    run = launch(overrides(root / "run", str(root / "cache"), "train.steps=4"))
+    run = launch(overrides(root / "run", cache, "train.steps=4"))
     assert run.returncode == 0, run.stderr[-3000:]
     out = export_hf(root / "run", root / "hf", max_shard_size="100KB")
     return root, out
@@ -66,13 +67,13 @@ def test_exported_model_matches_ours(exported, monkeypatch):
     assert greedy.tolist() == ours["greedy"].tolist()
 
 
-def test_exported_tokenizer_encodes_like_ours(exported):
+def test_exported_tokenizer_encodes_like_ours(exported, cache):
     from transformers import AutoTokenizer
 
     from focus_pretrain.data import Tokenizer, demo_documents
 
-    root, out = exported
-    ours = Tokenizer(next((root / "cache").glob("tokenizer-*.model")))
+    _, out = exported
+    ours = Tokenizer(next(pathlib.Path(cache).glob("tokenizer-*.model")))
     theirs = AutoTokenizer.from_pretrained(out)
     for text in [*demo_documents(20, seed=77), "Unseen: ünïcödé ☃ text\twith  spaces\n"]:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
@@ -104,32 +105,27 @@ def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch):
+def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch, layout_run):
     """A TP=2 run's shards are merged (its exported model gives the TP=2 model's logits);
     ZeRO-3 runs are consolidated, at DP=2 and at TP=2 (their exports give the same logits as
-    the ZeRO-1 runs' of the same layout)."""
+    the run of the same layout whose parameters are not partitioned: ZeRO-2 at DP=2, ZeRO-1
+    at TP=2). The runs are the session's layout runs (``tests/e2e/conftest.py``)."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cache = str(tmp_path / "cache")
     tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
     results = {}
-    for name, extra in {
-        "tp2": ["parallel.tensor_parallel_size=2"],
-        "zero1": ["parallel.zero_stage=1"],
-        "zero3": ["parallel.zero_stage=3"],
-        "tp2-zero3": ["parallel.tensor_parallel_size=2", "parallel.zero_stage=3"],
-    }.items():
-        sets = overrides(tmp_path / name, cache, "train.steps=2", *extra)
-        run_workers("tests.e2e.workers_train:train", 2, sets)
-        out = export_hf(tmp_path / name, tmp_path / f"hf-{name}")
+    for name in ("tp2", "dp2", "dp2-zero3", "tp2-zero3"):
+        _, run = layout_run(name)
+        out = export_hf(run, tmp_path / f"hf-{name}")
         model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
         with torch.no_grad():
             results[name] = model(tokens).logits
-    ckpt = str(tmp_path / "tp2" / "checkpoints" / "step_00000002")
+    _, tp2 = layout_run("tp2")
+    ckpt = str(tp2 / "checkpoints" / "step_00000003")
     ours = run_workers("tests.e2e.workers_train:sharded_checkpoint_logits", 2, ckpt, tokens)
     torch.testing.assert_close(results["tp2"], ours[0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(results["zero3"], results["zero1"], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(results["dp2-zero3"], results["dp2"], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(results["tp2-zero3"], results["tp2"], rtol=1e-3, atol=1e-3)
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed import free_port, run_workers
+from tests.e2e import runs
 from tests.e2e.runs import (
     LAUNCHER,
     RECIPE,
@@ -33,31 +34,13 @@ from tests.e2e.runs import (
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("data-cache"))
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, cache) -> tuple[dict, pathlib.Path]:
-    """The small recipe for 3 steps (fp32) in one process: the result every parallel layout
-    must reproduce, and its run directory."""
-    out = tmp_path_factory.mktemp("one") / "run"
-    sets = overrides(out, cache, "train.steps=3")
-    (result,) = run_workers("tests.e2e.workers_train:train", 1, sets)
-    return result, out
-
-
 def run_retrying_port(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     """Run a launcher whose rendezvous port we must pick (``deepspeed --master_port``, srun's
     ``MASTER_PORT``): ``command`` may hold ``{port}``; a port another process took between
     choosing and binding it is retried with a new one (a loaded machine, concurrent runs)."""
     for _attempt in range(3):
         port = str(free_port())
-        run = subprocess.run(
-            [part.replace("{port}", port) for part in command],
-            capture_output=True, text=True, timeout=TIMEOUT, **kwargs,
-        )  # fmt: skip
+        run = runs.run([part.replace("{port}", port) for part in command], **kwargs)
         if run.returncode == 0 or "Address already in use" not in run.stdout + run.stderr:
             return run
     return run
@@ -124,9 +107,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache):
     out = tmp_path / "run"
     args = [sys.executable, *script_args(overrides(out, cache, "train.steps=400"))]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    _wait_for_step(out, 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=TIMEOUT)
+    try:
+        _wait_for_step(out, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert proc.returncode == 0, rest
     assert "stopped by signal" in rest
     (end,) = events(out, "end")
@@ -148,10 +135,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, cache):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += ["--nproc-per-node", "2"]
     inject = str(ROOT / "tests" / "e2e" / "signal_during_step.py")
-    stopped = subprocess.run(
-        [*torchrun, inject, "2", "1", *script_args(sets)],
-        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-    )  # fmt: skip
+    stopped = runs.run([*torchrun, inject, "2", "1", *script_args(sets)], cwd=tmp_path)
     assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     (end,) = events(out, "end")
     assert end["step"] == 3 and end["stopped_by_signal"] == signal.SIGTERM
@@ -161,10 +145,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, cache):
     files = {p.name for p in (ckpts / "step_00000003").iterdir()}
     assert len([f for f in files if "optim_states" in f]) == 2, files
     assert not list(ckpts.glob(".tmp-*"))
-    resumed = subprocess.run(
-        [*torchrun, *script_args(sets)],
-        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-    )  # fmt: skip
+    resumed = runs.run([*torchrun, *script_args(sets)], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [(e["step"], e["resumed"]) for e in events(out, "start")] == [(0, False), (3, True)]
     assert train_steps_logged(out) == [1, 2, 3, 4, 5, 6]
@@ -176,9 +157,7 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, cache):
     checkpoint 2, which resumes; the half-written directory is cleared on restart."""
     sets = overrides(tmp_path, cache, "train.steps=6", "train.save_interval=2", "train.keep_last=5")
     args = [sys.executable, str(ROOT / "tests" / "e2e" / "kill_during_save.py"), "4"]
-    killed = subprocess.run(
-        [*args, *script_args(sets)], capture_output=True, text=True, timeout=TIMEOUT
-    )
+    killed = runs.run([*args, *script_args(sets)])
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000002"
@@ -297,7 +276,8 @@ def _dry_run(recipe: str, *sets: str) -> tuple[str, dict]:
     """``--dry-run``: its console table and the plan (the JSON of its last line)."""
     args = [sys.executable, LAUNCHER, "--config", str(ROOT / "configs" / recipe), "--dry-run"]
     args += [x for item in sets for x in ("--set", item)]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, check=True)
+    result = runs.run(args)
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -327,30 +307,15 @@ def test_dry_run_plans_the_million_token_recipe():
     "layout",
     ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-cp2-ring"],
 )
-def test_parallel_layouts_match_one_process(tmp_path, cache, one_process, layout):
+def test_parallel_layouts_match_one_process(tmp_path, one_process, layout_run, layout):
     """TP=2 (through DeepSpeed's mpu adapter), DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
     optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism (CP=2 ring under
     ZeRO-3; TP=2 x CP=2 ring; all-to-all in the torchrun test below) train like one process
-    (same global batch: DP=1 accumulates two micro-batches; TP=2 x CP=2 runs four processes)."""
+    (same global batch: DP=1 accumulates two micro-batches; TP=2 x CP=2 runs four processes;
+    the layouts are in ``tests/e2e/conftest.py``)."""
     single, single_run = one_process
-    extra = {
-        "tp2": ["parallel.tensor_parallel_size=2"],
-        "dp2": ["parallel.zero_stage=2"],
-        "dp2-zero3": ["parallel.zero_stage=3"],
-        "dp2-offload": ["parallel.zero_stage=2", "parallel.cpu_offload=true"],
-        "cp2-ring-zero3": [
-            "parallel.context_parallel_size=2",
-            "parallel.cp_mode=ring",
-            "parallel.zero_stage=3",
-        ],
-        "tp2-cp2-ring": [
-            "parallel.tensor_parallel_size=2",
-            "parallel.context_parallel_size=2",
-            "parallel.cp_mode=ring",
-        ],
-    }[layout]
-    sets = overrides(tmp_path / layout, cache, "train.steps=3", *extra)
-    results = run_workers("tests.e2e.workers_train:train", 4 if "tp2-cp2" in layout else 2, sets)
+    results, run = layout_run(layout)
+    assert len(results) == (4 if layout == "tp2-cp2-ring" else 2)
     for result in results:
         assert result["step"] == 3
         assert result["train_loss"] == pytest.approx(single["train_loss"], rel=2e-4)
@@ -360,8 +325,8 @@ def test_parallel_layouts_match_one_process(tmp_path, cache, one_process, layout
         from focus_pretrain.convert import export_hf
 
         exported = [
-            load_file(export_hf(run, tmp_path / f"hf-{i}") / "model.safetensors")
-            for i, run in enumerate((single_run, tmp_path / layout))
+            load_file(export_hf(path, tmp_path / f"hf-{i}") / "model.safetensors")
+            for i, path in enumerate((single_run, run))
         ]
         assert exported[0].keys() == exported[1].keys()
         for key, value in exported[0].items():  # balance offsets included (Sinkhorn over CP)
@@ -390,7 +355,7 @@ def test_cluster_launchers_start_two_processes(tmp_path, cache, launcher, zero_s
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc-per-node", "2", *script]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+        run = runs.run(command, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (start,) = events(tmp_path, "start")
     assert start["dp"] == 2
@@ -422,7 +387,12 @@ def _srun_like(script: list[str], cwd: pathlib.Path) -> subprocess.CompletedProc
             )
             for rank in range(2)
         ]
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        try:
+            outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         code = max(abs(p.returncode) for p in procs)
         errors = outs[0][1] + outs[1][1]
         if code == 0 or "Address already in use" not in errors:
@@ -447,7 +417,7 @@ def test_focus_beats_its_window_only_twin_on_long_range_recall(tmp_path):
         f"data.cache_dir={tmp_path}/c",
     ]:
         args += ["--set", item]
-    run = subprocess.run(args, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    run = runs.run(args, timeout=2 * TIMEOUT)
     assert run.returncode == 0, run.stderr[-3000:]
     scores = json.loads(run.stdout.strip().splitlines()[-1])
     focus, window = scores["focus"], scores["window_only"]
@@ -519,7 +489,7 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
     # the routers alone, as an adapter on the original, unmodified HF model
     adapter = tmp_path / "adapter"
     tool = [sys.executable, str(ROOT / "tools" / "convert_to_hf.py"), str(tmp_path / "run")]
-    done = subprocess.run([*tool, str(adapter), "--adapter-only"], capture_output=True, text=True)
+    done = runs.run([*tool, str(adapter), "--adapter-only"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((adapter / "focus_adapter.json").read_text())["parameters"] == 2 * (
         64 * 16 + 4 * 16
@@ -553,7 +523,7 @@ def test_context_parallel_with_data_parallel_through_torchrun(tmp_path, cache, o
     )  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "4", *script_args(sets)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    run = runs.run(command, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (start,) = events(tmp_path / "cp", "start")
     assert (start["dp"], start["tp"], start["cp"]) == (2, 1, 2)
