@@ -12,6 +12,12 @@ YAML, applies each ``section.key=value`` override (values parsed as YAML scalars
 typed :class:`Config`. Unknown keys, wrong types and bad values fail before any work, naming the
 dotted key and what is allowed. :func:`save_config` writes the resolved config (every default
 filled in) into run and checkpoint directories.
+
+Plain frozen dataclasses and the small loader below (:func:`from_mapping`), not pydantic: the
+sections stay importable by the plain-PyTorch layers (``focus/`` owns ``FocusConfig``), each
+section's ``__post_init__`` keeps its own checks, and the loader's errors already name the
+dotted key and the allowed keys; pydantic would add a dependency, a wrapper per error kind to
+keep those messages, and looser coercions (``"1"`` as ``True``) we do not want.
 """
 
 from __future__ import annotations

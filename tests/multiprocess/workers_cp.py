@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from focus_pretrain.focus import FocusRouter, focus_attention
-from focus_pretrain.parallel import apply_cpu_shim
-from focus_pretrain.parallel.context_parallel import (
+from focus_pretrain.parallel import (
+    apply_cpu_shim,
     context_parallel_attention,
     gather_sequence,
     shard_sequence,

@@ -144,7 +144,7 @@ def test_preprocess_tool_end_to_end(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        timeout=300,
+        timeout=600,
     )
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     assert stats["documents"] == 40 and stats["tokens"] > 40 * 300

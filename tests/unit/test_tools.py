@@ -32,7 +32,7 @@ def test_pattern_density_tool(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        timeout=120,
+        timeout=600,
     )
     assert "| 4096 | 4 | 1 | 16 |" in result.stdout
     rows = json.loads(out.read_text())
@@ -79,7 +79,7 @@ def test_bench_attention_smoke_on_cpu(tmp_path):
         capture_output=True,
         text=True,
         check=True,
-        timeout=300,
+        timeout=600,
     )
     report = json.loads(out.read_text())
     assert report["environment"]["torch"]
