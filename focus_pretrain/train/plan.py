@@ -103,7 +103,9 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
 
 
 def count_split(config: Config) -> dict[str, int]:
-    """Build the model at TP=1 on the meta device; count TP-sharded, replicated, trainable."""
+    """Build the model on the meta device at the parallel state's tensor-parallel size (TP=1
+    when this call initialises it, as a dry run does); count TP-sharded, replicated and
+    trainable parameters."""
     init_distributed()
     apply_cpu_shim()
     if not parallel_state.model_parallel_is_initialized():

@@ -35,7 +35,7 @@ def cp_results(request):
 
 def test_output_and_gradients_equal_single_process(cp_results):
     size, per_rank = cp_results
-    for case, result in zip(cases(), per_rank[0], strict=True):
+    for case, result in zip(cases(), per_rank[0]["cases"], strict=True):
         label = f"CP={size} {case}"
         assert result["scale"] > 0.1, label  # a real output, not zeros
         assert result["output"] < 1e-9, label
@@ -43,6 +43,16 @@ def test_output_and_gradients_equal_single_process(cp_results):
         assert max(q, k, v) < 1e-9, label
         if not case.get("local_only"):
             assert router and max(router) < 1e-9, label  # soft: through the gate; hard: none
+
+
+def test_ring_refuses_what_it_cannot_compute(cp_results):
+    """Inside the ring every block runs the exact per-block attention: another backend is
+    refused by name, and ``check_finite`` rejects NaN inputs (it is honoured, not ignored)."""
+    _, per_rank = cp_results
+    for result in per_rank:
+        refusals = result["refusals"]
+        assert "backend 'flex' cannot run inside the ring" in refusals["backend"]
+        assert "v contains NaN or inf values" in refusals["nan"]
 
 
 @pytest.mark.parametrize(

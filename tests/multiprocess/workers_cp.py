@@ -43,8 +43,9 @@ def _attention_kwargs(case: dict) -> dict:
     )
 
 
-def attention_matches_single_process(rank: int, world_size: int, cases: list) -> list[dict]:
-    """Per case: max |CP - single process| of the output and of the q, k, v, router gradients."""
+def attention_matches_single_process(rank: int, world_size: int, cases: list) -> dict:
+    """``cases``: per case, max |CP - single process| of the output and of the q, k, v, router
+    gradients; ``refusals``: what the ring says to inputs it must refuse."""
     apply_cpu_shim()
     group = dist.group.WORLD
     results = []
@@ -94,7 +95,31 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
                 computed=stats.computed,
             )
         )
-    return results
+    ring.SCORE_BUDGET = default_budget
+    return dict(cases=results, refusals=ring_refusals(cases[0], group))
+
+
+def ring_refusals(case: dict, group) -> dict[str, str]:
+    """The ring's errors for a backend it cannot run (it computes each block with the exact
+    per-block attention) and for NaN inputs when ``check_finite`` is on."""
+    q, k, v, hidden, _, router = _problem(case)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    q, k, v, hidden = (shard_sequence(t, 1, size, rank) for t in (q, k, v, hidden))
+    probs = router(hidden).probs.detach()
+    kwargs = dict(_attention_kwargs(case), local_only=False)
+    errors = {}
+    for name, extra, inputs in (
+        ("backend", dict(backend="flex"), (q, k, v)),
+        ("nan", dict(check_finite=True), (q, k, v.clone().fill_(float("nan")))),
+    ):
+        try:
+            context_parallel_attention(
+                *inputs, probs, group=group, cp_mode="ring", **{**kwargs, **extra}
+            )
+            errors[name] = ""
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
 
 
 def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dict:
