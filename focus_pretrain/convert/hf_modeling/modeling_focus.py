@@ -22,11 +22,14 @@ supported (each layer caches its tokens' group assignments).
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import (
     AttentionInterface,
+    AttentionMaskInterface,
     Gemma2ForCausalLM,
     GPT2LMHeadModel,
     LlamaForCausalLM,
@@ -34,6 +37,7 @@ from transformers import (
     Olmo2ForCausalLM,
     Qwen2ForCausalLM,
 )
+from transformers.masking_utils import sdpa_mask
 
 try:  # the fast exact backends, when the training package is installed
     from focus_pretrain.focus import focus_attention as _package_focus_attention
@@ -48,6 +52,7 @@ from .configuration_focus import (
     FocusOlmo2Config,
     FocusQwen2Config,
 )
+from .focus_cache import focus_cache_layer, sparse_decode, store_routing
 
 
 class FocusRouter(nn.Module):
@@ -72,22 +77,38 @@ class FocusRouter(nn.Module):
 
 
 def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: the attention module's input (what the router reads) and its cache."""
     module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-
-
-def _routing(module: nn.Module, q_len: int, kv_len: int) -> Tensor:
-    """Group probabilities of all ``kv_len`` keys (cached across generation steps)."""
-    probs = module.router(module._focus_hidden)  # [b, q_len, K]
-    cached = getattr(module, "_focus_probs", None)
-    if q_len != kv_len and cached is not None and cached.shape[1] == kv_len - q_len:
-        probs = torch.cat([cached, probs], dim=1)
-    module._focus_probs = probs  # [b, kv_len, K]
-    return probs
+    module._focus_cache = kwargs.get("past_key_values")
 
 
 def _membership(probs: Tensor, top_k: int) -> Tensor:
     groups = probs.topk(top_k, dim=-1).indices  # [b, s, top_k]
     return (torch.ones_like(groups) << groups).sum(dim=-1)  # int64 bitmask
+
+
+def _allowed_by_mask(mask: Tensor | None, b: int, q_len: int, kv_len: int) -> Tensor | None:
+    """HF's 4D mask (bool ``[b|1, 1, q, kv]``, True = attend; or additive float) as a bool
+    ``[b, q, kv]``, or ``None`` when there is none (no padding)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask == 0  # additive: 0 where attended, a large negative number elsewhere
+    return mask[:, 0, :, -kv_len:].expand(b, q_len, kv_len)
+
+
+def _route(module: nn.Module, allowed: Tensor | None, q_len: int, kv_len: int):
+    """Routing of all ``kv_len`` keys: ``(probs [b, kv, K], members [b, kv], valid [b, kv],
+    cache layer or None)``; the new tokens' routing is stored in the KV cache."""
+    focus = module.router.focus
+    probs = module.router(module._focus_hidden)  # [b, q, K]
+    members = _membership(probs, focus["top_k"])  # [b, q]
+    if allowed is None:
+        valid = torch.ones(members.shape, dtype=torch.bool, device=members.device)
+    else:  # a real token is a key its own row attends; padding is a key nobody attends
+        valid = allowed[:, :, kv_len - q_len :].any(dim=1)  # [b, q]
+    layer = focus_cache_layer(getattr(module, "_focus_cache", None), module.layer_idx)
+    return (*store_routing(layer, probs, members, valid, kv_len), layer)
 
 
 def focus_attention_forward(
@@ -102,84 +123,166 @@ def focus_attention_forward(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """``query [b, H, q, d]``, ``key/value [b, G, kv, d]`` -> ``([b, q, H, d], None)``."""
-    _, heads, q_len, d = query.shape
+    """``query [b, H, q, d]``, ``key/value [b, G, kv, d]`` -> ``([b, q, H, d], None)``.
+
+    ``attention_mask``: HF's mask (padding, packed sequences) or ``None``; queries that may
+    attend to no key (left padding) get a zero output.
+    """
+    b, _, q_len, d = query.shape
     kv_len = key.shape[2]
-    fast = _fast_path(module, query, key, value, scaling, softcap, sliding_window)
-    if fast is not None:
-        return fast, None
+    scale = d**-0.5 if scaling is None else scaling
+    allowed = _allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
+    router = getattr(module, "router", None)
+    focus = router.focus if router is not None else getattr(module.config, "focus", {})
+    mode = "soft" if module.training else focus.get("inference_mode", "hard")
+    backend = focus.get("backend" if mode == "soft" else "inference_backend", "auto")
+    routing = None
+    if router is not None:
+        routing = _route(module, allowed, q_len, kv_len)
+        layer = routing[3]
+        decode = q_len == 1 and kv_len > 1 and layer is not None
+        if decode and mode == "hard" and backend != "dense":
+            out, reads = sparse_decode(
+                layer,
+                query,
+                key,
+                value,
+                window=focus["window"],
+                num_groups=focus["num_groups"],
+                scale=scale,
+                softcap=softcap,
+            )
+            module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
+            return out, None
+    if backend != "dense" and q_len == kv_len:
+        args = (scale, softcap, sliding_window, routing, allowed)
+        out = _fast_path(module, query, key, value, *args)
+        if out is not None:
+            return out, None
+    return _dense(module, query, key, value, scale, softcap, sliding_window, routing, allowed), None
+
+
+def _dense(module, query, key, value, scale, softcap, sliding_window, routing, allowed) -> Tensor:
+    """Exact masked attention, ``O(q kv)``: ``[b, H, q, d]`` in, ``[b, q, H, d]`` out."""
+    heads, q_len = query.shape[1:3]
+    kv_len = key.shape[2]
     device = query.device
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     distance = q_pos[:, None] - torch.arange(kv_len, device=device)[None]  # [q, kv]
     causal = distance >= 0
     neg_inf = torch.tensor(float("-inf"), device=device)
-    router = getattr(module, "router", None)
-    if router is None:  # a sliding-window layer, a window-only twin, or Focus disabled
-        allowed = causal
+    if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
+        keep = causal
         if sliding_window is not None:
-            allowed = causal & (distance < sliding_window)  # HF: W keys including itself
+            keep = causal & (distance < sliding_window)  # HF: W keys including itself
         elif getattr(module, "focus_window", None) is not None:
-            allowed = causal & (distance <= module.focus_window)
-        bias = torch.where(allowed, 0.0, neg_inf)[None]  # [1, q, kv]
+            keep = causal & (distance <= module.focus_window)
+        bias = torch.where(keep, 0.0, neg_inf)[None]  # [1, q, kv]
     else:
-        focus = router.focus
-        probs_k = _routing(module, q_len, kv_len)  # [b, kv, K]
-        probs_q = probs_k[:, kv_len - q_len :]
+        focus = module.router.focus
+        probs_k, member_k = routing[0], routing[1]  # [b, kv, K], [b, kv]
         local = causal & (distance <= focus["window"])
         mode = "soft" if module.training else focus["inference_mode"]
         if mode == "hard":
-            member_k = _membership(probs_k, focus["top_k"])
             member_q = member_k[:, kv_len - q_len :]
             shares = (member_q[:, :, None] & member_k[:, None, :]) != 0  # [b, q, kv]
             bias = torch.where(causal & (local | shares), 0.0, neg_inf)
         else:
+            probs_q = probs_k[:, kv_len - q_len :]
             affinity = torch.einsum("bqk,bjk->bqj", probs_q, probs_k)  # [b, q, kv]
             gate = F.logsigmoid(focus["gate_lambda"] * (affinity - 0.5))
             bias = torch.where(causal & ~local, gate, 0.0)
             bias = torch.where(causal, bias, neg_inf)
+    if allowed is not None:
+        bias = torch.where(allowed, bias, neg_inf)  # [b, q, kv]
     dtype = torch.promote_types(query.dtype, torch.float32)
     repeat = heads // key.shape[1]
     k = key.to(dtype).repeat_interleave(repeat, dim=1)  # [b, H, kv, d]
     v = value.to(dtype).repeat_interleave(repeat, dim=1)
-    scale = d**-0.5 if scaling is None else scaling
     scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scale  # [b, H, q, kv]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    weights = torch.softmax(scores + bias[:, None], dim=-1)
+    scores = scores + bias[:, None].to(dtype)
+    weights = torch.softmax(scores, dim=-1)
+    attends = bias.amax(dim=-1, keepdim=True) > float("-inf")  # [b, q, 1]: some key allowed
+    weights = torch.where(attends[:, None], weights, 0.0)  # padding rows: no NaN, zero output
     out = torch.matmul(weights, v).to(query.dtype)  # [b, H, q, d]
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
-def _fast_path(module, query, key, value, scaling, softcap, sliding_window) -> Tensor | None:
-    """The package's ``focus_attention`` on a whole sequence, or ``None`` where it does not apply.
+def _fast_path(
+    module, query, key, value, scale, softcap, sliding_window, routing, allowed
+) -> Tensor | None:
+    """The package's ``focus_attention`` on whole sequences, or ``None`` where it does not apply
+    (not installed, packed or non-contiguous masks). Padded rows run on their real tokens only.
 
     ``[b, H, s, d]`` in, ``[b, s, H, d]`` out.
     """
+    if _package_focus_attention is None:
+        return None
     router = getattr(module, "router", None)
     focus_window = getattr(module, "focus_window", None)
-    config_focus = getattr(getattr(module, "config", None), "focus", {})
-    focus = router.focus if router is not None else config_focus
-    mode = "soft" if module.training else focus.get("inference_mode", "hard")
-    backend = focus.get("backend" if mode == "soft" else "inference_backend", "auto")
-    if _package_focus_attention is None or backend == "dense" or query.shape[2] != key.shape[2]:
-        return None
-    kwargs = dict(scale=query.shape[-1] ** -0.5 if scaling is None else scaling, softcap=softcap)
+    kwargs = dict(scale=scale, softcap=softcap)
+    probs = None
     if router is not None:
-        probs = _routing(module, query.shape[2], key.shape[2])  # [b, s, K]
+        focus = router.focus
+        mode = "soft" if module.training else focus["inference_mode"]
+        probs = routing[0]  # [b, s, K]
         kwargs.update(window=focus["window"], mode=mode, top_k=focus["top_k"])
         kwargs.update(gate_lambda=focus["gate_lambda"])
+        kwargs["backend"] = focus["backend" if mode == "soft" else "inference_backend"]
     elif sliding_window is not None:  # HF's window counts the token itself
-        probs, kwargs["window"], kwargs["local_only"] = None, sliding_window - 1, True
+        kwargs.update(window=sliding_window - 1, local_only=True)
     elif focus_window is not None:
-        probs, kwargs["window"], kwargs["local_only"] = None, focus_window, True
+        kwargs.update(window=focus_window, local_only=True)
     else:  # Focus disabled: plain causal attention, not ours to speed up
         return None
+    kwargs.setdefault("backend", module.config.focus.get("inference_backend", "auto"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, H, s, d] -> [b, s, H, d]
-    out = _package_focus_attention(q, k, v, probs, backend=backend, check_finite=False, **kwargs)
-    return out.contiguous()  # [b, s, H, d]
+    spans = _real_spans(allowed, q.shape[0], q.shape[1], sliding_window)
+    if spans is None:
+        return None
+    if spans == "all":
+        out = _package_focus_attention(q, k, v, probs, check_finite=False, **kwargs)
+        return out.contiguous()  # [b, s, H, d]
+    out = q.new_zeros(q.shape)
+    for r, (start, end) in enumerate(spans):
+        if end > start:
+            part = None if probs is None else probs[r : r + 1, start:end]
+            rows = slice(start, end)
+            out[r, rows] = _package_focus_attention(
+                q[r : r + 1, rows],
+                k[r : r + 1, rows],
+                v[r : r + 1, rows],
+                part,
+                check_finite=False,
+                **kwargs,
+            )[0]
+    return out  # [b, s, H, d]
+
+
+def _real_spans(allowed: Tensor | None, b: int, s: int, sliding_window: int | None):
+    """``"all"`` (no padding), per-row ``(start, end)`` of the real tokens when they are
+    contiguous (left or right padding), or ``None`` (another mask: packed sequences)."""
+    if allowed is None:
+        return "all"
+    valid = allowed.any(dim=1)  # [b, s]
+    causal = torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril()
+    if sliding_window is not None:  # the mask of a sliding-window layer has the window too
+        causal = causal.triu(-(sliding_window - 1))
+    spans = []
+    for r in range(b):
+        real = torch.nonzero(valid[r]).flatten()
+        start, end = (int(real[0]), int(real[-1]) + 1) if real.numel() else (0, 0)
+        expected = causal & valid[r][None]  # HF's mask of a padded causal sequence
+        if end - start != real.numel() or not torch.equal(allowed[r], expected):
+            return None
+        spans.append((start, end))
+    return "all" if all(sp == (0, s) for sp in spans) else spans
 
 
 AttentionInterface.register("focus", focus_attention_forward)
+AttentionMaskInterface.register("focus", sdpa_mask)  # bool masks (padding), None when causal
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -200,6 +303,23 @@ def _attach_routers(model: nn.Module, config) -> None:
             continue
         module.router = FocusRouter(config.hidden_size, focus)
         module.register_forward_pre_hook(_capture_input, with_kwargs=True)
+    model.set_attn_implementation = types.MethodType(_keep_focus_attention, model)
+
+
+def _keep_focus_attention(self, attn_implementation, *args, **kwargs):
+    """``set_attn_implementation`` of a Focus model: another implementation would run the
+    layers without their routers (dense logits), so it is refused."""
+    requested = attn_implementation
+    if isinstance(attn_implementation, dict):
+        requested = attn_implementation.get("", "focus")
+    if requested != "focus":
+        raise ValueError(
+            f"attn_implementation={requested!r} would run this Focus model without its routers "
+            "(dense attention, other logits); it must stay 'focus'. To choose how Focus attention "
+            "runs, set model.config.focus['inference_backend'] ('auto', 'dense', 'decomposed', "
+            "'flex', 'reference')"
+        )
+    return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
 
 
 class FocusGPT2ForCausalLM(GPT2LMHeadModel):

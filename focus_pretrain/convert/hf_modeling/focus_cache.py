@@ -1,0 +1,234 @@
+"""The routing of cached keys, kept inside HuggingFace's KV cache, and the sparse decode step.
+
+Shipped inside exported directories next to ``modeling_focus.py``; imports only torch and
+transformers.
+
+**Routing beside the keys.** A Focus layer needs, for every cached key, its group probabilities
+(soft gate), its group membership (hard pattern) and whether it is a real token or padding. They
+live on the layer's own cache object (:class:`FocusDynamicLayer`, a ``DynamicLayer`` whose class
+the first Focus call swaps in), so every operation ``generate`` applies to the keys applies to
+them too: beam reordering, cropping (assisted and prompt-lookup decoding), batch selection and
+repetition, resetting, and ``copy.deepcopy`` of a prompt cache.
+
+**Sparse decode.** With the hard pattern, a one-token step needs only the keys in its window and
+the keys that share one of its groups. :class:`GroupIndex` keeps, per sequence and group, the
+sorted positions of the cached real tokens of that group (grown by doubling, rebuilt after a
+reorder); :func:`sparse_decode` gathers exactly those keys and attends to them, so a step reads
+``window + 1 + |same-group keys|`` keys instead of the whole cache.
+
+Layouts: HF ``[b, heads, seq, d]`` for keys and values; routing ``[b, seq, K]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import DynamicLayer
+
+
+class GroupPositions:
+    """Sorted positions of one sequence's cached keys in one group (an int64 growable buffer)."""
+
+    def __init__(self, positions: Tensor) -> None:
+        self.buffer = positions.clone()
+        self.count = positions.numel()
+
+    def append(self, position: int) -> None:
+        if self.count == self.buffer.numel():  # double the capacity: amortised O(1) appends
+            size = max(16, 2 * self.count)
+            grown = torch.empty(size, dtype=torch.long, device=self.buffer.device)
+            grown[: self.count] = self.buffer[: self.count]
+            self.buffer = grown
+        self.buffer[self.count] = position
+        self.count += 1
+
+    def before(self, limit: int) -> Tensor:
+        """Positions ``< limit`` (a view of the sorted buffer)."""
+        used = self.buffer[: self.count]
+        cut = int(torch.searchsorted(used, torch.tensor(limit, device=used.device)))
+        return used[:cut]
+
+
+class GroupIndex:
+    """Per sequence and group, where the cached real tokens of that group are."""
+
+    def __init__(self, members: Tensor, valid: Tensor, num_groups: int) -> None:
+        """``members [b, n]`` int64 group bitmasks, ``valid [b, n]`` (False: padding)."""
+        self.rows = [
+            [
+                GroupPositions(torch.nonzero(((row >> g) & 1).bool() & ok).flatten())
+                for g in range(num_groups)
+            ]
+            for row, ok in zip(members, valid, strict=True)
+        ]
+
+    def append(self, members: Tensor, valid: Tensor, position: int) -> None:
+        """Add one new token per sequence (``members [b]``, ``valid [b]``) at ``position``."""
+        for groups, bits, ok in zip(self.rows, members.tolist(), valid.tolist(), strict=True):
+            if not ok:
+                continue
+            for g, positions in enumerate(groups):
+                if bits >> g & 1:
+                    positions.append(position)
+
+
+class FocusDynamicLayer(DynamicLayer):
+    """``DynamicLayer`` that also holds the Focus routing of its keys.
+
+    Attributes:
+        focus_probs: ``[b, n, K]`` group probabilities of the cached keys.
+        focus_members: ``[b, n]`` int64 bitmask of each key's top-k groups.
+        focus_valid: ``[b, n]`` bool, False for padding.
+        focus_index: :class:`GroupIndex` for sparse decoding (built on first use).
+    """
+
+    _layer_type = None  # never registered as the default layer of a cache type
+
+    def focus_init(self) -> None:
+        self.focus_probs = self.focus_members = self.focus_valid = None
+        self.focus_index = None
+
+    def focus_length(self) -> int:
+        return 0 if self.focus_probs is None else self.focus_probs.shape[1]
+
+    def _focus_apply(self, fn) -> None:
+        if self.focus_probs is not None:
+            self.focus_probs = fn(self.focus_probs)
+            self.focus_members = fn(self.focus_members)
+            self.focus_valid = fn(self.focus_valid)
+        self.focus_index = None  # rebuilt from the members on the next sparse step
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._focus_apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        keep = self.get_seq_length()
+        if self.focus_length() > keep:
+            self._focus_apply(lambda t: t[:, :keep])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._focus_apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._focus_apply(lambda t: t[indices])
+
+    def reset(self) -> None:
+        super().reset()
+        self.focus_init()
+
+
+def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
+    """This layer's cache object with routing storage (``None`` without a cache).
+
+    Raises:
+        ValueError: a cache kind that cannot hold the routing (static, sliding-window, offloaded
+            to another structure): the default dynamic cache is what Focus exports support.
+    """
+    if cache is None:
+        return None
+    cache = getattr(cache, "self_attention_cache", cache)  # GPT-2's EncoderDecoderCache
+    layer = cache.layers[layer_idx]
+    if type(layer) is DynamicLayer:
+        layer.__class__ = FocusDynamicLayer  # same state, plus the routing (see the docstring)
+        layer.focus_init()
+    elif not isinstance(layer, FocusDynamicLayer):
+        raise ValueError(
+            "Focus attention keeps each key's routing in the KV cache, which "
+            f"{type(layer).__name__} ({type(cache).__name__}) cannot hold; use the default "
+            "dynamic cache (DynamicCache, generate's default), not a static or sliding one"
+        )
+    return layer
+
+
+def store_routing(
+    layer: FocusDynamicLayer | None,
+    probs: Tensor,
+    members: Tensor,
+    valid: Tensor,
+    kv_len: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Append the new tokens' routing (``[b, q, K]``, ``[b, q]``, ``[b, q]``) to the cached keys'
+    and return all ``kv_len`` keys' ``(probs, members, valid)``."""
+    q_len = probs.shape[1]
+    if layer is None:
+        if q_len != kv_len:
+            raise ValueError(f"{kv_len} keys for {q_len} queries but no KV cache to route them")
+        return probs, members, valid
+    past = kv_len - q_len
+    if past == 0 or layer.focus_probs is None:
+        if past:
+            raise ValueError(
+                f"the KV cache holds {past} keys without their Focus routing (filled by another "
+                "model or attention implementation); fill it with this model"
+            )
+        layer.focus_probs, layer.focus_members, layer.focus_valid = probs, members, valid
+        layer.focus_index = None
+        return probs, members, valid
+    if layer.focus_length() != past:
+        raise ValueError(
+            f"the KV cache holds {past} keys but routing for {layer.focus_length()}: it was "
+            "changed outside the cache API (reorder_cache, crop, batch_select_indices)"
+        )
+    if layer.focus_index is not None and q_len == 1:
+        layer.focus_index.append(members[:, 0], valid[:, 0], past)
+    else:
+        layer.focus_index = None
+    layer.focus_probs = torch.cat([layer.focus_probs, probs], dim=1)  # [b, kv, K]
+    layer.focus_members = torch.cat([layer.focus_members, members], dim=1)
+    layer.focus_valid = torch.cat([layer.focus_valid, valid], dim=1)
+    return layer.focus_probs, layer.focus_members, layer.focus_valid
+
+
+def sparse_decode(
+    layer: FocusDynamicLayer,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    window: int,
+    num_groups: int,
+    scale: float,
+    softcap: float | None,
+) -> tuple[Tensor, int]:
+    """One decode step over the keys the hard pattern keeps.
+
+    ``query [b, H, 1, d]``, ``key/value [b, G, n, d]`` (the whole cache, this step's token last)
+    -> ``([b, 1, H, d], keys read)``. Key ``j`` is read when it is real (not padding) and
+    ``n - 1 - j <= window``, or when it shares one of the query's groups.
+    """
+    b, heads, _, d = query.shape
+    groups, n = key.shape[1], key.shape[2]
+    if layer.focus_index is None:
+        layer.focus_index = GroupIndex(layer.focus_members, layer.focus_valid, num_groups)
+    start = max(0, n - 1 - window)
+    window_positions = torch.arange(start, n, device=key.device)
+    members, valid = layer.focus_members, layer.focus_valid
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    out = query.new_zeros(b, 1, heads, d)
+    reads = 0
+    for r in range(b):
+        bits, taken = int(members[r, -1]), 0
+        parts = [window_positions[valid[r, start:]]]
+        for g in range(num_groups):
+            if not bits >> g & 1:
+                continue
+            far = layer.focus_index.rows[r][g].before(start)
+            if taken:  # top-k > 1: a key in two of the query's groups is read once
+                far = far[(members[r, far] & taken) == 0]
+            parts.append(far)
+            taken |= 1 << g
+        positions = torch.cat(parts)  # [m]
+        reads += positions.numel()
+        k = key[r].index_select(1, positions).to(dtype)  # [G, m, d]
+        v = value[r].index_select(1, positions).to(dtype)
+        q = query[r, :, 0].to(dtype).reshape(groups, heads // groups, d)  # [H, d] -> [G, H/G, d]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [G, H/G, m]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        mixed = torch.matmul(torch.softmax(scores, dim=-1), v)  # [G, H/G, d]
+        out[r, 0] = mixed.reshape(heads, d).to(query.dtype)  # [G, H/G, d] -> [H, d]
+    return out, reads

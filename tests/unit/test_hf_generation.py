@@ -1,0 +1,180 @@
+"""The shipped HF modeling code as a user drives it: padded batches, batched and beam-search
+generation, reused prompt caches, prompt-lookup decoding and the sparse decode step.
+
+Tiny random Focus models are built in-process from the shipped classes (every weight perturbed,
+a window small enough that the groups decide most pairs). "Alone" means each sequence run by
+itself, unpadded; "full recomputation" means ``use_cache=False``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from focus_pretrain.convert.hf_export import load_modeling
+
+modeling = load_modeling()
+VOCAB = 50
+
+
+def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
+    settings = {"num_groups": 4, "window": 3, "top_k": 1, "inference_backend": "auto", **focus}
+    config_cls = getattr(modeling, f"Focus{family}Config")
+    if family == "GPT2":
+        config = config_cls(
+            focus=settings, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=256
+        )
+    else:
+        config = config_cls(
+            focus=settings,
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=512,
+        )
+    config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
+    torch.manual_seed(0)
+    model = getattr(modeling, f"Focus{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def padded(seqs: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [b, T], attention_mask [b, T])`` with pad id 0 on ``side``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = s, 1
+    return ids, mask
+
+
+def sequences(*lengths: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def greedy(model, ids, n, **kwargs) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["Llama", "GPT2"])
+@pytest.mark.parametrize("mode,top_k", [("hard", 1), ("hard", 2), ("soft", 1), ("soft", 2)])
+@pytest.mark.parametrize("backend", ["auto", "dense"])
+def test_padded_batches_give_each_sequence_its_own_logits(family, mode, top_k, backend):
+    model = focus_model(family, inference_mode=mode, top_k=top_k, inference_backend=backend)
+    seqs = sequences(7, 20, 13, 1)
+    with torch.no_grad():
+        alone = [model(s[None]).logits[0] for s in seqs]
+        for side in ("left", "right"):
+            ids, mask = padded(seqs, side)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # GPT-2's learned positions need them
+            logits = model(ids, attention_mask=mask, position_ids=positions).logits
+            assert torch.isfinite(logits).all()
+            for i, s in enumerate(seqs):
+                real = logits[i][mask[i].bool()]
+                torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_batched_left_padded_generate_equals_one_by_one(top_k):
+    model = focus_model(top_k=top_k, window=4)
+    seqs = sequences(5, 17, 11, seed=1)
+    ids, mask = padded(seqs, "left")
+    with torch.no_grad():
+        batched = greedy(model, ids, 30, attention_mask=mask)[:, ids.shape[1] :]
+        for i, s in enumerate(seqs):
+            one = greedy(model, s[None], 30)[0, len(s) :]
+            assert batched[i].tolist() == one.tolist()
+            assert one.tolist() == greedy(model, s[None], 30, use_cache=False)[0, len(s) :].tolist()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_beam_search_with_the_cache_equals_without(top_k):
+    model = focus_model(top_k=top_k, window=4)
+    (prompt,) = sequences(17, seed=2)
+    kwargs = dict(num_beams=4, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = greedy(model, prompt[None], 12, **kwargs)
+        recomputed = greedy(model, prompt[None], 12, use_cache=False, **kwargs)
+    assert cached.sequences.tolist() == recomputed.sequences.tolist()
+    torch.testing.assert_close(cached.sequences_scores, recomputed.sequences_scores)
+
+
+def test_a_copied_prompt_cache_is_reused_twice_and_prompt_lookup_decodes():
+    model = focus_model(window=4)
+    (prompt,) = sequences(17, seed=3)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt[None], past_key_values=cache)
+        for suffix in ([3, 4], [5, 6, 7]):
+            full = torch.cat([prompt, torch.tensor(suffix)])[None]
+            reused = greedy(model, full, 10, past_key_values=copy.deepcopy(cache))
+            assert reused.tolist() == greedy(model, full, 10).tolist()
+        repeated = prompt.repeat(3)[None]  # prompt lookup finds candidates in a repeated prompt
+        lookup = greedy(model, repeated, 20, prompt_lookup_num_tokens=3)
+        assert lookup.tolist() == greedy(model, repeated, 20).tolist()
+
+
+def test_sparse_decode_reads_exactly_the_kept_keys():
+    """Each one-token step reads the window plus the keys sharing a group, nothing else."""
+    model = focus_model(top_k=2, window=3, num_groups=4)
+    seqs = sequences(9, 30, seed=4)
+    ids, mask = padded(seqs, "left")
+    steps = 25
+    with torch.no_grad():
+        out = greedy(model, ids, steps, attention_mask=mask)
+        full_mask = torch.cat([mask, torch.ones(2, steps, dtype=torch.long)], dim=1)
+        cache = DynamicCache(config=model.config)
+        model(out, attention_mask=full_mask, past_key_values=cache)  # one recomputed prefill
+    for layer_idx, attn in enumerate(model.model.layers):
+        members = cache.layers[layer_idx].focus_members  # [b, n]
+        valid = full_mask.bool()
+        expected = 0
+        for p in range(ids.shape[1], out.shape[1] - 1):  # query positions of the one-token steps
+            distance = p - torch.arange(p + 1)
+            shares = (members[:, : p + 1] & members[:, p : p + 1]) != 0  # [b, p + 1]
+            kept = valid[:, : p + 1] & ((distance <= 3) | shares)
+            expected += int(kept.sum())
+        assert attn.self_attn.focus_keys_read == expected
+        assert expected < (steps - 1) * 2 * out.shape[1] * 0.8  # a real saving on these lengths
+
+
+def test_sparse_decode_equals_the_dense_step_and_the_standalone_path(monkeypatch):
+    model = focus_model(top_k=1, window=2, num_groups=4)
+    (prompt,) = sequences(40, seed=5)
+    with torch.no_grad():
+        sparse = greedy(model, prompt[None], 40, output_logits=True, return_dict_in_generate=True)
+        model.config.focus["inference_backend"] = "dense"
+        dense = greedy(model, prompt[None], 40, output_logits=True, return_dict_in_generate=True)
+        monkeypatch.setattr(modeling, "_package_focus_attention", None)  # no focus_pretrain
+        model.config.focus["inference_backend"] = "auto"
+        alone = greedy(model, prompt[None], 40, output_logits=True, return_dict_in_generate=True)
+    assert sparse.sequences.tolist() == dense.sequences.tolist() == alone.sequences.tolist()
+    for a, b, c in zip(sparse.logits, dense.logits, alone.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+def test_switching_the_attention_implementation_is_refused():
+    model = focus_model()
+    with pytest.raises(ValueError, match="without its routers"):
+        model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("focus")  # staying is fine
+    assert model.config._attn_implementation == "focus"
+
+
+def test_a_static_cache_is_refused_with_the_fix():
+    model = focus_model()
+    with pytest.raises(ValueError, match="dynamic cache"), torch.no_grad():
+        greedy(model, sequences(6)[0][None], 3, cache_implementation="static")
