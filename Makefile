@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PIP) install --quiet --upgrade pip "setuptools>=77" wheel
 	if [ -n "$(strip $(TORCH_SPEC))" ]; then $(PIP) install --quiet $(TORCH_SPEC); fi
-	$(PIP) install --quiet --no-build-isolation -e ".[test]"
+	$(PIP) install --quiet --no-build-isolation -e ".[test,eval]"
 	touch $@
 
 # The main job on the embedded demo corpus (CPU is fine): data prep, training, checkpoints.

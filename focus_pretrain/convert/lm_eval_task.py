@@ -3,7 +3,7 @@
     python -c "from focus_pretrain.convert.lm_eval_task import write_perplexity_task as w; \\
                w('eval.jsonl', 'lm_eval_tasks')"
     lm_eval --model hf --model_args pretrained=exports/tiny,trust_remote_code=True \\
-        --tasks focus_local_perplexity --include_path lm_eval_tasks --device cpu
+        --tasks focus_local_perplexity --include_path lm_eval_tasks --device cpu --batch_size 8
 
 ``eval.jsonl`` holds one ``{"text": ...}`` per line; the task reports word and byte perplexity
 and bits per byte (``loglikelihood_rolling``). Needs ``pip install lm_eval accelerate``.
@@ -48,9 +48,13 @@ def write_perplexity_task(
 
 
 def evaluate_perplexity(
-    export_dir: str | os.PathLike, text_jsonl: str | os.PathLike, task_dir: str | os.PathLike
+    export_dir: str | os.PathLike,
+    text_jsonl: str | os.PathLike,
+    task_dir: str | os.PathLike,
+    batch_size: int = 8,
 ) -> dict[str, Any]:
-    """Run the task on an exported model (CPU, batch 1, fp32); lm_eval's ``results`` entry."""
+    """Run the task on an exported model (CPU, fp32, padded batches of ``batch_size``);
+    lm_eval's ``results`` entry."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -64,7 +68,7 @@ def evaluate_perplexity(
         model_args=f"pretrained={Path(export_dir).resolve()},trust_remote_code=True,dtype=float32",
         tasks=[TASK_NAME],
         task_manager=TaskManager(include_path=str(task_dir)),
-        batch_size=1,
+        batch_size=batch_size,
         device="cpu",
     )
     return results["results"][TASK_NAME]

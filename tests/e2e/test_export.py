@@ -67,6 +67,63 @@ def test_exported_model_matches_ours(exported, monkeypatch):
     assert greedy.tolist() == ours["greedy"].tolist()
 
 
+def test_sparse_decode_of_the_trained_export_equals_full_recomputation(exported, monkeypatch):
+    """200 greedy tokens through the KV cache (one-token steps read only the window and the
+    same-group keys) are the tokens of recomputing the whole sequence at every step, and each
+    step read exactly the keys the hard pattern keeps."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    _, out = exported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    prompt = torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(1))
+    steps, focus = 200, model.config.focus
+    kwargs = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    with torch.no_grad():
+        sparse = model.generate(prompt, **kwargs)
+        recomputed = model.generate(prompt, use_cache=False, **kwargs)
+        cache = DynamicCache(config=model.config)
+        model(sparse, past_key_values=cache)  # the routing of every token, in one forward
+    assert sparse.tolist() == recomputed.tolist()
+    n = sparse.shape[1]
+    for i, layer in enumerate(model.model.layers):
+        members = cache.layers[i].focus_members[0]  # [n]
+        kept = 0
+        for p in range(prompt.shape[1], n - 1):  # the one-token steps' query positions
+            distance = p - torch.arange(p + 1)
+            kept += int(
+                ((distance <= focus["window"]) | ((members[: p + 1] & members[p]) != 0)).sum()
+            )
+        assert layer.self_attn.focus_keys_read == kept
+        assert kept < 0.7 * sum(range(prompt.shape[1] + 1, n))  # fewer than the dense cache
+
+
+def test_generate_tool_batches_prompts_like_one_by_one(exported, tmp_path):
+    """tools/generate.py (left-padded batch, KV cache) completes each prompt as greedy
+    generation of that prompt alone does."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, out = exported
+    prompts = ["The key of the", "Once", "A value is kept in the box of"]
+    args = [sys.executable, "tools/generate.py", str(out), "--max-new-tokens", "12"]
+    args += [a for p in prompts for a in ("--prompt", p)] + ["--json", str(tmp_path / "g.json")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "g.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    for prompt, completion in zip(prompts, result["completions"], strict=True):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            alone = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert tokenizer.decode(alone[0, ids.shape[1] :], skip_special_tokens=True) == completion
+    assert result["new_tokens"] == 36 and result["focus_keys_read"] > 0
+
+
 def test_exported_tokenizer_encodes_like_ours(exported, cache):
     from transformers import AutoTokenizer
 
@@ -145,7 +202,11 @@ def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
     docs = ["\n".join(d.split("\n")[:4]) for d in demo_documents(6, seed=99)]  # < 128 tokens
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    result = evaluate_perplexity(out, data, tmp_path / "tasks")
+    result = evaluate_perplexity(out, data, tmp_path / "tasks", batch_size=1)
+    batched = evaluate_perplexity(out, data, tmp_path / "tasks8", batch_size=8)
+    assert batched["word_perplexity,none"] == pytest.approx(
+        result["word_perplexity,none"], rel=1e-5
+    )
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     total, words = 0.0, 0

@@ -87,6 +87,45 @@ class FocusDynamicLayer(DynamicLayer):
     def focus_init(self) -> None:
         self.focus_probs = self.focus_members = self.focus_valid = None
         self.focus_index = None
+        self._buffers = self._view = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        """Append ``[b, G, q, d]`` keys and values; returns all cached ``[b, G, n, d]``.
+
+        Unlike ``DynamicLayer``, which concatenates (copies the whole cache every step), the
+        keys and values live in token-major ``[b, capacity, G, d]`` buffers grown by doubling
+        (a step writes only its token; a sparse step gathers whole token rows) and ``keys`` /
+        ``values`` are ``[b, G, n, d]`` views of them. After an operation that replaced
+        ``keys`` (reorder, crop, batch selection, offloading) the next update adopts them.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, added = self.get_seq_length(), key_states.shape[-2]
+        if self._view is not self.keys or self._buffers[0].shape[1] < n + added:
+            size = max(256, 2 * (n + added))
+            grown = []
+            for old, new in ((self.keys, key_states), (self.values, value_states)):
+                b, heads, _, d = new.shape
+                buffer = new.new_empty(b, size, heads, d)  # [b, capacity, G, d]
+                if n:
+                    buffer[:, :n] = old.transpose(1, 2)  # [b, G, n, d] -> [b, n, G, d]
+                grown.append(buffer)
+            self._buffers = tuple(grown)
+        key_buffer, value_buffer = self._buffers
+        key_buffer[:, n : n + added] = key_states.transpose(1, 2)  # [b, q, G, d]
+        value_buffer[:, n : n + added] = value_states.transpose(1, 2)
+        self.keys = key_buffer[:, : n + added].transpose(1, 2)  # [b, G, n, d] view
+        self.values = value_buffer[:, : n + added].transpose(1, 2)
+        self._view = self.keys
+        return self.keys, self.values
+
+    def token_rows(self, row: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of sequence ``row`` at ``positions``, ``[G, m, d]`` each."""
+        if self._view is self.keys:  # gather whole token rows of the token-major buffers
+            n = self.keys.shape[2]
+            k, v = (buf[row, :n].index_select(0, positions) for buf in self._buffers)  # [m, G, d]
+            return k.transpose(0, 1), v.transpose(0, 1)
+        return self.keys[row][:, positions], self.values[row][:, positions]  # [G, m, d]
 
     def focus_length(self) -> int:
         return 0 if self.focus_probs is None else self.focus_probs.shape[1]
@@ -223,8 +262,7 @@ def sparse_decode(
             taken |= 1 << g
         positions = torch.cat(parts)  # [m]
         reads += positions.numel()
-        k = key[r].index_select(1, positions).to(dtype)  # [G, m, d]
-        v = value[r].index_select(1, positions).to(dtype)
+        k, v = (t.to(dtype) for t in layer.token_rows(r, positions))  # [G, m, d]
         q = query[r, :, 0].to(dtype).reshape(groups, heads // groups, d)  # [H, d] -> [G, H/G, d]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [G, H/G, m]
         if softcap is not None:

@@ -1,0 +1,68 @@
+"""Benchmark decoding from an exported Focus model's KV cache against the dense cache.
+
+Builds a random Focus Llama with the shipped HF modeling code, prefills each context length once
+and times one-token decode steps (median after warm-up): the plain model with SDPA on the same
+keys, the Focus model over its whole cache, and the Focus model's sparse step (window + the
+query's groups). Checks the sparse step against the dense one; writes JSON and a markdown table.
+
+    python tools/bench_decode.py --seq 4096 16384 65536 --groups 8 --top-k 1 \
+        --json decode.json --markdown decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from focus_pretrain.bench.decode import (
+    DecodeBenchConfig,
+    environment,
+    markdown_table,
+    run_decode_benchmark,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = DecodeBenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
+    for name in ("groups", "top_k", "window", "layers", "heads", "head_dim", "vocab"):
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, type=int, default=getattr(defaults, name))
+    parser.add_argument("--heads-kv", type=int, help="KV heads (GQA); default: --heads")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--json", help="write environment and rows to this JSON file")
+    parser.add_argument("--markdown", help="write the markdown table to this file")
+    args = parser.parse_args(argv)
+    cfg = DecodeBenchConfig(
+        seq=args.seq,
+        groups=args.groups,
+        top_k=args.top_k,
+        window=args.window,
+        layers=args.layers,
+        heads=args.heads,
+        heads_kv=args.heads_kv or args.heads,
+        head_dim=args.head_dim,
+        vocab=args.vocab,
+        warmup=args.warmup,
+        steps=args.steps,
+        device=args.device,
+        seed=args.seed,
+    )
+    env = environment(cfg)
+    print(json.dumps({k: v for k, v in env.items() if k != "config"}))
+    rows = run_decode_benchmark(cfg)
+    table = markdown_table(rows)
+    print(table)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
