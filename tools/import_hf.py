@@ -11,6 +11,7 @@ and prints YAML: the ``model`` section with the checkpoint's architecture and a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,6 +36,9 @@ def main() -> None:
         for name in ("family", *ARCHITECTURE_FIELDS[1:], "max_seq_length")
         if getattr(config, name) is not None
     }
+    if config.rope_scaling is not None:  # a dataclass: plain YAML, unset fields left out
+        scaling = dataclasses.asdict(config.rope_scaling)
+        model["rope_scaling"] = {k: v for k, v in scaling.items() if v is not None}
     model["focus"] = {"num_groups": args.groups, "window": args.window}
     recipe = {"model": model, "train": {"init_from_hf": args.hf_dir, "freeze": "retrofit"}}
     if (Path(args.hf_dir) / "tokenizer.json").is_file():

@@ -178,6 +178,19 @@ def _olmo2() -> tuple[list[Rule], list[Rule]]:
     return layer, [*_EMBED, _rule("decoder.final_layernorm.weight", "model.norm.weight")]
 
 
+def _qk_norms(kind: str = "same") -> list[Rule]:
+    """Per-head q/k norms (Qwen3, Gemma-3): one ``[head_dim]`` weight, replicated over TP."""
+    return [
+        _rule(f"{_L}self_attention.{p}_layernorm.weight", f"{_H}self_attn.{p}_norm.weight", kind)
+        for p in "qk"
+    ]
+
+
+def _qwen3() -> tuple[list[Rule], list[Rule]]:
+    layer, top = _llama()
+    return [*layer, *_qk_norms()], top
+
+
 def _gemma2() -> tuple[list[Rule], list[Rule]]:
     one = "plus_one"
     layer = [
@@ -189,6 +202,11 @@ def _gemma2() -> tuple[list[Rule], list[Rule]]:
         _rule(f"{_L}mlp.post_norm.weight", f"{_H}post_feedforward_layernorm.weight", one),
     ]
     return layer, [*_EMBED, _rule("decoder.final_layernorm.weight", "model.norm.weight", one)]
+
+
+def _gemma3() -> tuple[list[Rule], list[Rule]]:
+    layer, top = _gemma2()
+    return [*layer, *_qk_norms("plus_one")], top  # Gemma's (1 + w) norms, per head too
 
 
 def _gpt2() -> tuple[list[Rule], list[Rule]]:
@@ -224,13 +242,20 @@ FAMILY_RULES: dict[str, tuple[str, Callable[[], tuple[list[Rule], list[Rule]]]]]
     "llama": ("llama", _llama),
     "mistral": ("mistral", _llama),
     "qwen2": ("qwen2", _qwen2),
+    "qwen3": ("qwen3", _qwen3),
     "olmo2": ("olmo2", _olmo2),
     "gemma2": ("gemma2", _gemma2),
+    "gemma3_text": ("gemma3", _gemma3),  # Gemma3ForCausalLM (the text-only Gemma-3)
 }
+# our family -> its HF model_type (they differ only for Gemma-3)
+HF_MODEL_TYPES = {family: model_type for model_type, (family, _) in FAMILY_RULES.items()}
 
 
 def rules_for(model_type: str, num_layers: int, tied: bool) -> list[Rule]:
-    """Every rule of a model, layer placeholders expanded (``lm_head`` only when untied)."""
+    """Every rule of a model (``model_type``: HF's or our family name), layer placeholders
+    expanded (``lm_head`` only when untied)."""
+    if model_type not in FAMILY_RULES:
+        model_type = HF_MODEL_TYPES.get(model_type, model_type)
     if model_type not in FAMILY_RULES:
         raise ValueError(
             f"unsupported HuggingFace architecture model_type={model_type!r}; supported: "

@@ -21,8 +21,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from focus_pretrain.config import load_config
-from focus_pretrain.convert.families import COLUMN, GLU, ROW, Geometry, rules_for
+from focus_pretrain.config import Config, load_config
+from focus_pretrain.convert.families import (
+    COLUMN,
+    GLU,
+    HF_MODEL_TYPES,
+    ROW,
+    Geometry,
+    rules_for,
+)
+from focus_pretrain.convert.hf_rope import layer_types_for, rope_parameters
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.focus.config import FocusConfig
@@ -34,10 +42,14 @@ _CLASS = {
     "llama": "Llama",
     "mistral": "Mistral",
     "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
     "olmo2": "Olmo2",
     "gemma2": "Gemma2",
+    "gemma3": "Gemma3",
 }
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
+# the remote code an export ships (loaded by ``trust_remote_code``; imports only torch/transformers)
+SHIPPED_MODELING_FILES = ("configuration_focus.py", "modeling_focus.py", "focus_cache.py")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -53,6 +65,24 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
         "directory whose checkpoints/latest names one"
     )
+
+
+def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:
+    """The checkpoint directory and its config, refusing what an export (full model or router
+    adapter) cannot reproduce. The one place for that rule: the shipped modeling code routes
+    each token on its own (``balance=causal``: softmax of its logits plus the saved offsets)."""
+    ckpt = resolve_checkpoint(checkpoint)
+    config = load_config(ckpt / "config.yaml", [])
+    focus = config.model.focus
+    if focus.enabled and focus.balance != "causal":
+        raise NotImplementedError(
+            f"{ckpt} was trained with model.focus.balance={focus.balance}, whose routing is "
+            "balanced over the whole sequence (not causal); an export (full model or router "
+            "adapter) routes each token on its own, so its logits would differ from the trained "
+            "model's. Export a run trained with model.focus.balance=causal (the default), e.g. "
+            "fine-tune this one's routers with it"
+        )
+    return ckpt, config
 
 
 def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]]:
@@ -128,7 +158,7 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": config.max_seq_length,
         "head_dim": config.kv_channels,
         "rms_norm_eps": config.norm_epsilon,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rotary_base},
+        "rope_parameters": rope_parameters(config),  # scaling; Gemma-3: per layer type
         "tie_word_embeddings": config.tied,
     }
     if config.family == "mistral":
@@ -138,10 +168,36 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
             sliding_window=config.sliding_window,
             attn_logit_softcapping=config.attn_softcap,
             final_logit_softcapping=config.final_softcap,
-            query_pre_attn_scalar=config.query_pre_attn_scalar or config.kv_channels,
+            query_pre_attn_scalar=_hf_query_pre_attn_scalar(config),
+            hidden_activation="gelu_pytorch_tanh",
+        )
+    if config.family == "gemma3":
+        out.update(
+            sliding_window=config.sliding_window,
+            layer_types=layer_types_for(config.num_layers, config.local_global_pattern),
+            attn_logit_softcapping=config.attn_softcap,
+            final_logit_softcapping=config.final_softcap,
+            query_pre_attn_scalar=_hf_query_pre_attn_scalar(config),
             hidden_activation="gelu_pytorch_tanh",
         )
     return out
+
+
+def _hf_query_pre_attn_scalar(config: ModelConfig) -> int:
+    """Gemma's ``query_pre_attn_scalar`` as the int ``transformers``' Gemma2Config (and
+    Gemma3TextConfig) requires (a recipe stores it as a float: 256 comes back from config.yaml as
+    256.0)."""
+    value = config.query_pre_attn_scalar
+    if value is None:
+        return config.kv_channels
+    if not float(value).is_integer():
+        raise ValueError(
+            f"model.query_pre_attn_scalar is {value}, not an integer: transformers' Gemma "
+            "configs (what the exported config.json loads into) only take an int, and rounding "
+            "it would change the attention scale the model was trained with. Export a model "
+            "trained with an integral model.query_pre_attn_scalar (HF Gemma checkpoints use one)"
+        )
+    return int(value)
 
 
 def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[str, Tensor]:
@@ -185,14 +241,9 @@ def export_hf(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, max_shard_size: str = "2GB"
 ) -> Path:
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
-    ckpt = resolve_checkpoint(checkpoint)
-    config = load_config(ckpt / "config.yaml", [])
+    ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
     focus = model_cfg.focus
-    if focus.enabled and focus.balance != "causal":
-        raise NotImplementedError(
-            "exporting focus.balance=sinkhorn is not supported (its routing is not causal)"
-        )
     shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     tensors = hf_state_dict(shards, model_cfg)
     family = _CLASS[model_cfg.family]
@@ -229,7 +280,7 @@ def export_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
-    for name in ("configuration_focus.py", "modeling_focus.py"):
+    for name in SHIPPED_MODELING_FILES:
         shutil.copyfile(MODELING_DIR / name, out / name)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, out)
@@ -243,8 +294,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     :func:`attach_focus_adapter` (a few hundred KB instead of a model copy)."""
     from safetensors.torch import save_file
 
-    ckpt = resolve_checkpoint(checkpoint)
-    config = load_config(ckpt / "config.yaml", [])
+    ckpt, config = _exportable_checkpoint(checkpoint)
     shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
@@ -253,7 +303,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     out.mkdir(parents=True, exist_ok=True)
     save_file(routers, str(out / "focus_adapter.safetensors"))
     meta = {
-        "model_type": config.model.family,
+        "model_type": HF_MODEL_TYPES[config.model.family],  # gemma3: gemma3_text
         "focus": _focus_section(config.model.focus),
         "parameters": sum(t.numel() for k, t in routers.items() if "balance" not in k),
         "checkpoint": str(ckpt),

@@ -21,9 +21,16 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from focus_pretrain.convert.families import FAMILY_RULES, Geometry, rules_for, shard
+from focus_pretrain.convert.hf_rope import REFUSED_MODEL_TYPES, gemma3_fields, rope_fields
 from focus_pretrain.model.config import ModelConfig
 
-_ACTIVATIONS = {"gpt2": ("gelu_new", "gelu_pytorch_tanh"), "gemma2": ("gelu_pytorch_tanh",)}
+_ACTIVATIONS = {
+    "gpt2": ("gelu_new", "gelu_pytorch_tanh"),
+    "gemma2": ("gelu_pytorch_tanh",),
+    "gemma3": ("gelu_pytorch_tanh",),
+}
+# transformers' head_dim when config.json has none (others: hidden_size / heads)
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3": 256}
 # fields of ModelConfig an HF checkpoint determines (the rest is ours: Focus, TP, recompute...)
 ARCHITECTURE_FIELDS = (
     "family",
@@ -35,9 +42,12 @@ ARCHITECTURE_FIELDS = (
     "vocab_size",
     "head_dim",
     "rotary_base",
+    "rope_scaling",
     "norm_epsilon",
     "tie_embeddings",
     "sliding_window",
+    "sliding_window_pattern",
+    "local_rotary_base",
     "attn_softcap",
     "final_softcap",
     "query_pre_attn_scalar",
@@ -63,6 +73,8 @@ def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
 def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields from an HF ``config.json`` (raises on what we cannot reproduce)."""
     model_type = hf.get("model_type")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in FAMILY_RULES:
         raise ValueError(
             f"unsupported HuggingFace architecture model_type={model_type!r} "
@@ -73,6 +85,7 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
         activation = hf.get("activation_function", "gelu_new")
         if activation not in _ACTIVATIONS["gpt2"]:
             raise ValueError(f"GPT-2 activation_function={activation!r} is not supported")
+        _check_gpt2_attention_scale(hf)
         return {
             "family": family,
             "num_layers": hf["n_layer"],
@@ -92,11 +105,8 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag) and family != "qwen2":
             raise ValueError(f"{model_type} with {flag}=true is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"RoPE scaling {rope!r} is not supported (only the default RoPE)")
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(family) or hf["hidden_size"] // heads
     fields_: dict[str, Any] = {
         "family": family,
         "num_layers": hf["num_hidden_layers"],
@@ -107,11 +117,13 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": hf["vocab_size"],
         "max_seq_length": hf.get("max_position_embeddings", 4096),
         "head_dim": None if head_dim * heads == hf["hidden_size"] else head_dim,
-        "rotary_base": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        **rope_fields(hf, model_type),  # rotary_base, rope_scaling (refuses other RoPE)
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
-        "tie_embeddings": hf.get("tie_word_embeddings", family == "gemma2"),
+        "tie_embeddings": hf.get("tie_word_embeddings", family in ("gemma2", "gemma3")),
     }
-    if family == "gemma2":
+    if family == "gemma3":
+        fields_.update(gemma3_fields(hf, head_dim))
+    elif family == "gemma2":
         layer_types = hf.get("layer_types")
         alternating = [
             "sliding_attention" if i % 2 == 0 else "full_attention"
@@ -137,6 +149,31 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
     return fields_
 
 
+# GPT-2 attention-scale flags: (value that changes the scores, what it does). Our attention
+# divides every layer's scores by sqrt(head_dim), i.e. HF's defaults. ``reorder_and_upcast_attn``
+# only computes the same scores in fp32, so it is accepted.
+_GPT2_SCALE_FLAGS = {
+    "scale_attn_by_inverse_layer_idx": (
+        True,
+        "divides layer i's attention scores by a further i + 1 (as in Stanford CRFM's GPT-2 runs)",
+    ),
+    "scale_attn_weights": (False, "leaves the attention scores unscaled (no 1/sqrt(head_dim))"),
+}
+
+
+def _check_gpt2_attention_scale(hf: dict[str, Any]) -> None:
+    """Refuse GPT-2 checkpoints whose softmax scale differs from 1/sqrt(head_dim)."""
+    for flag, (odd, effect) in _GPT2_SCALE_FLAGS.items():
+        if hf.get(flag, not odd) == odd:
+            raise ValueError(
+                f"GPT-2 with {flag}={str(odd).lower()} is not supported: it {effect}, while our "
+                "attention scales every layer by 1/sqrt(head_dim), so the imported model's logits "
+                f"would differ. Editing {flag} in config.json does not help (the weights were "
+                "trained with that scale); import a GPT-2 checkpoint with the default "
+                "scale_attn_weights=true and scale_attn_by_inverse_layer_idx=false"
+            )
+
+
 def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
     """Raise when ``config``'s architecture differs from the checkpoint's (names both)."""
     wanted = _architecture(hf)
@@ -147,6 +184,12 @@ def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
     wanted["head_dim"] = (
         wanted.get("head_dim") or wanted["hidden_size"] // wanted["num_attention_heads"]
     )
+    reference = ModelConfig(**wanted)  # Gemma's layer pattern and local RoPE base, effective
+    for name, value in (
+        ("sliding_window_pattern", "local_global_pattern"),
+        ("local_rotary_base", "local_rope_base"),
+    ):
+        ours[name], wanted[name] = getattr(config, value), getattr(reference, value)
     for name in ARCHITECTURE_FIELDS:
         if name in wanted and ours[name] != wanted[name]:
             raise ValueError(

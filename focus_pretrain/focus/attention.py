@@ -36,6 +36,7 @@ from focus_pretrain.focus import flex
 from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
 from focus_pretrain.focus.decomposed import decomposed_attention, flash_attn_available
 from focus_pretrain.focus.flex import flex_focus_attention
+from focus_pretrain.focus.pattern import compute_dtype
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 
@@ -155,6 +156,12 @@ def focus_attention(
 
     Returns:
         ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
+
+    Raises:
+        ValueError: before any backend runs, on a bad shape or argument, on mixed dtypes
+            (:func:`check_dtypes`: one dtype for ``q``, ``k``, ``v``; routing probabilities
+            at most as precise as their compute dtype, e.g. fp32 with bf16) and, with
+            ``check_finite``, on NaN/inf inputs.
     """
     probs = routing.probs if isinstance(routing, Routing) else routing
     _validate(
@@ -237,8 +244,6 @@ def _validate(
         raise ValueError(
             f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     (b, s, h, d), (bk, sk, hkv, dk) = q.shape, k.shape
@@ -264,8 +269,36 @@ def _validate(
         if probs.device != q.device:
             raise ValueError(f"routing.probs must be on {q.device}, got {probs.device}")
         check_int("top_k", top_k, low=1, high=probs.shape[-1], high_name="K (number of groups)")
+    check_dtypes(q, k, v, None if local_only else probs)
     if check_finite:
         raise_if_not_finite(q=q, k=k, v=v, **{"routing.probs": None if local_only else probs})
+
+
+def check_dtypes(q: Tensor, k: Tensor, v: Tensor, probs: Tensor | None) -> None:
+    """Raise ``ValueError`` unless ``q``, ``k``, ``v`` share one dtype and ``probs`` (the
+    routing's soft assignments; ``None`` skipped) is floating point and no more precise than the
+    dtype the Focus maths runs in for ``q`` (:func:`~focus_pretrain.focus.pattern.compute_dtype`:
+    fp32 for fp16/bf16/fp32, fp64 for fp64). So fp32 routing with bf16 q/k/v (what the model
+    passes under bf16) is fine, fp64 routing with fp32 q/k/v is not."""
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(
+            f"q, k, v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; cast them "
+            "to one (e.g. k.to(q.dtype), v.to(q.dtype))"
+        )
+    if probs is None:
+        return
+    if not probs.is_floating_point():
+        raise ValueError(
+            f"routing.probs must be floating point (soft group assignments), got {probs.dtype}"
+        )
+    maths = compute_dtype(q.dtype)
+    if compute_dtype(q.dtype, probs.dtype) != maths:
+        raise ValueError(
+            f"routing.probs is {probs.dtype} but q, k, v are {q.dtype}, whose Focus maths runs "
+            f"in {maths}: routing.probs may be at most {maths} (fp16, bf16 or fp32 routing with "
+            f"fp16/bf16/fp32 q/k/v; fp64 only with fp64 q/k/v); cast routing.probs to {maths} "
+            f"or q, k and v to {probs.dtype}"
+        )
 
 
 def raise_if_not_finite(**tensors: Tensor | None) -> None:

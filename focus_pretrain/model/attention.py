@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -131,8 +132,9 @@ class FocusSelfAttention(SelfAttention):
 
     ``focus.enabled = False`` or a sliding-window layer (``local_window`` set on the core
     attention) builds no router. ``post_norm`` (a norm class) normalises the attention output
-    before the residual add (OLMo-2, Gemma-2). Training uses the soft gate; ``eval()`` uses
-    ``focus.inference_mode``.
+    before the residual add (OLMo-2, Gemma). ``local_rotary_base`` (Gemma-3's local layers)
+    rotates q/k with this layer's own RoPE base instead of the model's (scaled) one. Training
+    uses the soft gate; ``eval()`` uses ``focus.inference_mode``.
     """
 
     def __init__(
@@ -146,6 +148,7 @@ class FocusSelfAttention(SelfAttention):
         *,
         focus: FocusConfig,
         post_norm: type | None = None,
+        local_rotary_base: float | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -162,6 +165,15 @@ class FocusSelfAttention(SelfAttention):
                 config=config,
                 hidden_size=config.hidden_size,
                 eps=config.layernorm_epsilon,
+            )
+        self.local_rotary = None
+        if local_rotary_base is not None:  # no parameters, no buffers: nothing in the state
+            self.local_rotary = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=1.0,
+                rotary_base=local_rotary_base,
+                use_cpu_initialization=config.use_cpu_initialization,
+                cp_group=self.pg_collection.cp,
             )
         local = getattr(self.core_attention, "local_window", None) is not None
         self.router = None
@@ -195,6 +207,13 @@ class FocusSelfAttention(SelfAttention):
         )
         return Routing(probs)
 
+    def _local_rotary_emb(self, model_emb: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        """This layer's RoPE ``[s_local, 1, 1, d]`` for the positions of the model's embedding
+        ``model_emb`` (same length; under context parallelism each rank holds ``1 / CP`` of
+        the sequence and gets the same zigzag slice of this one)."""
+        first = model_emb[0] if isinstance(model_emb, tuple) else model_emb
+        return self.local_rotary(first.shape[0] * self.config.context_parallel_size)
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -218,6 +237,8 @@ class FocusSelfAttention(SelfAttention):
             raise ValueError("Focus layers support neither packed sequences nor cross attention")
         routing = self.route(hidden_states)
         query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, d]
+        if rotary_pos_emb is not None and self.local_rotary is not None:
+            rotary_pos_emb = self._local_rotary_emb(rotary_pos_emb)
         if rotary_pos_emb is not None:
             q_emb, k_emb = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2

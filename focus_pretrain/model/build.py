@@ -23,10 +23,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
-from focus_pretrain.model.config import ModelConfig
-from focus_pretrain.model.layers import FullWidthQKNorm, PostNormMLP
+from focus_pretrain.model.config import GEMMA, QK_NORM_PER_HEAD, ModelConfig
+from focus_pretrain.model.layers import FullWidthQKNorm, PerHeadQKNorm, PostNormMLP
+from focus_pretrain.model.rope import set_rope_frequencies
 
-_RMS = ("llama", "mistral", "qwen2", "olmo2", "gemma2")
+_RMS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", *GEMMA)
 
 
 def parallel_sizes() -> tuple[int, int]:
@@ -69,10 +70,11 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=family != "gpt2",
         activation_func=partial(F.gelu, approximate="tanh")
-        if family in ("gpt2", "gemma2")
+        if family in ("gpt2", *GEMMA)
         else F.silu,
         add_bias_linear=family == "gpt2",
         add_qkv_bias=family in ("gpt2", "qwen2"),
+        qk_layernorm=family in QK_NORM_PER_HEAD,
         softmax_scale=scale,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=0.0,
@@ -106,25 +108,24 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
         softcap=config.attn_softcap,
         local_window=local_window,
     )
-    qk_norm = family == "olmo2"
-    post_norm = family in ("olmo2", "gemma2")
+    post_norm = family in ("olmo2", *GEMMA)
+    local_rotary_base = None  # Gemma-3's local layers: their own, unscaled RoPE
+    if config.is_local_layer(layer_number):
+        local_rotary_base = config.local_rope_base  # None for gemma2 (one RoPE)
     spec.submodules.self_attention = ModuleSpec(
         module=FocusSelfAttention,
         params={
             "attn_mask_type": AttnMaskType.causal,
             "focus": config.focus,
             "post_norm": norm if post_norm else None,
+            "local_rotary_base": local_rotary_base,
         },
         submodules=type(spec.submodules.self_attention.submodules)(
             linear_qkv=ColumnParallelLinear,
             core_attention=core,
             linear_proj=RowParallelLinear,
-            q_layernorm=ModuleSpec(module=FullWidthQKNorm, params={"which": "q"})
-            if qk_norm
-            else IdentityOp,
-            k_layernorm=ModuleSpec(module=FullWidthQKNorm, params={"which": "k"})
-            if qk_norm
-            else IdentityOp,
+            q_layernorm=_qk_norm(family, "q"),
+            k_layernorm=_qk_norm(family, "k"),
         ),
     )
     if family == "olmo2":  # norms after attention and MLP only
@@ -138,8 +139,17 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     return spec
 
 
+def _qk_norm(family: str, which: str) -> ModuleSpec | type:
+    """OLMo-2: one RMSNorm over all heads; Qwen3, Gemma-3: one per head; others: none."""
+    if family == "olmo2":
+        return ModuleSpec(module=FullWidthQKNorm, params={"which": which})
+    if family in QK_NORM_PER_HEAD:
+        return PerHeadQKNorm
+    return IdentityOp
+
+
 def block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
-    """One layer spec per layer (Gemma-2 alternates local and global layers)."""
+    """One layer spec per layer (Gemma interleaves local and global layers)."""
     specs = [layer_spec(config, n) for n in range(1, config.num_layers + 1)]
     # the final norm is the family's norm class (OLMo-2's layers have no input norm to copy)
     final_norm = get_gpt_layer_local_spec(normalization=_normalization(config))
@@ -163,7 +173,16 @@ def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) 
         rotary_base=config.rotary_base,
         share_embeddings_and_output_weights=config.tied,
     )
-    if config.family == "gemma2":
+    if config.family == "gpt2":
+        # megatron-core makes the learned position table a plain fp32 nn.Embedding whatever
+        # params_dtype says; fp32 positions added to bf16 words would turn every activation
+        # after them fp32 and fail in the first bf16 linear
+        model.embedding.position_embeddings.to(dtype=params_dtype)
+    if config.rope_scaling is not None:  # HF's exact scaled frequencies (any llama3 values)
+        set_rope_frequencies(
+            model.rotary_pos_emb, config.kv_channels, config.rotary_base, config.rope_scaling
+        )
+    if config.family in GEMMA:
         model.embedding.register_forward_hook(_scale_embeddings(config.hidden_size**0.5))
         if config.final_softcap is not None:
             model.output_layer.register_forward_hook(_softcap_logits(config.final_softcap))
@@ -171,7 +190,7 @@ def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) 
 
 
 def _scale_embeddings(factor: float):
-    """Gemma-2 multiplies the embeddings by ``sqrt(hidden)`` (rounded to their dtype)."""
+    """Gemma multiplies the embeddings by ``sqrt(hidden)`` (rounded to their dtype)."""
 
     def hook(module, args, output):
         return output * torch.tensor(factor, dtype=output.dtype, device=output.device)
@@ -180,7 +199,7 @@ def _scale_embeddings(factor: float):
 
 
 def _softcap_logits(cap: float):
-    """Gemma-2's final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)``."""
+    """Gemma's final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)``."""
 
     def hook(module, args, output):
         logits, bias = output

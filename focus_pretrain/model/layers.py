@@ -6,6 +6,11 @@
   together, not each head (Megatron's ``qk_layernorm`` is per head). Under tensor parallelism a
   rank holds only its heads, so the sum of squares is all-reduced over the TP group, forward and
   backward.
+* :class:`PerHeadQKNorm`: Qwen3 and Gemma-3 normalise each query (key) head over its
+  ``head_dim`` with one weight shared by all heads. Megatron's ``qk_layernorm`` does the same
+  but leaves the weight's gradient per TP rank (each rank sees only its heads; Megatron's own
+  DDP sums it later, our DeepSpeed engine does not), so here the weight enters the forward
+  through ``copy_to_tensor_model_parallel_region``, whose backward sums it over TP.
 
 Layout: Megatron's ``[s, b, ...]``.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -70,6 +76,25 @@ class FullWidthQKNorm(MegatronModule):
             squares = _AllReduceSum.apply(squares)
         normed = x32 * torch.rsqrt(squares / self.full_width + self.eps)
         weight = self.weight.view(self.local_heads, self.head_dim)  # [n_local * d] -> [n_local, d]
+        return weight * normed.to(x.dtype)
+
+
+class PerHeadQKNorm(MegatronModule):
+    """RMSNorm of every head ``[s, b, n_local, d]`` over ``d``; weight ``[d]`` replicated on
+    TP ranks, its gradient summed over them (every rank holds other heads)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(config=config)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[s, b, n_local, d]`` -> same shape (HF's ``Qwen3RMSNorm`` arithmetic)."""
+        weight = self.weight
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            weight = copy_to_tensor_model_parallel_region(weight)  # backward: sum over TP
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
         return weight * normed.to(x.dtype)
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from focus_pretrain.focus import Routing
-from focus_pretrain.focus.attention import raise_if_not_finite
+from focus_pretrain.focus.attention import check_dtypes, raise_if_not_finite
 from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
@@ -257,8 +257,10 @@ def ring_focus_attention(
 
     ``positions`` ``[s_loc]``: global positions of this rank's tokens (default: the zigzag
     shard of :func:`~focus_pretrain.parallel.sharding.zigzag_positions`). Each block runs the
-    exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs.
+    exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs; mixed
+    dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`.
     """
+    check_dtypes(q, k, v, None if local_only else probs)
     if check_finite:
         raise_if_not_finite(q=q, k=k, v=v, probs=None if local_only else probs)
     size, rank = dist.get_world_size(group), dist.get_rank(group)

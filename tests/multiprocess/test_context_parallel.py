@@ -70,6 +70,16 @@ def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, sk
 
 
 GPT2 = dict(LLAMA, family="gpt2", num_query_groups=None)
+GEMMA3 = dict(  # local layers with their own RoPE (each CP rank slices it), scaled global RoPE
+    LLAMA,
+    family="gemma3",
+    num_layers=3,
+    sliding_window=6,
+    sliding_window_pattern=3,
+    local_rotary_base=10000.0,
+    rotary_base=1e6,
+    rope_scaling=dict(type="linear", factor=4.0),
+)
 FOCUS = dict(window=5, num_groups=4)
 
 
@@ -79,6 +89,7 @@ MODEL_CASES = {  # id: (model, focus, cp_mode, CP size)
     "gpt2-ring-top2": (GPT2, dict(FOCUS, top_k=2), "ring", 2),  # learned absolute positions
     "llama-sinkhorn-a2a": (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a", 2),  # column sums
     "llama-ring-cp4": (LLAMA, FOCUS, "ring", 4),
+    "gemma3-a2a": (GEMMA3, FOCUS, "a2a", 2),
 }
 
 

@@ -1,5 +1,11 @@
 """HuggingFace import: tiny random HF models of every family give our model the HF logits
-(``test_against_hf_*``), at TP=1 and, for a GQA family, TP=2 (real gloo processes)."""
+(``test_against_hf_*``), at TP=1 and, for a GQA family, TP=2 (real gloo processes).
+
+Variants covered besides the families' defaults: Llama-3 RoPE scaling that changes frequencies
+inside the tested length, with tied embeddings (``llama3``); Qwen3's per-head QK-norm with one KV
+head and ``head_dim != hidden / heads``; Gemma-3's 2 local : 1 global layers, per-head
+``(1 + w)`` QK-norm, local RoPE base and linear RoPE scaling on its global layers. Every model is
+handled by one worker process per test kind (``*_runs`` fixtures), not one per family."""
 
 from __future__ import annotations
 
@@ -41,6 +47,37 @@ HF_CONFIGS = {
             query_pre_attn_scalar=24,
         ),
     ),
+    "llama3": (  # Llama-3.x RoPE scaling: wavelengths > 16 / 1 divided by 4, those in [4, 16]
+        "LlamaConfig",  # smoothed; i.e. every frequency of head_dim 16 changes within SEQ = 24
+        dict(
+            COMMON,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "qwen3": ("Qwen3Config", dict(COMMON, num_key_value_heads=1, head_dim=24)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            COMMON,
+            num_hidden_layers=4,  # local, local, global, local
+            layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            rope_parameters=dict(
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+            ),
+        ),
+    ),
 }
 
 
@@ -66,9 +103,35 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
+def _init_parallel(world_size: int) -> None:
+    from megatron.core import parallel_state
+
+    from focus_pretrain.parallel import apply_cpu_shim
+
+    apply_cpu_shim()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+
+
+def _each(worker, rank: int, world_size: int, hf_dirs: list[str], focus: dict) -> list:
+    """``worker`` on every checkpoint in one process; a failure is returned as its message,
+    so that only that family's test fails."""
+    results = []
+    for hf_dir in hf_dirs:
+        try:
+            results.append(worker(rank, world_size, hf_dir, focus))
+        except Exception as error:  # reported by the family's own test
+            results.append(f"{type(error).__name__}: {error}")
+    return results
+
+
+def our_logits_each(rank: int, world_size: int, hf_dirs: list[str], focus: dict) -> list:
+    """:func:`our_logits` for every checkpoint (one process)."""
+    return _each(our_logits, rank, world_size, hf_dirs, focus)
+
+
 def our_logits(rank: int, world_size: int, hf_dir: str, focus: dict) -> torch.Tensor:
     """Build our model from the HF checkpoint at TP=world_size; full-vocabulary logits."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import (
         gather_from_tensor_model_parallel_region,
         model_parallel_cuda_manual_seed,
@@ -77,10 +140,8 @@ def our_logits(rank: int, world_size: int, hf_dir: str, focus: dict) -> torch.Te
     from focus_pretrain.convert import hf_model_config, load_hf_weights
     from focus_pretrain.focus import FocusConfig
     from focus_pretrain.model import build_model
-    from focus_pretrain.parallel import apply_cpu_shim
 
-    apply_cpu_shim()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    _init_parallel(world_size)
     model_parallel_cuda_manual_seed(0)
     config = hf_model_config(hf_dir, focus=FocusConfig(**focus))
     model = build_model(config).eval()
@@ -104,23 +165,51 @@ def hf_logits(model) -> torch.Tensor:
         return model(tokens()).logits
 
 
+def _runs(worker: str, hf_models: dict, focus: dict) -> dict:
+    """``worker`` over every model of ``hf_models`` in one process: name -> result."""
+    names = list(hf_models)
+    paths = [str(hf_models[name][1]) for name in names]
+    (results,) = run_workers(worker, 1, paths, focus)
+    return dict(zip(names, results, strict=True))
+
+
+def _ok(result):
+    assert not isinstance(result, str), result  # the worker's error for this family
+    return result
+
+
+@pytest.fixture(scope="module")
+def disabled_runs(hf_models):
+    return _runs(f"{WORKER}_each", hf_models, dict(enabled=False))
+
+
 @pytest.mark.parametrize("model_type", [*HF_CONFIGS, "qwen2-sharded"])
-def test_against_hf_focus_disabled(hf_models, model_type):
+def test_against_hf_focus_disabled(hf_models, disabled_runs, model_type):
     model, path = hf_models[model_type]
     if model_type.endswith("sharded"):
         index = json.loads((path / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1  # really sharded
-    (ours,) = run_workers(WORKER, 1, str(path), dict(enabled=False))
+    ours = _ok(disabled_runs[model_type])
     torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
-def test_against_hf_focus_window_covering_sequence(hf_models, model_type):
+COVERING = ["llama", "gemma2", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def covering_runs(hf_models):
+    models = {name: hf_models[name] for name in COVERING}
+    return _runs(f"{WORKER}_each", models, dict(window=SEQ, num_groups=4))
+
+
+@pytest.mark.parametrize("model_type", COVERING)
+def test_against_hf_focus_window_covering_sequence(hf_models, covering_runs, model_type):
     """Focus on (routers fresh), window >= sequence: still exactly the HF model, in both the
     training (soft) and inference (hard) patterns."""
-    model, path = hf_models[model_type]
-    (ours,) = run_workers(WORKER, 1, str(path), dict(window=SEQ, num_groups=4))
-    torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
+    model, _ = hf_models[model_type]
+    torch.testing.assert_close(
+        _ok(covering_runs[model_type]), hf_logits(model), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_against_hf_tensor_parallel_2(hf_models):
@@ -131,20 +220,22 @@ def test_against_hf_tensor_parallel_2(hf_models):
         torch.testing.assert_close(ours, hf_logits(model), rtol=1e-5, atol=1e-5)
 
 
+def focus_on_each(rank: int, world_size: int, hf_dirs: list[str], focus: dict) -> list:
+    """:func:`focus_on` for every checkpoint (one process)."""
+    return _each(focus_on, rank, world_size, hf_dirs, focus)
+
+
 def focus_on(rank: int, world_size: int, hf_dir: str, focus: dict) -> dict:
     """Our model from the HF checkpoint with Focus on (fresh routers, small window): soft and
     hard logits, and every tensor in HF names (routers included) for the HF side."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from focus_pretrain.convert import hf_model_config, load_hf_weights
     from focus_pretrain.convert.hf_export import hf_state_dict
     from focus_pretrain.focus import FocusConfig
     from focus_pretrain.model import build_model
-    from focus_pretrain.parallel import apply_cpu_shim
 
-    apply_cpu_shim()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _init_parallel(world_size)
     model_parallel_cuda_manual_seed(0)
     config = hf_model_config(hf_dir, focus=FocusConfig(**focus))
     model = build_model(config)
@@ -164,8 +255,19 @@ def focus_on(rank: int, world_size: int, hf_dir: str, focus: dict) -> dict:
     return out
 
 
+SHIPPED_FOCUS = dict(window=3, num_groups=4, top_k=1)
+
+
+@pytest.fixture(scope="module")
+def focus_on_runs(hf_models):
+    models = {name: hf_models[name] for name in HF_CONFIGS}
+    return _runs("tests.multiprocess.test_hf_import:focus_on_each", models, SHIPPED_FOCUS)
+
+
 @pytest.mark.parametrize("model_type", list(HF_CONFIGS))
-def test_shipped_hf_modeling_matches_ours_with_focus_on(hf_models, model_type, tmp_path):
+def test_shipped_hf_modeling_matches_ours_with_focus_on(
+    hf_models, focus_on_runs, model_type, tmp_path
+):
     """The modeling code an export ships (family HF class + routers + "focus" attention) gives
     our logits with Focus on, in the hard and soft patterns, for every family."""
     from safetensors.torch import save_file
@@ -174,12 +276,13 @@ def test_shipped_hf_modeling_matches_ours_with_focus_on(hf_models, model_type, t
 
     original, path = hf_models[model_type]
     model = copy.deepcopy(original)  # the fixture's models stay plain HF models
-    focus = dict(window=3, num_groups=4, top_k=1)
-    (ours,) = run_workers("tests.multiprocess.test_hf_import:focus_on", 1, str(path), focus)
+    focus = SHIPPED_FOCUS
+    ours = _ok(focus_on_runs[model_type])
     routers = {k: v for k, v in ours["hf_tensors"].items() if ".router." in k}
     assert routers
     save_file(routers, str(tmp_path / "focus_adapter.safetensors"))
-    meta = {"model_type": model_type, "focus": focus}
+    hf_type = json.loads((path / "config.json").read_text())["model_type"]  # gemma3_text
+    meta = {"model_type": hf_type, "focus": focus}
     (tmp_path / "focus_adapter.json").write_text(json.dumps(meta))
     attach_focus_adapter(model, tmp_path)
     assert not torch.allclose(ours["soft"], ours["hard"])

@@ -31,6 +31,26 @@ FAMILIES = {
         final_softcap=3.0,
         query_pre_attn_scalar=20.0,
     ),
+    "qwen3": dict(SMALL, family="qwen3", num_query_groups=2, head_dim=24),
+    "gemma3": dict(  # layers 1, 2 local (own RoPE base), 3 global (llama3-scaled RoPE)
+        SMALL,
+        family="gemma3",
+        num_layers=3,
+        num_query_groups=2,
+        head_dim=24,
+        sliding_window=6,
+        sliding_window_pattern=3,
+        local_rotary_base=10000.0,
+        rotary_base=1e6,
+        rope_scaling=dict(
+            type="llama3",
+            factor=4.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        query_pre_attn_scalar=20.0,
+    ),
 }
 FOCUS = dict(window=4, num_groups=4)
 
@@ -47,7 +67,7 @@ def test_each_family_trains_and_routes(family_runs, family):
     assert torch.isfinite(run["loss"]) and torch.isfinite(run["logits"]).all()
     assert abs(run["loss"].item() - math.log(128)) < 1.0  # near uniform at initialisation
     routers = {n: g for n, g in run["grads"].items() if ".router." in n}
-    global_layers = 1 if family == "gemma2" else 2  # gemma2: layer 1 is local (no router)
+    global_layers = 1 if family.startswith("gemma") else 2  # gemma: local layers, no router
     assert len(routers) == 2 * global_layers
     assert all(g.abs().sum() > 0 for g in routers.values())
     assert all(torch.isfinite(g).all() for g in run["grads"].values())
@@ -84,6 +104,15 @@ def test_family_structure(family_runs):
     assert "decoder.layers.0.mlp.post_norm.weight" in gemma
     assert not any(n.startswith("decoder.layers.0.self_attention.router") for n in gemma)
     assert any(n.startswith("decoder.layers.1.self_attention.router") for n in gemma)
+    # qwen3, gemma3: per-head q/k norms of head_dim 24 (one weight for all heads)
+    for family in ("qwen3", "gemma3"):
+        for which in "qk":
+            assert shapes[family][f"decoder.layers.0.self_attention.{which}_layernorm.weight"] == (
+                24,
+            )
+    assert qkv_bias not in shapes["qwen3"]
+    gemma3 = [n for n in shapes["gemma3"] if ".router." in n]
+    assert gemma3 and all(n.startswith("decoder.layers.2.") for n in gemma3)  # pattern 3
 
 
 def test_gemma2_final_logits_are_soft_capped(family_runs):
@@ -91,7 +120,7 @@ def test_gemma2_final_logits_are_soft_capped(family_runs):
     assert logits.abs().max() <= 3.0 and logits.abs().max() > 0.5
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "olmo2", "qwen3"])
 def test_tensor_parallel_2_equals_1(family):
     """Real TP=2 under gloo: logits, loss and every gradient (router included) equal TP=1."""
     case = [(FAMILIES[family], FOCUS)]

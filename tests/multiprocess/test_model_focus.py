@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
+from tests.multiprocess.test_model_families import FAMILIES
 from tests.multiprocess.workers_model import LLAMA
 
 pytestmark = pytest.mark.multiprocess
@@ -81,14 +82,29 @@ def test_recompute_gives_the_same_gradients(runs, recompute):
         torch.testing.assert_close(again["grads"][name], grad, msg=name)
 
 
-def test_bf16_with_dropout_trains():
-    (out,) = run_workers(
-        "tests.multiprocess.workers_model:bf16_train_step", 1, dict(LLAMA, hidden_dropout=0.1)
+BF16_FAMILIES = {
+    **FAMILIES,
+    "mistral": dict(FAMILIES["llama"], family="mistral"),
+    "llama-dropout": dict(LLAMA, hidden_dropout=0.1),
+}
+
+
+def test_bf16_models_train_and_infer_for_every_family():
+    """``build_model(config, torch.bfloat16)`` for every family (GPT-2's learned position
+    table included): finite training loss and gradients, bf16 eval logits (one process)."""
+    (outs,) = run_workers(
+        "tests.multiprocess.workers_model:bf16_train_step", 1, list(BF16_FAMILIES.values())
     )
-    assert torch.isfinite(out["loss"])
-    # Megatron's local norms keep fp32 weights; every linear and the routers are bf16
-    assert all(d == "torch.bfloat16" for n, d in out["dtypes"].items() if "layernorm" not in n)
-    assert out["router"] and all(g.abs().sum() > 0 for g in out["router"].values())
+    for name, out in zip(BF16_FAMILIES, outs, strict=True):
+        assert torch.isfinite(out["loss"]), name
+        assert out["logits"].dtype == torch.bfloat16 and torch.isfinite(out["logits"]).all()
+        # Megatron's local norms keep fp32 weights; everything else (embeddings, GPT-2's
+        # position table, every linear, the routers) is bf16
+        fp32 = {n for n, d in out["dtypes"].items() if d != "torch.bfloat16"}
+        assert all("norm" in n for n in fp32), (name, fp32)
+        assert all(torch.isfinite(g).all() for g in out["grads"].values()), name
+        router = {n: g for n, g in out["grads"].items() if ".router." in n}
+        assert router and all(g.abs().sum() > 0 for g in router.values()), name
 
 
 @pytest.mark.parametrize("backend", ["decomposed", "flex"])

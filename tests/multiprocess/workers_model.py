@@ -164,22 +164,32 @@ def parameter_counts(rank: int, world_size: int, paths: list[str]) -> list[dict]
     return out
 
 
-def bf16_train_step(rank: int, world_size: int, model_kwargs: dict) -> dict:
-    """One bf16 forward/backward with dropout on: finite loss, router gradients in bf16."""
+def bf16_train_step(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Per ``model_kwargs``: a model built with ``params_dtype=bf16``, one forward/backward
+    (training, soft pattern) and one eval forward (hard pattern): loss, every gradient, the
+    eval logits and the parameter dtypes."""
     _init(world_size)
-    config, model = _build(
-        world_size, model_kwargs, dict(window=4, num_groups=4), params_dtype=torch.bfloat16
-    )
-    tokens, positions, labels = _batch(config)
-    model.train()
-    loss = model(tokens, positions, None, labels=labels).float().mean()
-    loss.backward()
-    router = {n: p.grad for n, p in model.named_parameters() if ".router." in n}
-    return dict(
-        loss=loss.detach(),
-        router=router,
-        dtypes={n: str(p.dtype) for n, p in model.named_parameters()},
-    )
+    results = []
+    for model_kwargs in cases:
+        config, model = _build(
+            world_size, model_kwargs, dict(window=4, num_groups=4), params_dtype=torch.bfloat16
+        )
+        tokens, positions, labels = _batch(config)
+        model.train()
+        loss = model(tokens, positions, None, labels=labels).float().mean()
+        loss.backward()
+        model.eval()
+        with torch.no_grad():
+            logits = model(tokens, positions, None)  # [b, s, vocab]
+        results.append(
+            dict(
+                loss=loss.detach(),
+                logits=logits,
+                grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                dtypes={n: str(p.dtype) for n, p in model.named_parameters()},
+            )
+        )
+    return results
 
 
 def receptive_field(rank: int, world_size: int, model_kwargs: dict, focus_kwargs: dict) -> list:

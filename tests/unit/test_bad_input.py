@@ -70,6 +70,64 @@ def test_nan_inputs_are_rejected(inputs, where):
     assert out.shape == q.shape
 
 
+# every (backend, mode) the CPU runs: soft for the reference and flex, hard top-1 for all three
+BACKEND_MODES = [
+    ("reference", "soft"),
+    ("flex", "soft"),
+    ("reference", "hard"),
+    ("decomposed", "hard"),
+    ("flex", "hard"),
+]
+
+
+@pytest.mark.parametrize("backend, mode", BACKEND_MODES)
+def test_mixed_dtypes_are_a_value_error_for_every_backend(inputs, backend, mode):
+    """q, k, v of different dtypes, routing more precise than the attention maths (fp64 with
+    fp32: a bare RuntimeError deep in the soft reference, silently accepted elsewhere) and
+    integer routing are refused up front, naming the tensors, their dtypes and the cast."""
+    q, k, v, p = inputs
+    kwargs = dict(window=2, mode=mode, backend=backend)
+    with pytest.raises(
+        ValueError,
+        match=r"q, k, v must share a dtype, got q torch.float32, k torch.bfloat16, "
+        r"v torch.float32; cast them to one \(e.g. k.to\(q.dtype\)",
+    ):
+        focus_attention(q, k.bfloat16(), v, p, **kwargs)
+    with pytest.raises(
+        ValueError,
+        match=r"routing.probs is torch.float64 but q, k, v are torch.float32, whose Focus maths "
+        r"runs in torch.float32: .* cast routing.probs to torch.float32 or q, k and v to "
+        r"torch.float64",
+    ):
+        focus_attention(q, k, v, p.double(), **kwargs)
+    with pytest.raises(ValueError, match=r"routing.probs must be floating point .* torch.int64"):
+        focus_attention(q, k, v, p.argmax(-1, keepdim=True).expand_as(p), **kwargs)
+
+
+@pytest.mark.parametrize("backend, mode", BACKEND_MODES)
+def test_routing_up_to_the_attention_precision_is_accepted(inputs, backend, mode):
+    """What the model passes under bf16 (fp32 routing, bf16 q/k/v), lower-precision routing,
+    and fp32 routing with fp64 q/k/v all run; the output has q's dtype."""
+    q, k, v, p = inputs
+    for qkv, probs in (
+        ((q.bfloat16(), k.bfloat16(), v.bfloat16()), p),
+        ((q, k, v), p.bfloat16()),
+        ((q.double(), k.double(), v.double()), p),
+    ):
+        out = focus_attention(*qkv, probs, window=2, mode=mode, backend=backend)
+        assert out.dtype == qkv[0].dtype and torch.isfinite(out).all()
+
+
+def test_ring_refuses_mixed_dtypes_before_communicating(inputs):
+    from focus_pretrain.parallel.ring import ring_focus_attention
+
+    q, k, v, p = inputs
+    with pytest.raises(ValueError, match=r"routing.probs is torch.float64 but q, k, v are"):
+        ring_focus_attention(q, k, v, p.double(), group=None, window=2)  # no group needed
+    with pytest.raises(ValueError, match=r"q, k, v must share a dtype"):
+        ring_focus_attention(q, k, v.double(), p, group=None, window=2)
+
+
 def test_router_errors():
     with pytest.raises(ValueError, match=r"num_groups \(K\) must be >= 1, got 0"):
         FocusRouter(16, num_groups=0)

@@ -18,6 +18,16 @@ from focus_pretrain.convert.hf_export import load_modeling
 
 modeling = load_modeling()
 VOCAB = 50
+# a sliding-window layer (no router) next to a Focus layer, soft-caps, per-head QK-norm, GQA 4:1
+FAMILY_EXTRAS = {
+    "Gemma2": {"head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": 5.0},
+    "Gemma3": {
+        "head_dim": 8,
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "Qwen3": {"head_dim": 12, "num_key_value_heads": 1},
+}
 
 
 def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
@@ -28,8 +38,7 @@ def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
             focus=settings, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=256
         )
     else:
-        config = config_cls(
-            focus=settings,
+        arch = dict(
             num_hidden_layers=2,
             hidden_size=32,
             num_attention_heads=4,
@@ -38,6 +47,7 @@ def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
             vocab_size=VOCAB,
             max_position_embeddings=512,
         )
+        config = config_cls(focus=settings, **{**arch, **FAMILY_EXTRAS.get(family, {})})
     config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
     torch.manual_seed(0)
     model = getattr(modeling, f"Focus{family}ForCausalLM")(config).eval()
@@ -68,7 +78,7 @@ def greedy(model, ids, n, **kwargs) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("family", ["Llama", "GPT2"])
+@pytest.mark.parametrize("family", ["Llama", "GPT2", "Gemma2", "Gemma3", "Qwen3"])
 @pytest.mark.parametrize("mode,top_k", [("hard", 1), ("hard", 2), ("soft", 1), ("soft", 2)])
 @pytest.mark.parametrize("backend", ["auto", "dense"])
 def test_padded_batches_give_each_sequence_its_own_logits(family, mode, top_k, backend):
@@ -81,14 +91,14 @@ def test_padded_batches_give_each_sequence_its_own_logits(family, mode, top_k, b
             positions = (mask.cumsum(-1) - 1).clamp(min=0)  # GPT-2's learned positions need them
             logits = model(ids, attention_mask=mask, position_ids=positions).logits
             assert torch.isfinite(logits).all()
-            for i, s in enumerate(seqs):
+            for i in range(len(seqs)):
                 real = logits[i][mask[i].bool()]
                 torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_batched_left_padded_generate_equals_one_by_one(top_k):
-    model = focus_model(top_k=top_k, window=4)
+@pytest.mark.parametrize("family,top_k", [("Llama", 1), ("Llama", 2), ("Gemma2", 1), ("Qwen3", 2)])
+def test_batched_left_padded_generate_equals_one_by_one(family, top_k):
+    model = focus_model(family, top_k=top_k, window=4)
     seqs = sequences(5, 17, 11, seed=1)
     ids, mask = padded(seqs, "left")
     with torch.no_grad():

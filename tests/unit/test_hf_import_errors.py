@@ -82,14 +82,50 @@ def test_unsupported_variants_are_refused(llama, tmp_path):
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text((llama / "config.json").read_text())
-    _edit_config(odd, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
-    with pytest.raises(ValueError, match=r"RoPE scaling .* is not supported"):
+    _edit_config(odd, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0})
+    with pytest.raises(ValueError, match=r"RoPE scaling rope_type='yarn' .* is not supported"):
         hf_model_config(odd)
     _edit_config(
         odd, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, hidden_act="gelu"
     )
     with pytest.raises(ValueError, match=r"llama with activation 'gelu' is not supported"):
         hf_model_config(odd)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("scale_attn_by_inverse_layer_idx", True), ("scale_attn_weights", False)]
+)
+def test_gpt2_with_another_attention_scale_is_refused(tmp_path, flag, value):
+    """Both flags change GPT-2's softmax scale, which our attention does not reproduce."""
+    import transformers
+
+    transformers.GPT2Config(**HF_CONFIGS["gpt2"][1], **{flag: value}).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError, match=rf"GPT-2 with {flag}={str(value).lower()} is not supported: .*logits"
+    ):
+        hf_model_config(tmp_path)
+
+
+def test_gpt2_reorder_and_upcast_attn_is_accepted(tmp_path):
+    """``reorder_and_upcast_attn`` only computes the same scores in fp32: accepted, the same
+    architecture and (HF's own eager model) the same logits as without it."""
+    import transformers
+
+    kwargs = HF_CONFIGS["gpt2"][1]
+    plain = transformers.GPT2Config(**kwargs)
+    plain.save_pretrained(tmp_path / "plain")
+    upcast = transformers.GPT2Config(**kwargs, reorder_and_upcast_attn=True)
+    upcast.save_pretrained(tmp_path / "upcast")
+    assert hf_model_config(tmp_path / "upcast") == hf_model_config(tmp_path / "plain")
+    plain._attn_implementation = "eager"  # the path that reads the flag
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(plain).eval()
+    x = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x).logits
+        for block in model.transformer.h:
+            block.attn.reorder_and_upcast_attn = True
+        torch.testing.assert_close(model(x).logits, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", list(HF_CONFIGS))
@@ -100,14 +136,16 @@ def test_key_maps_round_trip_exactly(tmp_path, model_type):
     config = hf_model_config(path)
     geometry = Geometry(config.num_attention_heads, config.kv_heads, config.kv_channels)
     tensors = load_hf_tensors(path)
-    rules = rules_for(json.loads((path / "config.json").read_text())["model_type"], 2, config.tied)
+    hf_type = json.loads((path / "config.json").read_text())["model_type"]
+    rules = rules_for(hf_type, config.num_layers, config.tied)
     covered = set()
     for rule in rules:
         originals = [tensors[k] for k in rule.hf]
         back = rule.to_hf(geometry, rule.to_ours(geometry, *originals))
         assert len(back) == len(originals)
         for a, b in zip(originals, back, strict=True):
-            tolerance = 2**-23 if model_type == "gemma2" and "norm" in rule.ours else 0.0
+            gemma_norm = model_type.startswith("gemma") and "norm" in rule.ours
+            tolerance = 2**-23 if gemma_norm else 0.0
             torch.testing.assert_close(b, a, rtol=0, atol=tolerance, msg=rule.ours)
         covered.update(rule.hf)
     assert covered == set(tensors)  # every stored HF tensor has a rule

@@ -24,7 +24,7 @@ ALLOWED = {
     "convert": {"focus", "model", "data", "config"},
     "train": {"focus", "model", "parallel", "data", "config", "convert"},
     "experiments": {"config", "train"},
-    "bench": {"focus"},
+    "bench": {"focus", "convert"},  # attention kernels; the export's decode
 }
 
 

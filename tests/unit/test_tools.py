@@ -45,26 +45,29 @@ def test_pattern_density_tool(tmp_path):
 
 
 def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
-    """tools/import_hf.py: the printed sections load as a recipe with the checkpoint's shape."""
+    """tools/import_hf.py: the printed sections load as a recipe with the checkpoint's shape
+    (Gemma-3: every architecture field set, RoPE scaling a nested section)."""
     from focus_pretrain.config import load_config
     from focus_pretrain.convert import hf_model_config
+    from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS
     from tests.multiprocess.test_hf_import import make_hf_model
 
-    _, path = make_hf_model("olmo2", tmp_path)
+    _, path = make_hf_model("gemma3", tmp_path)
     tool = ROOT / "tools" / "import_hf.py"
     result = subprocess.run(
         [sys.executable, str(tool), str(path), "--groups", "8"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"# {path}: 19 tensors" in result.stderr  # 2 x 8 per layer + embedding, norm, head
+    assert f"# {path}: 42 tensors" in result.stderr  # 4 x 10 per layer + embedding, norm
     recipe = tmp_path / "retrofit.yaml"
     recipe.write_text(result.stdout)
     config = load_config(recipe, ["data.seq_length=64"])
     assert config.train.init_from_hf == str(path) and config.train.freeze == "retrofit"
     assert config.model.focus.num_groups == 8
     expected = hf_model_config(path)
-    for field in ("family", "num_layers", "hidden_size", "num_query_groups", "rotary_base"):
+    for field in ARCHITECTURE_FIELDS:
         assert getattr(config.model, field) == getattr(expected, field), field
+    assert config.model.rope_scaling is not None
 
 
 def test_bench_attention_smoke_on_cpu(tmp_path):

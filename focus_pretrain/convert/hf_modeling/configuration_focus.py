@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from transformers import (
     Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
     Qwen2Config,
+    Qwen3Config,
 )
 
 FOCUS_DEFAULTS = {
@@ -76,3 +78,17 @@ class FocusGemma2Config(Gemma2Config):
 
     def __init__(self, focus: dict | None = None, **kwargs) -> None:
         _with_focus(self, focus, kwargs, Gemma2Config)
+
+
+class FocusQwen3Config(Qwen3Config):
+    model_type = "focus_qwen3"
+
+    def __init__(self, focus: dict | None = None, **kwargs) -> None:
+        _with_focus(self, focus, kwargs, Qwen3Config)
+
+
+class FocusGemma3Config(Gemma3TextConfig):
+    model_type = "focus_gemma3_text"  # the text-only Gemma-3 (HF model_type gemma3_text)
+
+    def __init__(self, focus: dict | None = None, **kwargs) -> None:
+        _with_focus(self, focus, kwargs, Gemma3TextConfig)

@@ -14,10 +14,13 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
 Speed: when ``focus_pretrain`` is importable, a whole-sequence forward (evaluation, the prefill
 of generation) runs through its ``focus_attention`` with ``focus["inference_backend"]`` (soft
 mode: ``focus["backend"]``; default ``"auto"``: the fastest exact backend, e.g. the decomposed or
-FlexAttention kernels on GPU). Otherwise, and for the one-token steps of KV-cache generation,
-this file's exact masked dense attention runs (``O(n^2)``; the backend ``"dense"`` forces it).
-Batches must be unpadded (no attention mask is applied); generation with the KV cache is
-supported (each layer caches its tokens' group assignments).
+FlexAttention kernels on GPU; padded rows run on their real tokens). Otherwise this file's
+exact masked dense attention runs (``O(n^2)``; the backend ``"dense"`` forces it). A hard
+one-token decode step reads only its window and its groups' keys (``focus_cache.sparse_decode``).
+
+Padding: HF's attention mask is applied (a boolean ``"focus"`` mask function is registered);
+rows with no key (left padding) output zeros. The routing of cached keys lives in the KV cache
+(``focus_cache.FocusDynamicLayer``), so beam search, cropping and copied caches keep it exact.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from transformers import (
     AttentionInterface,
     AttentionMaskInterface,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
     GPT2LMHeadModel,
     LlamaForCausalLM,
     MistralForCausalLM,
     Olmo2ForCausalLM,
     Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
 )
 from transformers.masking_utils import sdpa_mask
 
@@ -46,11 +51,13 @@ except ImportError:  # standalone: the dense path below
 
 from .configuration_focus import (
     FocusGemma2Config,
+    FocusGemma3Config,
     FocusGPT2Config,
     FocusLlamaConfig,
     FocusMistralConfig,
     FocusOlmo2Config,
     FocusQwen2Config,
+    FocusQwen3Config,
 )
 from .focus_cache import focus_cache_layer, sparse_decode, store_routing
 
@@ -155,7 +162,7 @@ def focus_attention_forward(
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
             return out, None
     if backend != "dense" and q_len == kv_len:
-        args = (scale, softcap, sliding_window, routing, allowed)
+        args = (scale, softcap, sliding_window, routing, allowed, mode, backend)
         out = _fast_path(module, query, key, value, *args)
         if out is not None:
             return out, None
@@ -211,7 +218,7 @@ def _dense(module, query, key, value, scale, softcap, sliding_window, routing, a
 
 
 def _fast_path(
-    module, query, key, value, scale, softcap, sliding_window, routing, allowed
+    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode, backend
 ) -> Tensor | None:
     """The package's ``focus_attention`` on whole sequences, or ``None`` where it does not apply
     (not installed, packed or non-contiguous masks). Padded rows run on their real tokens only.
@@ -222,22 +229,19 @@ def _fast_path(
         return None
     router = getattr(module, "router", None)
     focus_window = getattr(module, "focus_window", None)
-    kwargs = dict(scale=scale, softcap=softcap)
+    kwargs = dict(scale=scale, softcap=softcap, backend=backend)
     probs = None
     if router is not None:
         focus = router.focus
-        mode = "soft" if module.training else focus["inference_mode"]
         probs = routing[0]  # [b, s, K]
         kwargs.update(window=focus["window"], mode=mode, top_k=focus["top_k"])
         kwargs.update(gate_lambda=focus["gate_lambda"])
-        kwargs["backend"] = focus["backend" if mode == "soft" else "inference_backend"]
     elif sliding_window is not None:  # HF's window counts the token itself
         kwargs.update(window=sliding_window - 1, local_only=True)
     elif focus_window is not None:
         kwargs.update(window=focus_window, local_only=True)
     else:  # Focus disabled: plain causal attention, not ours to speed up
         return None
-    kwargs.setdefault("backend", module.config.focus.get("inference_backend", "auto"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, H, s, d] -> [b, s, H, d]
     spans = _real_spans(allowed, q.shape[0], q.shape[1], sliding_window)
     if spans is None:
@@ -364,6 +368,22 @@ class FocusOlmo2ForCausalLM(Olmo2ForCausalLM):
 
 class FocusGemma2ForCausalLM(Gemma2ForCausalLM):
     config_class = FocusGemma2Config
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        _attach_routers(self, config)
+
+
+class FocusQwen3ForCausalLM(Qwen3ForCausalLM):
+    config_class = FocusQwen3Config
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        _attach_routers(self, config)
+
+
+class FocusGemma3ForCausalLM(Gemma3ForCausalLM):
+    config_class = FocusGemma3Config
 
     def __init__(self, config) -> None:
         super().__init__(config)
