@@ -14,16 +14,14 @@ against the reference. Writes JSON and a markdown table. On CPU it is a smoke te
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 from focus_pretrain.bench.attention import (
     DTYPES,
     BenchConfig,
-    environment,
     markdown_table,
     run_benchmark,
 )
+from focus_pretrain.bench.report import environment, run_and_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,15 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         seed=args.seed,
     )
-    env = environment(cfg)
-    print(json.dumps({k: v for k, v in env.items() if k != "config"}))
-    rows = run_benchmark(cfg)
-    table = markdown_table(rows)
-    print(table)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(table + "\n")
+    env = environment(cfg, cfg.device)
+    run_and_report(env, lambda: run_benchmark(cfg), markdown_table, args.json, args.markdown)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ query's groups). Checks the sparse step against the dense one; writes JSON and a
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 
 from focus_pretrain.bench.decode import (
     DecodeBenchConfig,
-    environment,
     markdown_table,
     run_decode_benchmark,
 )
+from focus_pretrain.bench.report import environment, run_and_report
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,15 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         seed=args.seed,
     )
-    env = environment(cfg)
-    print(json.dumps({k: v for k, v in env.items() if k != "config"}))
-    rows = run_decode_benchmark(cfg)
-    table = markdown_table(rows)
-    print(table)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(table + "\n")
+    env = environment(cfg, cfg.device)
+    run_and_report(env, lambda: run_decode_benchmark(cfg), markdown_table, args.json, args.markdown)
 
 
 if __name__ == "__main__":

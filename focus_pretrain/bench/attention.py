@@ -26,7 +26,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -282,16 +282,3 @@ def markdown_table(rows: list[dict]) -> str:
                 f"{'-' if error is None else f'{error:.1e}'} |"
             )
     return "\n".join(lines)
-
-
-def environment(cfg: BenchConfig) -> dict:
-    """Versions and machine, for the JSON and docs/benchmarks.md."""
-    env = dict(torch=torch.__version__, config=asdict(cfg))
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    if importlib.util.find_spec("flash_attn") is not None:
-        import flash_attn
-
-        env["flash_attn"] = flash_attn.__version__
-    return env

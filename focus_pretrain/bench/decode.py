@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -157,13 +157,3 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['max_abs_diff_sparse_vs_dense']:.1e} |"
         )
     return "\n".join(lines)
-
-
-def environment(cfg: DecodeBenchConfig) -> dict:
-    import transformers
-
-    env = dict(torch=torch.__version__, transformers=transformers.__version__, config=asdict(cfg))
-    env["threads"] = torch.get_num_threads()
-    if cfg.device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    return env

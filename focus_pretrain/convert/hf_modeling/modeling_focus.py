@@ -166,10 +166,13 @@ def focus_attention_forward(
         out = _fast_path(module, query, key, value, *args)
         if out is not None:
             return out, None
-    return _dense(module, query, key, value, scale, softcap, sliding_window, routing, allowed), None
+    args = (scale, softcap, sliding_window, routing, allowed, mode)
+    return _dense(module, query, key, value, *args), None
 
 
-def _dense(module, query, key, value, scale, softcap, sliding_window, routing, allowed) -> Tensor:
+def _dense(
+    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode
+) -> Tensor:
     """Exact masked attention, ``O(q kv)``: ``[b, H, q, d]`` in, ``[b, q, H, d]`` out."""
     heads, q_len = query.shape[1:3]
     kv_len = key.shape[2]
@@ -189,7 +192,6 @@ def _dense(module, query, key, value, scale, softcap, sliding_window, routing, a
         focus = module.router.focus
         probs_k, member_k = routing[0], routing[1]  # [b, kv, K], [b, kv]
         local = causal & (distance <= focus["window"])
-        mode = "soft" if module.training else focus["inference_mode"]
         if mode == "hard":
             member_q = member_k[:, kv_len - q_len :]
             shares = (member_q[:, :, None] & member_k[:, None, :]) != 0  # [b, q, kv]

@@ -1,0 +1,39 @@
+"""What every benchmark reports besides its rows: the environment (versions, machine, the
+resolved settings) and the same outputs (environment line, markdown table on stdout; optional
+JSON ``{"environment", "rows"}`` and markdown files)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+
+import torch
+
+
+def environment(config, device: str) -> dict:
+    """Versions, threads, GPU (when ``device`` is CUDA) and ``config`` (a dataclass)."""
+    env = dict(torch=torch.__version__, threads=torch.get_num_threads())
+    for package in ("transformers", "flash_attn"):
+        if importlib.util.find_spec(package) is not None:
+            env[package] = importlib.import_module(package).__version__
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    env["config"] = dataclasses.asdict(config)
+    return env
+
+
+def run_and_report(env: dict, run, table, json_path: str | None, markdown_path: str | None):
+    """Print ``env`` (without the config), run ``run() -> rows``, print ``table(rows)`` and
+    write the requested files; returns the rows."""
+    print(json.dumps({k: v for k, v in env.items() if k != "config"}))
+    rows = run()
+    text = table(rows)
+    print(text)
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    if markdown_path:
+        pathlib.Path(markdown_path).write_text(text + "\n")
+    return rows
