@@ -63,7 +63,7 @@ class RunConfig:
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
-FREEZE_POLICIES = ("scratch", "retrofit", "two_phase")
+FREEZE_POLICIES = ("scratch", "retrofit", "centroids", "two_phase")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class TrainConfig:
         betas, eps: AdamW moments.
         clip_grad: global gradient-norm clipping (0 disables).
         freeze: ``scratch`` (train everything), ``retrofit`` (only routers, every original
-            weight frozen and outside the optimizer), ``two_phase`` (routers only for
+            weight frozen and outside the optimizer), ``centroids`` (like ``retrofit`` but only
+            the routers' centroids train: ``W_g`` stays frozen too), ``two_phase`` (routers only for
             ``router_only_steps``, then everything).
         router_only_steps: length of phase 1 of ``two_phase``.
         init_from_hf: a local HuggingFace checkpoint directory (config.json + safetensors)
@@ -161,16 +162,61 @@ class TrainConfig:
             check_positive("train.peak_tflops", self.peak_tflops)
 
 
+PROBE_KINDS = ("passkey", "multikey")
+
+
+@dataclass(frozen=True)
+class ProbesConfig:
+    """Synthetic long-context retrieval probes (the ``probes:`` section), scored at every
+    validation and by ``tools/evaluate.py`` (see :mod:`focus_pretrain.train.probes`).
+
+    Attributes:
+        lengths: sequence lengths in tokens (each <= ``model.max_seq_length``); empty disables.
+        depths: where the needle sits in the filler, as a fraction in ``[0, 1]`` (0: right
+            after the instruction, 1: just before the question).
+        count: sequences per (kind, length, depth).
+        kinds: ``passkey`` (one number hidden in filler, asked for at the end) and/or
+            ``multikey`` (``keys`` key-value pairs hidden at random depths, the one at the
+            given depth asked for).
+        keys: key-value pairs of a ``multikey`` sequence.
+        digits: digits of every hidden number (the answer tokens).
+    """
+
+    lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    count: int = 4
+    kinds: list[str] = field(default_factory=lambda: list(PROBE_KINDS))
+    keys: int = 4
+    digits: int = 5
+
+    def __post_init__(self) -> None:
+        for length in self.lengths:
+            check_int("probes.lengths[]", length, low=16)
+        for depth in self.depths:
+            if isinstance(depth, bool) or not isinstance(depth, int | float) or not 0 <= depth <= 1:
+                raise ValueError(f"probes.depths[] must be numbers in [0, 1], got {depth!r}")
+        if self.lengths and not self.depths:
+            raise ValueError("probes.depths must list at least one depth")
+        for kind in self.kinds:
+            check_choice("probes.kinds[]", kind, PROBE_KINDS)
+        if self.lengths and not self.kinds:
+            raise ValueError(f"probes.kinds must list at least one of {', '.join(PROBE_KINDS)}")
+        check_int("probes.count", self.count, low=1)
+        check_int("probes.keys", self.keys, low=1)
+        check_int("probes.digits", self.digits, low=1, high=18)
+
+
 @dataclass(frozen=True)
 class Config:
     """A whole recipe: ``run``, ``model`` (with ``model.focus``), ``data``, ``train``,
-    ``parallel`` (the only section that sets tensor and context parallelism)."""
+    ``parallel`` (the only section that sets tensor and context parallelism) and ``probes``."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    probes: ProbesConfig = field(default_factory=ProbesConfig)
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model)
@@ -180,6 +226,13 @@ class Config:
                 f"model.max_seq_length ({self.model.max_seq_length}) must be >= "
                 f"data.seq_length ({self.data.seq_length})"
             )
+        for length in self.probes.lengths:
+            if length > self.model.max_seq_length:
+                raise ValueError(
+                    f"probes.lengths has {length}, beyond model.max_seq_length "
+                    f"({self.model.max_seq_length}); lower it or raise model.max_seq_length"
+                )
+            check_cp_seq_length(length, self.parallel.context_parallel_size, "probes.lengths[]")
 
 
 # Recipes and checkpoints written before the parallel section became the only home of these.

@@ -70,11 +70,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:
     """The checkpoint directory and its config, refusing what an export (full model or router
     adapter) cannot reproduce. The one place for that rule: the shipped modeling code routes
-    each token on its own (``balance=causal``: softmax of its logits plus the saved offsets)."""
+    each token on its own (``balance=causal``: softmax of its logits plus the saved offsets;
+    ``balance=none``: the same with offsets that stay zero)."""
     ckpt = resolve_checkpoint(checkpoint)
     config = load_config(ckpt / "config.yaml", [])
     focus = config.model.focus
-    if focus.enabled and focus.balance != "causal":
+    if focus.enabled and focus.balance == "sinkhorn":
         raise NotImplementedError(
             f"{ckpt} was trained with model.focus.balance={focus.balance}, whose routing is "
             "balanced over the whole sequence (not causal); an export (full model or router "

@@ -18,6 +18,9 @@ modes:
   to 1 and columns to ``n / K``. Token ``i``'s group depends on tokens after ``i`` through the
   column sums: **not causal**; perplexity measured with it leaks the future.
 
+* ``none`` (ablation): ``g_i = softmax(a_i)``, no balancing at all; the paper's point is that
+  this collapses onto few groups.
+
 The hard pattern keeps each token's ``top_k`` groups (:meth:`Routing.membership`).
 """
 
@@ -246,7 +249,7 @@ class FocusRouter(nn.Module):
             )
             routing = Routing(log_p.exp())
         else:
-            if self.training:
+            if self.training and self.balance == "causal":
                 self._accumulate_balance_target(logits.detach(), column_logsumexp, num_tokens)
             routing = Routing(torch.softmax(logits + self.balance_offsets, dim=-1))
         if self.training:

@@ -29,13 +29,20 @@ def apply_freeze_policy(model: nn.Module, config: TrainConfig) -> dict[str, int]
       weights still during phase 1 through :class:`PhaseGate`).
     * ``retrofit``: only router parameters are trainable; every original weight is frozen and
       kept out of the optimizer.
+    * ``centroids``: only the routers' centroids are trainable (``W_g`` frozen at its
+      initialisation too): the literal "freeze everything except the centroids".
     """
     routers = 0
     for name, param in model.named_parameters():
         router = is_router_parameter(name)
         routers += param.numel() if router else 0
-        param.requires_grad_(router or config.freeze != "retrofit")
-    if config.freeze in ("retrofit", "two_phase") and routers == 0:
+        if config.freeze == "retrofit":
+            param.requires_grad_(router)
+        elif config.freeze == "centroids":
+            param.requires_grad_(router and name.endswith("centroids"))
+        else:
+            param.requires_grad_(True)
+    if config.freeze in ("retrofit", "centroids", "two_phase") and routers == 0:
         raise ValueError(
             f"train.freeze={config.freeze} needs Focus routers, but the model has "
             "none (model.focus.enabled is false?)"

@@ -15,12 +15,11 @@ import re
 from dataclasses import dataclass
 
 import torch
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.parallel.sharding import gather_sequence, shard_batch
+from focus_pretrain.train.scoring import masked_means, token_scores
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
 _RECALL = re.compile(r"recall: the code of (\w+) is (\w+)\.")
@@ -98,7 +97,6 @@ def recall_batch(
     )
 
 
-@torch.no_grad()
 def recall_metrics(
     model, batch: RecallBatch, micro_batch_size: int, device, cp_group=None
 ) -> dict[str, float]:
@@ -113,40 +111,24 @@ def recall_metrics(
         ``{"recall_loss", "recall_acc", "key_loss", "value_loss", "other_loss",
         "recall_tokens"}`` (``recall_*``: keys and values together).
     """
-    parts = {
-        "recall": batch.key_mask | batch.value_mask,
-        "key": batch.key_mask,
-        "value": batch.value_mask,
-        "other": batch.valid_mask & ~(batch.key_mask | batch.value_mask),
-    }
-    sums = {name: torch.zeros(3, dtype=torch.float64) for name in parts}  # loss, hits, count
-    for start in range(0, batch.tokens.shape[0], micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        tokens, labels = batch.tokens[rows].to(device), batch.labels[rows].to(device)
-        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)  # [b, s]
-        if cp_group is None:
-            logits = model(tokens, positions, None)  # [b, s, vocab / tp]
-        else:  # each context-parallel rank runs its shard; the logits are gathered back
-            shard = shard_batch(dict(tokens=tokens, positions=positions), cp_group)
-            logits = model(shard["tokens"], shard["positions"], None)  # [b, s_loc, vocab / tp]
-            logits = gather_sequence(logits, 1, cp_group)  # [b, s, vocab / tp]
-        logits = gather_from_tensor_model_parallel_region(logits).float()  # [b, s, vocab]
-        loss = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), labels, reduction="none"
-        )  # [b, s]
-        hits = (logits.argmax(dim=-1) == labels).double()  # [b, s]
-        for name, mask in parts.items():
-            m = mask[rows].to(device)
-            sums[name] += torch.stack([loss[m].sum().double(), hits[m].sum(), m.sum()]).cpu()
-
-    def mean(name: str, i: int) -> float:
-        return float(sums[name][i] / sums[name][2].clamp(min=1))
-
+    loss, hits = token_scores(
+        model, batch.tokens, batch.labels, micro_batch_size, device, cp_group
+    )  # [n, s] each
+    means = masked_means(
+        loss,
+        hits,
+        {
+            "recall": batch.key_mask | batch.value_mask,
+            "key": batch.key_mask,
+            "value": batch.value_mask,
+            "other": batch.valid_mask & ~(batch.key_mask | batch.value_mask),
+        },
+    )
     return {
-        "recall_loss": mean("recall", 0),
-        "recall_acc": mean("recall", 1),
-        "key_loss": mean("key", 0),
-        "value_loss": mean("value", 0),
-        "other_loss": mean("other", 0),
-        "recall_tokens": int(sums["recall"][2]),
+        "recall_loss": means["recall"]["loss"],
+        "recall_acc": means["recall"]["acc"],
+        "key_loss": means["key"]["loss"],
+        "value_loss": means["value"]["loss"],
+        "other_loss": means["other"]["loss"],
+        "recall_tokens": means["recall"]["tokens"],
     }

@@ -1,12 +1,16 @@
-"""Validation on its own cadence: held-out loss and perplexity, and the long-range recall
-metric on held-out demo documents (demo corpus only)."""
+"""Validation on its own cadence: held-out loss and perplexity, the loss by distance (beyond
+the window; tokens whose evidence lies only beyond it), the retrieval probes of the
+``probes:`` section, and the long-range recall metric on held-out demo documents (demo corpus
+only)."""
 
 from __future__ import annotations
 
 import math
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from focus_pretrain.config import Config
@@ -14,8 +18,10 @@ from focus_pretrain.data.datasets import ResumableSampler
 from focus_pretrain.data.demo_corpus import is_demo_source
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.parallel.launch import ParallelLayout
-from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
+from focus_pretrain.train.distance import distance_masks
+from focus_pretrain.train.probes import ProbeBatch, probe_batches, probe_metrics
 from focus_pretrain.train.recall import RecallBatch, recall_batch, recall_metrics
+from focus_pretrain.train.scoring import token_scores
 
 RECALL_KEYS = ("recall_loss", "recall_acc", "value_loss")  # logged at each validation
 
@@ -25,7 +31,8 @@ class Validator:
 
     Args:
         config: the recipe (``train.eval_interval``, ``eval_iters``, ``micro_batch_size``,
-            ``recall_docs``; ``data`` for the recall documents).
+            ``recall_docs``; ``data`` for the recall documents; ``probes``;
+            ``model.focus.window`` for the loss by distance).
         valid_set: the validation split (each data-parallel rank reads its own slice).
         tokenizer: the run's tokenizer (to build the recall documents).
         layout: the run's parallel layout.
@@ -34,6 +41,7 @@ class Validator:
     Attributes:
         last_loss: the most recent validation loss, or ``None``.
         last_recall: the most recent recall scores (:func:`recall_metrics`), or ``None``.
+        last_scalars: everything the most recent validation measured, or ``None``.
     """
 
     def __init__(
@@ -48,9 +56,14 @@ class Validator:
         self.interval, self.iters, self.steps = train.eval_interval, train.eval_iters, train.steps
         self.micro_batch_size = train.micro_batch_size
         self.valid_set, self.layout, self.device = valid_set, layout, device
+        self.window, self.eod = config.model.focus.window, tokenizer.eod
         self.last_loss: float | None = None
         self.last_recall: dict[str, float] | None = None
+        self.last_scalars: dict[str, float] | None = None
         self.recall: RecallBatch | None = None
+        self.probes: list[ProbeBatch] = []
+        if config.probes.lengths:
+            self.probes = probe_batches(tokenizer, config.probes, config.run.seed)
         demo = all(is_demo_source(s) for s in config.data.sources)
         if self.interval and train.recall_docs and demo:
             self.recall = recall_batch(
@@ -69,13 +82,28 @@ class Validator:
         return bool(self.interval) and (step % self.interval == 0 or step == self.steps)
 
     @torch.no_grad()
-    def run(self, model) -> dict[str, float]:
+    def run(self, model, during_loss: AbstractContextManager | None = None) -> dict[str, float]:
         """Validate ``model`` (the model's inference mode; training mode restored after):
-        ``loss``, ``ppl`` and, on the demo corpus, the recall scores of :data:`RECALL_KEYS`."""
+        ``loss``, ``ppl``, ``loss_beyond_window``, ``loss_far_evidence`` (and the share of
+        tokens each covers), the probe scores (:func:`probe_metrics`) and, on the demo
+        corpus, the recall scores of :data:`RECALL_KEYS`. ``during_loss`` is entered around
+        the validation-split forwards only (e.g. hooks that measure the pattern there)."""
         model.eval()
         try:
-            self.last_loss = self.loss(model)
-            scalars = {"loss": self.last_loss, "ppl": math.exp(min(self.last_loss, 50))}
+            with during_loss or nullcontext():
+                scalars = self.loss_by_distance(model)
+            self.last_loss = scalars["loss"]
+            if self.probes:
+                scalars.update(
+                    probe_metrics(
+                        model,
+                        self.probes,
+                        self.window,
+                        self.micro_batch_size,
+                        self.device,
+                        self.layout.context_parallel_group,
+                    )
+                )
             if self.recall is not None:
                 self.last_recall = recall_metrics(
                     model,
@@ -87,11 +115,12 @@ class Validator:
                 scalars.update({k: self.last_recall[k] for k in RECALL_KEYS})
         finally:
             model.train()
+        self.last_scalars = scalars
         return scalars
 
-    def loss(self, model) -> float:
-        """Mean loss over ``eval_iters`` micro-batches per data-parallel rank, averaged over
-        the data-parallel ranks."""
+    def loss_by_distance(self, model) -> dict[str, float]:
+        """Mean loss over ``eval_iters`` micro-batches per data-parallel rank (all ranks'
+        tokens), and on the :func:`distance_masks` subsets."""
         layout = self.layout
         sampler = ResumableSampler(
             len(self.valid_set),
@@ -108,10 +137,41 @@ class Validator:
             leave=False,
             disable=not layout.is_main,
         )
-        losses = []
+        sums = torch.zeros(3, 2, dtype=torch.float64)  # (all, beyond, far) x (loss sum, count)
         for i, batch in enumerate(batches):
             if i == self.iters:
                 break
-            batch = batch_to(batch, self.device)
-            losses.append(micro_batch_loss(model, batch, layout.context_parallel_group)[1])
-        return group_mean(torch.stack(losses).mean(), layout.data_parallel_group)
+            valid = batch["loss_mask"] > 0  # [b, s]
+            labels = batch["labels"].masked_fill(~valid, self.eod)  # padding: any valid id
+            loss, _ = token_scores(
+                model,
+                batch["tokens"],
+                labels,
+                self.micro_batch_size,
+                self.device,
+                layout.context_parallel_group,
+            )  # [b, s]
+            masks = distance_masks(batch["tokens"], labels, self.window, self.eod)
+            for row, mask in enumerate((valid, masks["beyond_window"], masks["far_evidence"])):
+                mask = mask & valid
+                sums[row] += torch.stack([loss[mask].sum(), mask.sum().double()])
+        sums = sums.to(self.device)
+        dist.all_reduce(sums, group=layout.data_parallel_group)
+        sums = sums.cpu()
+        loss = float(sums[0, 0] / sums[0, 1].clamp(min=1))
+
+        def mean(row: int) -> float:
+            return float(sums[row, 0] / sums[row, 1]) if sums[row, 1] > 0 else float("nan")
+
+        return {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50)),
+            "loss_beyond_window": mean(1),
+            "loss_far_evidence": mean(2),
+            "beyond_window_share": float(sums[1, 1] / sums[0, 1].clamp(min=1)),
+            "far_evidence_share": float(sums[2, 1] / sums[0, 1].clamp(min=1)),
+        }
+
+    def loss(self, model) -> float:
+        """Mean validation loss (see :meth:`loss_by_distance`)."""
+        return self.loss_by_distance(model)["loss"]

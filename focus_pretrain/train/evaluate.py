@@ -1,0 +1,201 @@
+"""Evaluating a checkpoint outside training: load it, validate it, measure its pattern.
+
+:func:`load_checkpoint_model` builds the Megatron model of a checkpoint in this process group
+(any tensor-parallel size: shards are merged and re-cut, see
+:func:`~focus_pretrain.convert.checkpoint_state.megatron_state_dict`; context parallelism
+installed when ``parallel.context_parallel_size > 1``). :func:`evaluate_checkpoint` runs the
+trainer's :class:`~focus_pretrain.train.validate.Validator` on it (loss, loss by distance,
+retrieval probes, demo recall), optionally on another corpus (``data.sources`` override: the
+checkpoint's own tokenizer is kept) or another inference pattern (``model.focus.top_k``, ...),
+and measures the hard pattern's kept-pair fraction on the validation tokens.
+``tools/evaluate.py`` is the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from focus_pretrain.config import Config, config_to_dict, load_config
+from focus_pretrain.convert.checkpoint_state import megatron_state_dict
+from focus_pretrain.convert.hf_export import resolve_checkpoint
+from focus_pretrain.data.datasets import build_datasets, prepare_data, tokenizer_path_for
+from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.focus import FocusRouter, Routing, pattern_density
+from focus_pretrain.model import build_model
+from focus_pretrain.parallel.context_parallel import apply_context_parallel
+from focus_pretrain.parallel.launch import ParallelLayout
+from focus_pretrain.train.validate import Validator
+
+
+@dataclass
+class EvalModel:
+    """A checkpoint's model ready to evaluate.
+
+    Attributes:
+        model: the Megatron ``GPTModel`` (this rank's shard), in ``eval()`` mode.
+        config: the resolved config (the checkpoint's, with the caller's overrides).
+        tokenizer: the checkpoint's tokenizer, or ``None`` when its file is gone.
+        device: where the model lives.
+        layout: the process grid.
+        checkpoint: the checkpoint directory.
+    """
+
+    model: torch.nn.Module
+    config: Config
+    tokenizer: Tokenizer | None
+    device: torch.device
+    layout: ParallelLayout
+    checkpoint: Path
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_checkpoint_model(
+    checkpoint: str | os.PathLike, overrides: Sequence[str] = ()
+) -> EvalModel:
+    """The model of ``checkpoint`` (a checkpoint or run directory) with ``overrides``
+    (``section.key=value``) applied to its config.
+
+    In a lone process the checkpoint's tensor and context parallelism default to 1 (pass
+    ``parallel.*`` overrides and launch with ``torchrun`` to evaluate sharded). Data
+    overrides keep the checkpoint's tokenizer unless ``data.tokenizer`` is given.
+
+    Raises:
+        FileNotFoundError: no checkpoint there (the message says what a checkpoint is).
+        ValueError: a bad override, or a checkpoint that does not fit the model.
+    """
+    ckpt = resolve_checkpoint(checkpoint)
+    trained = load_config(ckpt / "config.yaml", [])
+    extra = list(overrides)
+    if _world_size() == 1 and not any(o.strip().startswith("parallel.") for o in extra):
+        extra = ["parallel.tensor_parallel_size=1", "parallel.context_parallel_size=1", *extra]
+    if not any(o.strip().startswith("data.tokenizer=") for o in extra):
+        token_file = tokenizer_path_for(trained.data, trained.run.seed)
+        extra.append(f"data.tokenizer={token_file}")
+    config = load_config(ckpt / "config.yaml", extra)
+    layout = ParallelLayout.initialize(config.parallel, config.run.seed)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    state, _ = megatron_state_dict(ckpt, layout.tensor_parallel_size, tp_rank)
+    dtype = torch.bfloat16 if config.train.precision == "bf16" and device.type == "cuda" else None
+    model = build_model(config.model)
+    if layout.context_parallel_group is not None:
+        apply_context_parallel(model, layout.context_parallel_group, config.parallel.cp_mode)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(
+            f"{ckpt} does not fit the model its config.yaml describes: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (overrides that change the architecture are not "
+            "allowed when loading a checkpoint)"
+        )
+    model.to(device=device, dtype=dtype).eval()
+    token_file = Path(config.data.tokenizer)
+    tokenizer = Tokenizer(token_file) if token_file.exists() else None
+    return EvalModel(model, config, tokenizer, device, layout, ckpt)
+
+
+class DensityMeter:
+    """While entered, forward hooks on every :class:`FocusRouter` of ``model`` record the hard
+    pattern's kept-pair fraction (:func:`pattern_density`: ``top_k`` groups, the window's
+    pairs included) of every routed sequence; :meth:`mean` averages over layers and
+    sequences. Only meaningful without context parallelism (a router sees whole sequences)."""
+
+    def __init__(self, model: torch.nn.Module, top_k: int, window: int) -> None:
+        self.model, self.top_k, self.window = model, top_k, window
+        self.values: list[float] = []
+        self.handles: list = []
+
+    def __enter__(self) -> DensityMeter:
+        routers = [m for m in self.model.modules() if isinstance(m, FocusRouter)]
+        self.handles = [m.register_forward_hook(self._hook) for m in routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _hook(self, module, args, routing: Routing) -> None:
+        member = routing.membership(self.top_k)  # [b, s] group bits
+        self.values += pattern_density(member, self.window).tolist()
+
+    def mean(self) -> float | None:
+        """Mean kept-pair fraction, ``None`` before any forward."""
+        return sum(self.values) / len(self.values) if self.values else None
+
+
+def evaluate_checkpoint(
+    checkpoint: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    out: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Validate ``checkpoint`` (see :func:`load_checkpoint_model` for ``overrides``): the
+    :class:`Validator`'s scalars over ``train.eval_iters`` micro-batches of the validation
+    split of ``data.sources``, plus ``kept_pairs`` (hard-pattern density on those tokens, a
+    Focus model in hard mode without context parallelism; else absent).
+
+    Returns ``{"checkpoint", "step", "overrides", "metrics", "config"}``; rank 0 writes it as
+    JSON to ``out`` when given.
+    """
+    loaded = load_checkpoint_model(checkpoint, overrides)
+    config, layout = loaded.config, loaded.layout
+    if loaded.tokenizer is None:
+        raise FileNotFoundError(
+            f"the tokenizer {config.data.tokenizer} of {loaded.checkpoint} is gone; pass "
+            "--set data.tokenizer=PATH (the .model the run was trained with)"
+        )
+    train = replace(config.train, eval_interval=max(config.train.eval_interval, 1))
+    config = replace(config, train=train)
+    if layout.is_main:
+        prepare_data(config.data, config.run.seed)
+    dist.barrier()
+    _, prefixes = prepare_data(config.data, config.run.seed)
+    per_step = train.micro_batch_size * layout.data_parallel_size
+    _, valid_set = build_datasets(
+        config.data,
+        loaded.tokenizer,
+        prefixes,
+        per_step,
+        max(1, train.eval_iters * per_step),
+        config.run.seed,
+    )
+    validator = Validator(config, valid_set, loaded.tokenizer, layout, loaded.device)
+    focus = config.model.focus
+    meter = None
+    hard = focus.enabled and not focus.window_only and focus.inference_mode == "hard"
+    if hard and layout.context_parallel_group is None:
+        meter = DensityMeter(loaded.model, focus.top_k, focus.window)
+    metrics = validator.run(loaded.model, meter)
+    loaded.model.eval()
+    if meter is not None:
+        metrics["kept_pairs"] = meter.mean()
+    step = int(loaded.checkpoint.name.rpartition("_")[2]) if "_" in loaded.checkpoint.name else None
+    result = {
+        "checkpoint": str(loaded.checkpoint),
+        "step": step,
+        "overrides": list(overrides),
+        "metrics": metrics,
+        "config": config_to_dict(config),
+    }
+    if out is not None and layout.is_main:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,45 @@
+"""Evaluate a checkpoint: validation loss, loss by distance, retrieval probes, recall, and
+the hard pattern's kept-pair fraction; prints a table and JSON (``--out`` writes it).
+
+    python tools/evaluate.py --checkpoint runs/tiny
+    python tools/evaluate.py --checkpoint runs/tiny --set model.focus.top_k=2
+    python tools/evaluate.py --checkpoint runs/tiny --set 'probes.lengths=[512]' --out e.json
+    python tools/evaluate.py --checkpoint runs/a --set 'data.sources=["other.jsonl"]'
+    torchrun --nproc-per-node 2 tools/evaluate.py --checkpoint runs/long \\
+        --set parallel.context_parallel_size=2          (context parallel: long probes)
+
+``--set`` overrides the checkpoint's config (``data.sources`` evaluates another corpus with
+the checkpoint's tokenizer; ``model.focus.*`` changes the inference pattern).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from focus_pretrain.train.evaluate import evaluate_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    parser.add_argument("--out", help="write the result as JSON to this file")
+    args = parser.parse_args()
+    result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(f"checkpoint {result['checkpoint']}")
+    for key, value in result["metrics"].items():
+        shown = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else value
+        print(f"  {key:<34} {shown if isinstance(shown, str) else f'{shown:.4f}'}")
+    print(json.dumps({"checkpoint": result["checkpoint"], "metrics": result["metrics"]}))
+
+
+if __name__ == "__main__":
+    main()
