@@ -12,6 +12,7 @@ from pathlib import Path
 
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
+from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
 
@@ -21,8 +22,9 @@ class DataConfig:
     """The ``data:`` section of a recipe.
 
     Attributes:
-        sources: corpora; each is a token-file prefix (``PREFIX.idx`` exists), ``demo[:N]``, a
-            local file/glob/directory, or a hub name; non-prefixes are tokenised once into
+        sources: corpora; each is a token-file prefix (``PREFIX.idx`` exists), ``demo[:N]``,
+            ``pystdlib[:N]`` (the Python standard library's sources), a local
+            file/glob/directory, or a hub name; non-prefixes are tokenised once into
             ``cache_dir``.
         weights: blend weights, one per source (``None``: proportional to size).
         tokenizer: a SentencePiece ``.model``; ``None`` trains one on the first source
@@ -85,6 +87,8 @@ def _slug(source: str) -> str:
 def _source_slug(source: str, seed: int, spec: DemoSpec) -> str:
     if is_demo_source(source):  # the demo also depends on seed and spec
         return _slug(f"{source}-seed{seed}-{spec.pairs}x{spec.values}x{spec.filler_sentences}")
+    if is_stdlib_source(source):
+        return _slug(stdlib_cache_key(source))
     return _slug(source)
 
 

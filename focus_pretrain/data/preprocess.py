@@ -4,6 +4,8 @@ indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``).
 Sources (:func:`load_texts`):
 
 * ``demo`` or ``demo:N``: the embedded demo corpus (N documents, default 2000);
+* ``pystdlib`` or ``pystdlib:N``: the Python standard library's source files (a real local
+  corpus, :mod:`focus_pretrain.data.stdlib_corpus`);
 * a local ``.jsonl``/``.json`` (a ``text`` field per record), ``.parquet`` or ``.txt`` file, a
   glob of them, or a directory of them (one ``.txt`` file is one document);
 * anything else is a HuggingFace hub dataset name (needs a machine that is online).
@@ -22,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents, is_demo_source
+from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_documents
 from focus_pretrain.data.tokenizer import Tokenizer
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -41,6 +44,8 @@ def load_texts(
         count = int(source.partition(":")[2] or DEFAULT_DEMO_DOCUMENTS)
         documents = list(demo_documents(count, seed, demo_spec))
         return datasets.Dataset.from_dict({"text": documents})
+    if is_stdlib_source(source):
+        return datasets.Dataset.from_dict({"text": stdlib_documents(source)})
     files = _local_files(source)
     if files is None:  # not a local path: a hub dataset
         dataset = datasets.load_dataset(source, split="train")

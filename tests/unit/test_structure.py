@@ -23,7 +23,7 @@ ALLOWED = {
     "config": {"focus", "model", "data", "parallel"},
     "convert": {"focus", "model", "data", "config"},
     "train": {"focus", "model", "parallel", "data", "config", "convert"},
-    "experiments": {"config", "train"},
+    "experiments": {"config", "train", "data"},
     "bench": {"focus", "convert"},  # attention kernels; the export's decode
 }
 

@@ -1,4 +1,4 @@
-"""Experiments that orchestrate several training runs (above the trainer).
+"""Focus against its window-only twin on the demo corpus.
 
 :func:`compare_with_window_twin` is the demo's claim: Focus reaches the recalled definitions
 beyond the window, and its window-only twin (same recipe, same seed, no router) cannot.
