@@ -238,15 +238,15 @@ def run_experiment(
     out.mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     runs = _Runs(spec, out, threads, list(extra))
-    # data (tokenizers, token files) once, before runs race for it: every variant's sources
+    # data (tokenizers, token files) once, before runs race for it; a variant that names
+    # another variant's files is prepared by its own run (after that variant's)
     for variant in spec.variants:
-        sets = [o for o in runs.overrides(variant, spec.seeds[0]) if "{" not in o]
-        try:
-            config = load_config(spec.recipe, [s for s in sets if not _PLACEHOLDER.search(s)])
-        except (ValueError, FileNotFoundError):
-            continue  # it names another variant's files: prepared by that run
+        if _depends(spec, variant):
+            continue
+        sets = [*spec.overrides, *spec.variants[variant], *runs.extra]
         for seed in spec.seeds:
-            prepare_data(config.data, seed if _seeded(config.data.sources) else config.run.seed)
+            config = load_config(spec.recipe, [*sets, f"run.seed={seed}"])
+            prepare_data(config.data, config.run.seed)
     futures: dict[tuple[str, int], Future] = {}
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -296,10 +296,6 @@ def run_experiment(
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     (out / "results.md").write_text(table + "\n")
     return summary
-
-
-def _seeded(sources: list[str]) -> bool:
-    return any(s == "demo" or s.startswith("demo:") for s in sources)
 
 
 def _depends(spec: ExperimentSpec, variant: str) -> list[str]:
