@@ -10,6 +10,7 @@ converted from our SentencePiece model (or copied, for an HF tokenizer) and a ge
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -285,7 +286,11 @@ def export_hf(
         shutil.copyfile(MODELING_DIR / name, out / name)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, out)
-    (out / "focus_export.json").write_text(json.dumps({"checkpoint": str(ckpt)}, indent=1))
+    record = {"checkpoint": str(ckpt)}
+    if tokenizer is not None and tokenizer.hf is None:  # the .model the tokenizer.json encodes
+        digest = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
+        record["tokenizer_source"] = {"path": str(tokenizer.path), "sha256": digest}
+    (out / "focus_export.json").write_text(json.dumps(record, indent=1))
     return out
 
 

@@ -9,6 +9,7 @@ initialisation: they are what a retrofit trains.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -346,6 +347,11 @@ def check_tokenizer_matches(hf_dir: str | os.PathLike, tokenizer: str | os.PathL
     if not shipped.is_file():
         return  # nothing to compare with (a bare weights directory)
     chosen = None if tokenizer is None else Path(tokenizer)
+    record = Path(hf_dir) / "focus_export.json"  # our export of a SentencePiece-trained run
+    if chosen is not None and chosen.is_file() and record.is_file():
+        source = json.loads(record.read_text()).get("tokenizer_source")
+        if source and hashlib.sha256(chosen.read_bytes()).hexdigest() == source["sha256"]:
+            return  # the very .model the shipped tokenizer.json was rebuilt from
     if chosen is not None and chosen.is_dir():
         chosen = chosen / "tokenizer.json"
     if chosen is None or not chosen.is_file() or chosen.read_bytes() != shipped.read_bytes():

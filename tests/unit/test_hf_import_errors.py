@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 
 import pytest
 import torch
 
-from focus_pretrain.convert import hf_model_config, import_hf, load_hf_tensors
+from focus_pretrain.convert import (
+    check_tokenizer_matches,
+    hf_model_config,
+    import_hf,
+    load_hf_tensors,
+)
 from focus_pretrain.convert.families import Geometry, rules_for
 from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model
 
@@ -149,3 +155,23 @@ def test_key_maps_round_trip_exactly(tmp_path, model_type):
             torch.testing.assert_close(b, a, rtol=0, atol=tolerance, msg=rule.ours)
         covered.update(rule.hf)
     assert covered == set(tensors)  # every stored HF tensor has a rule
+
+
+def test_an_export_accepts_the_sentencepiece_model_its_tokenizer_was_rebuilt_from(tmp_path):
+    """Retrofitting our own export: its ``tokenizer.json`` was rebuilt from the run's
+    SentencePiece ``.model``, which ``focus_export.json`` records by hash; that file (and only
+    that file) is accepted as ``data.tokenizer``."""
+    source, other = tmp_path / "run.model", tmp_path / "other.model"
+    source.write_bytes(b"sentencepiece bytes of the run")
+    other.write_bytes(b"another tokenizer")
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "tokenizer.json").write_text("{}")
+    record = {"tokenizer_source": {"sha256": hashlib.sha256(source.read_bytes()).hexdigest()}}
+    (export / "focus_export.json").write_text(json.dumps(record))
+    check_tokenizer_matches(export, source)
+    check_tokenizer_matches(export, export)  # the shipped tokenizer itself
+    with pytest.raises(ValueError, match="ships its own tokenizer"):
+        check_tokenizer_matches(export, other)
+    with pytest.raises(ValueError, match="ships its own tokenizer"):
+        check_tokenizer_matches(export, None)
