@@ -56,13 +56,19 @@ ARCHITECTURE_FIELDS = (
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` of an HF checkpoint. Our own exports (``model_type: focus_<family>``)
+    read as their family: a dense export re-imports for a retrofit (routers start fresh)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist: point at a HuggingFace model directory (config.json plus "
             "*.safetensors), e.g. one written by save_pretrained"
         )
-    return json.loads(path.read_text())
+    hf = json.loads(path.read_text())
+    base = str(hf.get("model_type", "")).removeprefix("focus_")
+    if hf.get("model_type", "").startswith("focus_") and base in FAMILY_RULES:
+        hf["model_type"] = base  # our own export: its family's tensors plus routers (not loaded)
+    return hf
 
 
 def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:

@@ -113,3 +113,20 @@ def test_experiment_table_holds_each_runs_measurements(tmp_path):
     saved = json.loads((tmp_path / "exp" / "results.json").read_text())
     assert saved["values"] == summary["values"]
     assert (tmp_path / "exp" / "results.md").read_text().strip() == summary["table"]
+
+
+def test_our_export_reimports_as_its_family_for_a_retrofit(trained, tmp_path):
+    """E4 retrofits an exported dense model: the export (``model_type: focus_llama``) reads as
+    a Llama checkpoint whose architecture is the run's, with the run's own tokenizer file."""
+    from focus_pretrain.config import load_config
+    from focus_pretrain.convert import check_tokenizer_matches, export_hf, hf_model_config
+    from focus_pretrain.convert.hf_import import read_hf_config
+    from focus_pretrain.data.datasets import tokenizer_path_for
+
+    out = export_hf(trained, tmp_path / "hf")
+    assert read_hf_config(out)["model_type"] == "llama"
+    config = load_config(trained / "config.yaml", [])
+    imported = hf_model_config(out, focus=config.model.focus)
+    for field in ("family", "num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        assert getattr(imported, field) == getattr(config.model, field), field
+    check_tokenizer_matches(out, tokenizer_path_for(config.data, config.run.seed))
