@@ -26,11 +26,13 @@ def brute_force_focus(
     softcap: float | None = None,
     scale: float | None = None,
     local_only: bool = False,
+    sinks: int = 0,
 ) -> Tensor:
     """Focus attention as a scalar double loop over (i, j), written from the spec alone.
 
     Shares no code with the package. ``q [b, s, H, D]``, ``k/v [b, s, Hkv, D]``,
-    ``probs [b, s, K]``. Returns ``[b, s, H, D]`` float64.
+    ``probs [b, s, K]``; ``sinks``: keys ``j < sinks`` are treated like keys in the window.
+    Returns ``[b, s, H, D]`` float64.
     """
     b, s, h, d = q.shape
     group = h // k.shape[2]
@@ -49,7 +51,7 @@ def brute_force_focus(
             for i in range(s):
                 logits, keys = [], []
                 for j in range(i + 1):
-                    local = i - j <= window
+                    local = i - j <= window or j < sinks
                     bias = 0.0
                     if local_only:
                         if not local:

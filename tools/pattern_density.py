@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--sinks", type=int, default=0, help="always-visible first tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows to this JSON file")
     args = parser.parse_args()
@@ -35,7 +36,9 @@ def main() -> None:
         for k in args.groups:
             for top_k in (t for t in args.top_k if t <= k):
                 scores = torch.rand(1, n, k, generator=gen)  # [1, n, K] uniform: balanced
-                density = float(pattern_density(Routing(scores).membership(top_k), args.window))
+                density = float(
+                    pattern_density(Routing(scores).membership(top_k), args.window, args.sinks)
+                )
                 rows.append(
                     dict(
                         seq=n,

@@ -8,6 +8,8 @@ keys and values (GQA when ``heads_kv < heads``). Causal self-attention with the 
   differentiable in ``q``, ``k``, ``v`` and the routing's soft assignments.
 * ``mode="hard"`` (inference): the window plus pairs whose ``top_k`` groups intersect.
 * ``local_only=True``: a sliding-window layer (interleaved local/global models); no routing.
+* ``sinks=S``: attention sinks, the first ``S`` positions visible to every query in any of
+  these (no gate on them in soft mode); every backend computes them exactly.
 
 Every backend computes exactly the same function; ``backend="auto"`` picks the fastest exact
 one for the request (:func:`select_backend`). Backends:
@@ -54,6 +56,7 @@ class AttentionRequest:
         local_only: a sliding-window layer; window: the local window.
         softcap: whether Gemma-2 soft-capping is on.
         needs_grad: whether autograd will differentiate through the call.
+        sinks: attention sinks (every built-in backend is exact for any number).
     """
 
     device: str
@@ -69,6 +72,7 @@ class AttentionRequest:
     window: int
     softcap: bool
     needs_grad: bool
+    sinks: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ class Backend:
     Attributes:
         name: what ``backend=`` selects.
         fn: ``fn(q, k, v, *, probs, member, window, mode, gate_lambda, softcap, scale,
-            local_only) -> (out [b, s, H, D], lse [b, s, H] fp32)``.
+            local_only, sinks) -> (out [b, s, H, D], lse [b, s, H] fp32)``; ``sinks`` is passed
+            only when non-zero.
         priority: ``priority(request) -> int | None``: ``None`` when the backend cannot run the
             :class:`AttentionRequest` exactly; otherwise ``auto`` picks the highest.
     """
@@ -112,7 +117,7 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
     if chosen.priority(request) is None:
         raise ValueError(
             f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
-            f"local_only={request.local_only}, softcap={request.softcap}, "
+            f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
             f"needs_grad={request.needs_grad} on {request.device} with {request.dtype}; "
             "use backend='auto'"
         )
@@ -135,6 +140,7 @@ def focus_attention(
     local_only: bool = False,
     return_lse: bool = False,
     check_finite: bool = True,
+    sinks: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal Focus attention.
 
@@ -153,6 +159,8 @@ def focus_attention(
         local_only: sliding-window-only layer.
         return_lse: also return the per-query log-sum-exp ``[batch, seq, heads]`` (fp32).
         check_finite: raise ``ValueError`` on NaN/inf inputs (a device sync on GPU).
+        sinks: attention sinks ``S >= 0``: keys at positions ``< S`` are attended by every
+            (later) query, with no gate in soft mode, also in ``local_only`` layers.
 
     Returns:
         ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
@@ -178,6 +186,7 @@ def focus_attention(
         local_only=local_only,
         check_finite=check_finite,
     )
+    check_int("sinks", sinks, low=0)
     member = None
     if local_only:
         probs = None
@@ -199,8 +208,10 @@ def focus_attention(
         softcap=softcap is not None,
         needs_grad=torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
+        sinks=sinks,
     )
     chosen = select_backend(backend, request)
+    extra = {"sinks": sinks} if sinks else {}  # sinks = 0: the call of a plain pattern
     out, lse = chosen.fn(
         q,
         k,
@@ -213,6 +224,7 @@ def focus_attention(
         softcap=softcap,
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         local_only=local_only,
+        **extra,
     )
     return (out, lse) if return_lse else out
 

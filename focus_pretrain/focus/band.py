@@ -1,15 +1,19 @@
-"""The local band in ``O(n w)`` and the log-sum-exp merge of partial attentions (plain PyTorch).
+"""The local band in ``O(n w)``, the sink keys in ``O(n S)`` and the log-sum-exp merge of partial
+attentions (plain PyTorch).
 
 The decomposition of hard Focus attention (:mod:`focus_pretrain.focus.decomposed`) splits the
-pattern into two disjoint parts, computed separately and merged exactly:
+pattern into disjoint parts, computed separately and merged exactly:
 
 * A, pairs that share a group (causal): attention inside the group-sorted layout;
-* B, the **cross-group local band**: ``0 <= i - j <= window`` and the groups do not intersect.
+* B, the **cross-group local band**: ``0 <= i - j <= window`` and the groups do not intersect;
+* C, with ``sinks = S > 0``, the **sink-only pairs**: keys ``j < S`` beyond the window whose
+  groups do not intersect the query's (:func:`~focus_pretrain.focus.pattern.sink_only_pairs`).
 
 :func:`band_attention` computes B (or the whole window of a sliding-window layer) block by block:
 the queries of block ``[t, t + B)`` against keys ``[t - window, t + B)``, all blocks of a chunk
-in one batched matmul, so time and memory are ``O(n (B + w))``. :func:`merge_by_lse` combines
-partial results ``(out, lse)`` of disjoint key sets into the attention over their union.
+in one batched matmul, so time and memory are ``O(n (B + w))``. :func:`sink_attention` computes C
+(every query against the first ``S`` keys, masked). :func:`merge_by_lse` combines partial results
+``(out, lse)`` of disjoint key sets into the attention over their union.
 
 Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 ``h // (heads / heads_kv)``.
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local
+from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local, sink_only_pairs
 from focus_pretrain.focus.reference import softmax_with_lse
 
 DEFAULT_BAND_BLOCK = 64
@@ -97,6 +101,87 @@ def band_attention(
     out = torch.cat(outs, dim=1)[:, :n]
     lse = torch.cat(lses, dim=1)[:, :n]
     return out.to(q.dtype), lse
+
+
+def sink_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    sinks: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None = None,
+    max_scores: int = MAX_BAND_SCORES,
+) -> tuple[Tensor, Tensor]:
+    """Each query against the sink keys that neither the window nor its groups give it.
+
+    Args:
+        q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
+        window: ``w >= 0``; sinks: ``S >= 0`` (keys at positions ``< S``).
+        scale, softcap: as in :func:`focus_pretrain.focus.focus_attention`.
+        member: ``[b, n]`` int64 bitmasks (hard pattern: pairs sharing a group are left to the
+            same-group part); ``None`` for a sliding-window layer.
+        max_scores: bound on the scores materialised at once (chunks of query rows).
+
+    Returns:
+        ``(out [b, n, H, D] in q.dtype, lse [b, n, H] at least fp32)``; queries with no such
+        key (every query at a position ``<= w``) get ``out = 0``, ``lse = -inf``.
+    """
+    b, n, h, d = q.shape
+    hkv = k.shape[2]
+    s = min(sinks, n)
+    out = torch.zeros_like(q)  # [b, n, H, D]
+    lse = torch.full((b, n, h), float("-inf"), dtype=at_least_fp32(q).dtype, device=q.device)
+    first = min(n, window + 1)  # queries at positions <= w reach every sink inside the window
+    if s == 0 or first == n:
+        return out, lse
+    positions = torch.arange(n, device=q.device)
+    k_s, v_s = at_least_fp32(k[:, :s]), at_least_fp32(v[:, :s])  # [b, S, Hkv, D]
+    q5 = at_least_fp32(q).reshape(b, n, hkv, h // hkv, d)  # [b, n, Hkv, G, D]
+    rows = max(1, max_scores // max(1, b * h * s))
+    for r0 in range(first, n, rows):  # chunks of query rows bound the memory
+        r1 = min(n, r0 + rows)
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", q5[:, r0:r1], k_s) * scale  # [b,Hkv,G,r,S]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        allowed = sink_only_pairs(
+            positions[r0:r1],
+            positions[:s],
+            window,
+            sinks,
+            member_q=None if member is None else member[:, r0:r1],
+            member_k=None if member is None else member[:, :s],
+        )  # [b|1, r, S]
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        weights, part_lse = softmax_with_lse(scores)  # [b, Hkv, G, r, S], [b, Hkv, G, r]
+        part = torch.einsum("bhgqk,bkhd->bqhgd", weights, v_s)  # [b, r, Hkv, G, D]
+        out[:, r0:r1] = part.reshape(b, r1 - r0, h, d).to(q.dtype)  # [b, r, H, D]
+        lse[:, r0:r1] = part_lse.permute(0, 3, 1, 2).reshape(b, r1 - r0, h)  # [b, r, H]
+    return out, lse
+
+
+def with_sinks(
+    result: tuple[Tensor, Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    sinks: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``result`` (the pattern's other parts, ``(out [b, n, H, D], lse [b, n, H])``) merged with
+    the sink-only part of :func:`sink_attention`; ``result`` itself when that part is empty."""
+    if not sinks or window + 1 >= q.shape[1]:  # every query reaches the sinks in its window
+        return result
+    extra = sink_attention(
+        q, k, v, window=window, sinks=sinks, scale=scale, softcap=softcap, member=member
+    )
+    return merge_by_lse(result, extra)
 
 
 def merge_by_lse(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

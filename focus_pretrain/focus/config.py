@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-BALANCE_MODES = ("causal", "sinkhorn")
+BALANCE_MODES = ("causal", "sinkhorn", "none")
 ATTENTION_MODES = ("soft", "hard")
 BACKEND_NAMES = ("auto", "reference", "decomposed", "flex")  # attention.py registers the last 3
 TRAINING_BACKENDS = ("auto", "reference", "flex")  # the soft gate (decomposed: inference only)
@@ -28,8 +28,9 @@ class FocusConfig:
         group_dim: ``d_g``, the router's projection width.
         window: ``w``; a query ``i`` always sees keys ``j`` with ``0 <= i - j <= w``.
         tau: routing temperature: logits are ``<W_g h, c_k> / tau``.
-        balance: ``"causal"`` (default; per-token softmax plus non-gradient balance offsets) or
-            ``"sinkhorn"`` (paper-faithful, over the sequence, *not causal*).
+        balance: ``"causal"`` (default; per-token softmax plus non-gradient balance offsets),
+            ``"sinkhorn"`` (paper-faithful, over the sequence, *not causal*) or ``"none"``
+            (plain per-token softmax, no balancing: the ablation that may collapse).
         sinkhorn_iters: log-domain Sinkhorn iterations (``sinkhorn`` routing and the causal
             mode's load target).
         balance_rate: step of the balance offsets toward the batch's Sinkhorn column
@@ -50,6 +51,11 @@ class FocusConfig:
             exact one for each call), ``"reference"`` or ``"flex"``.
         inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
             ``"flex"`` or ``"decomposed"`` (hard top-1 only).
+        sinks: ``S >= 0`` attention sinks (StreamingLLM): the first ``S`` tokens of every
+            sequence (positions ``0 .. S-1``) are visible to every later query, in both patterns
+            (no gate on them in the soft one), like keys inside the window; ``S`` extra keys per
+            query. Focus layers and the ``window_only`` twin take them; a family's own
+            sliding-window layers do not. ``0`` (default) is the plain pattern.
     """
 
     enabled: bool = True
@@ -68,11 +74,13 @@ class FocusConfig:
     window_only: bool = False
     backend: str = "auto"
     inference_backend: str = "auto"
+    sinks: int = 0
 
     def __post_init__(self) -> None:
         check_int("focus.num_groups", self.num_groups, low=1, high=MAX_GROUPS)
         check_int("focus.group_dim", self.group_dim, low=1)
         check_int("focus.window", self.window, low=0)
+        check_int("focus.sinks", self.sinks, low=0)
         check_int("focus.sinkhorn_iters", self.sinkhorn_iters, low=1)
         check_int("focus.top_k", self.top_k, low=1, high=self.num_groups, high_name="num_groups")
         check_positive("focus.tau", self.tau)

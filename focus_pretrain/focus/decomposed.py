@@ -7,9 +7,12 @@ With ``top_k = 1`` the hard pattern is the disjoint union of
   contiguous segment in causal order, and A is ordinary causal attention inside each segment:
   **one varlen call** over all segments of the batch (cost ``~ n^2 / K``);
 * B, the cross-group local band (``O(n w)``, :func:`~focus_pretrain.focus.band.band_attention`),
+* C, with attention sinks, the sink keys neither A nor B covers (``O(n S)``,
+  :func:`~focus_pretrain.focus.band.sink_attention`),
 
 merged per query by log-sum-exp (exact: the parts are disjoint and their union is the pattern),
-then unsorted. No Python loop over groups or samples.
+then unsorted. No Python loop over groups or samples. A sliding-window layer is B without the
+group test, plus C.
 
 The varlen call, best first: ``flash_attn_varlen_func`` (CUDA, when ``flash-attn`` is
 importable; the only path that also takes Gemma-2's soft-capping), FlexAttention with a document
@@ -30,7 +33,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.focus import flex
-from focus_pretrain.focus.band import band_attention, merge_by_lse
+from focus_pretrain.focus.band import band_attention, merge_by_lse, with_sinks
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 
@@ -52,18 +55,21 @@ def decomposed_attention(
     softcap: float | None,
     scale: float,
     local_only: bool,
+    sinks: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Hard top-1 (or sliding-window) Focus attention; see the module docstring.
 
     Args:
         q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
         member: ``[b, n]`` int64 one-bit memberships (hard mode, ``top_k = 1``).
+        sinks: attention sinks (the first ``sinks`` positions, visible to every query).
 
     Returns:
         ``(out [b, n, H, D], lse [b, n, H] fp32)``.
     """
     if local_only:
-        return _band(q, k, v, window=window, scale=scale, softcap=softcap, member=None)
+        result = _band(q, k, v, window=window, scale=scale, softcap=softcap, member=None)
+        return with_sinks(result, q, k, v, window=window, sinks=sinks, scale=scale, softcap=softcap)
     if mode != "hard" or member is None:
         raise ValueError("the decomposed backend computes hard top-1 attention only")
     layout = GroupSortedLayout.build(member)
@@ -71,7 +77,9 @@ def decomposed_attention(
     out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)
     same_group = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
     cross_band = _band(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
-    return merge_by_lse(same_group, cross_band)
+    result = merge_by_lse(same_group, cross_band)
+    kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap, member=member)
+    return with_sinks(result, q, k, v, **kwargs)
 
 
 def _band(q, k, v, *, window, scale, softcap, member) -> tuple[Tensor, Tensor]:

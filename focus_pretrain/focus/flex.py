@@ -12,10 +12,12 @@
   Block masks are built from per-block summaries (``O(n / B)`` work per block row; no ``n x n``
   pair evaluation).
 * **soft** (training): one causal call whose ``score_mod`` adds the gate
-  ``log sigmoid(lambda (g_i . g_j - 1/2))`` to pairs beyond the window, reading the soft
-  assignments ``[K, b, n]`` by index: nothing ``n x n`` is materialised, and on GPU the gradient
-  flows to ``q``, ``k``, ``v`` and the assignments.
+  ``log sigmoid(lambda (g_i . g_j - 1/2))`` to pairs beyond the window (sink keys excepted),
+  reading the soft assignments ``[K, b, n]`` by index: nothing ``n x n`` is materialised, and on
+  GPU the gradient flows to ``q``, ``k``, ``v`` and the assignments.
 * **local only**: one sliding-window call.
+* **sinks** (hard and local only): the sink keys neither the window nor the groups cover are a
+  third part, :func:`~focus_pretrain.focus.band.sink_attention` (``O(n S)``), merged likewise.
 
 On CUDA ``flex_attention`` is compiled (Triton kernels that skip the blocks the mask leaves out).
 On CPU it runs eagerly: exact and forward-only (PyTorch has no CPU FlexAttention backward), and
@@ -40,7 +42,7 @@ try:  # PyTorch >= 2.9 asks for auxiliary outputs this way (return_lse is deprec
 except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.band import merge_by_lse, with_sinks
 from focus_pretrain.focus.pattern import member_bits
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
@@ -262,9 +264,11 @@ def soft(
     gate_lambda: float,
     scale: float,
     softcap: float | None,
+    sinks: int = 0,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
-    """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``."""
+    """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``,
+    applied beyond the window to keys that are not sinks (positions ``>= sinks``)."""
     g = probs.float().permute(2, 0, 1).contiguous()  # [b, n, K] -> [K, b, n]
     num_groups = g.shape[0]
 
@@ -276,7 +280,10 @@ def soft(
             affinity = affinity + g[c, b, q_idx] * g[c, b, kv_idx]
         x = gate_lambda * (affinity - 0.5)
         gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
-        return score + torch.where(q_idx - kv_idx > window, gate, torch.zeros_like(gate))
+        gated = q_idx - kv_idx > window
+        if sinks:
+            gated = gated & (kv_idx >= sinks)
+        return score + torch.where(gated, gate, torch.zeros_like(gate))
 
     mask = causal_block_mask(q.shape[1], q.device, block)
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)
@@ -295,11 +302,16 @@ def flex_focus_attention(
     softcap: float | None,
     scale: float,
     local_only: bool,
+    sinks: int = 0,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): ``[b, n, H, D]``."""
+    sink_kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap)
     if local_only:
-        return band(q, k, v, window=window, scale=scale, softcap=softcap, member=None, block=block)
+        result = band(
+            q, k, v, window=window, scale=scale, softcap=softcap, member=None, block=block
+        )
+        return with_sinks(result, q, k, v, **sink_kwargs)
     if mode == "soft":
         return soft(
             q,
@@ -310,6 +322,7 @@ def flex_focus_attention(
             gate_lambda=gate_lambda,
             scale=scale,
             softcap=softcap,
+            sinks=sinks,
             block=block,
         )
     layout = GroupSortedLayout.build(member)
@@ -317,4 +330,4 @@ def flex_focus_attention(
     out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
     cross = band(q, k, v, window=window, scale=scale, softcap=softcap, member=member, block=block)
-    return merge_by_lse(shared, cross)
+    return with_sinks(merge_by_lse(shared, cross), q, k, v, member=member, **sink_kwargs)

@@ -2,17 +2,24 @@
 
 A query at position ``i`` may attend a key at position ``j`` when::
 
-    j <= i  and  ( i - j <= window   or   shares_group(i, j) )
+    j <= i  and  ( i - j <= window   or   j < sinks   or   shares_group(i, j) )
+
+``sinks`` (``S``, default 0) are attention sinks: the first ``S`` positions of the sequence are
+always visible, like keys inside the window (:func:`causal_and_local`).
 
 * **hard** (inference): ``shares_group`` is "the top-k group sets of ``i`` and ``j`` intersect",
   tested on int64 membership bitmasks (one bit per group). Disallowed pairs get ``-inf``.
-* **soft** (training): every causal pair is allowed; pairs beyond the window get the additive
-  log-space gate ``log sigmoid(lambda * (g_i . g_j - 1/2))`` on their (soft-capped) score, where
-  ``g`` are the soft group assignments. As ``lambda -> inf`` the gate tends to ``0`` when
-  ``g_i . g_j > 1/2`` and to ``-inf`` when ``g_i . g_j < 1/2``: with near one-hot assignments,
-  exactly the hard top-1 mask.
+* **soft** (training): every causal pair is allowed; pairs beyond the window (and not a sink)
+  get the additive log-space gate ``log sigmoid(lambda * (g_i . g_j - 1/2))`` on their
+  (soft-capped) score, where ``g`` are the soft group assignments. As ``lambda -> inf`` the gate
+  tends to ``0`` when ``g_i . g_j > 1/2`` and to ``-inf`` when ``g_i . g_j < 1/2``: with near
+  one-hot assignments, exactly the hard top-1 mask.
 * **local only** (the sliding-window layers of interleaved local/global models): only
-  ``0 <= i - j <= window``; no routing.
+  ``0 <= i - j <= window`` (and the sinks); no routing.
+
+The fast backends split the hard pattern into disjoint parts merged by log-sum-exp: pairs that
+share a group, the cross-group local band, and :func:`sink_only_pairs` (the sink keys neither
+of the others covers).
 
 Positions are explicit so that the same functions serve a whole sequence, a block of it, or
 the shards of a context-parallel run. Every attention backend must compute this pattern.
@@ -71,14 +78,45 @@ def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
     return F.logsigmoid(gate_lambda * (at_least_fp32(affinity) - 0.5))
 
 
-def causal_and_local(q_pos: Tensor, k_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
+def causal_and_local(
+    q_pos: Tensor, k_pos: Tensor, window: int, sinks: int = 0
+) -> tuple[Tensor, Tensor]:
     """``([Lq, Lk] causal, [Lq, Lk] local)`` from positions ``[Lq]`` and ``[Lk]``.
 
-    ``causal`` is ``j <= i``; ``local`` is ``0 <= i - j <= window`` (a subset of causal).
+    ``causal`` is ``j <= i``; ``local`` (the pairs that are always attended, with no gate) is
+    ``0 <= i - j <= window`` or, with ``sinks = S > 0``, a causal key at a position ``j < S``
+    (an attention sink). A subset of causal. The one definition of the sinks.
     """
     distance = q_pos[:, None] - k_pos[None, :]  # [Lq, Lk]
     causal = distance >= 0
-    return causal, causal & (distance <= window)
+    local = distance <= window
+    if sinks:
+        local = local | (k_pos < sinks)[None, :]
+    return causal, causal & local
+
+
+def sink_only_pairs(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    sinks: int,
+    *,
+    member_q: Tensor | None = None,
+    member_k: Tensor | None = None,
+) -> Tensor:
+    """``[b, Lq, Lk]`` bool: pairs allowed *only* because the key is a sink.
+
+    Causal pairs with ``j < sinks`` beyond the window and, given memberships ``[b, Lq|Lk]``,
+    whose groups do not intersect: the part of the pattern that neither the local window nor
+    the same-group pairs cover (disjoint from both, so a backend can add it by log-sum-exp;
+    ``b = 1`` without memberships, e.g. sliding-window layers).
+    """
+    _, window_pairs = causal_and_local(q_pos, k_pos, window)
+    _, always = causal_and_local(q_pos, k_pos, window, sinks)
+    extra = (always & ~window_pairs)[None]  # [1, Lq, Lk]
+    if member_q is not None and member_k is not None:
+        extra = extra & ~shares_group(member_q, member_k)
+    return extra
 
 
 def allowed_pairs(
@@ -89,6 +127,7 @@ def allowed_pairs(
     member_q: Tensor | None = None,
     member_k: Tensor | None = None,
     local_only: bool = False,
+    sinks: int = 0,
 ) -> Tensor:
     """Boolean pattern of allowed pairs.
 
@@ -97,12 +136,13 @@ def allowed_pairs(
         window: the local window ``w >= 0``.
         member_q, member_k: ``[b, Lq]``, ``[b, Lk]`` int64 membership bitmasks (hard mode);
             when omitted and not ``local_only``, every causal pair is allowed (soft mode).
-        local_only: sliding-window layer: only the window.
+        local_only: sliding-window layer: only the window (and the sinks).
+        sinks: ``S >= 0``: keys at positions ``< S`` are always allowed (causally).
 
     Returns:
         ``[b, Lq, Lk]`` bool (``b = 1`` without memberships).
     """
-    causal, local = causal_and_local(q_pos, k_pos, window)
+    causal, local = causal_and_local(q_pos, k_pos, window, sinks)
     if local_only:
         return local[None]
     if member_q is None or member_k is None:
@@ -122,11 +162,13 @@ def pair_bias(
     member_k: Tensor | None = None,
     gate_lambda: float = 10.0,
     local_only: bool = False,
+    sinks: int = 0,
 ) -> Tensor:
     """Additive score bias (at least fp32) implementing the pattern: ``0``, gate or ``-inf``.
 
     ``mode="hard"`` needs ``member_q/member_k``; ``mode="soft"`` needs ``probs_q/probs_k``
-    (``[b, L, K]``); ``local_only`` needs neither.
+    (``[b, L, K]``); ``local_only`` needs neither. Sink keys (positions ``< sinks``) are
+    allowed with no gate, like keys inside the window.
 
     Returns:
         ``[b, Lq, Lk]`` float32 (``b = 1`` when no routing is used).
@@ -134,31 +176,38 @@ def pair_bias(
     neg_inf = torch.tensor(float("-inf"), device=q_pos.device)
     if local_only or mode == "hard":
         allowed = allowed_pairs(
-            q_pos, k_pos, window, member_q=member_q, member_k=member_k, local_only=local_only
+            q_pos,
+            k_pos,
+            window,
+            member_q=member_q,
+            member_k=member_k,
+            local_only=local_only,
+            sinks=sinks,
         )
         return torch.where(allowed, torch.zeros((), device=q_pos.device), neg_inf)
     if mode != "soft":
         raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
-    causal, local = causal_and_local(q_pos, k_pos, window)
+    causal, local = causal_and_local(q_pos, k_pos, window, sinks)
     gate = soft_gate(group_affinity(probs_q, probs_k), gate_lambda)  # [b, Lq, Lk]
     distant = (causal & ~local)[None]  # [1, Lq, Lk]
     bias = torch.where(distant, gate, torch.zeros((), device=gate.device))
     return torch.where(causal[None], bias, neg_inf)
 
 
-def count_allowed_pairs(member: Tensor, window: int) -> Tensor:
+def count_allowed_pairs(member: Tensor, window: int, sinks: int = 0) -> Tensor:
     """Number of (query, key) pairs the hard pattern allows, per sample, without ``n x n`` memory.
 
     Counts by distinct membership value: with ``M`` distinct bitmasks in a sample (at most
     ``C(K, top_k)``), it costs ``O(n * M)`` time and memory, so it scales to million-token
-    sequences.
+    sequences; sinks add ``O(n * sinks)``.
 
     Args:
         member: ``[b, n]`` int64 membership bitmasks.
         window: the local window ``w >= 0``.
+        sinks: attention sinks ``S >= 0`` (:func:`sink_only_pairs`).
 
     Returns:
-        ``[b]`` int64 counts (local pairs plus same-group pairs beyond the window).
+        ``[b]`` int64 counts (local pairs, same-group pairs beyond the window, sink pairs).
     """
     n = member.shape[1]
     pos = torch.arange(n, device=member.device)
@@ -175,13 +224,20 @@ def count_allowed_pairs(member: Tensor, window: int) -> Tensor:
         by_value = onehot.t() @ distant  # [M, M]: (query value, key value) distant pairs
         compatible = (values[:, None] & values[None, :]) != 0  # [M, M]
         counts.append(local + round(float(by_value[compatible].sum())))
-    return torch.tensor(counts, dtype=torch.int64)
+    counts = torch.tensor(counts, dtype=torch.int64)
+    s = min(sinks, n)
+    if s:  # [b, n, S]: the pairs that only the sinks allow
+        extra = sink_only_pairs(
+            pos, pos[:s], window, sinks, member_q=member, member_k=member[:, :s]
+        )
+        counts = counts + extra.flatten(1).sum(1).cpu()
+    return counts
 
 
-def pattern_density(member: Tensor, window: int) -> Tensor:
+def pattern_density(member: Tensor, window: int, sinks: int = 0) -> Tensor:
     """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float64.
 
     The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
     """
     n = member.shape[1]
-    return count_allowed_pairs(member, window).double() / (n * (n + 1) / 2)
+    return count_allowed_pairs(member, window, sinks).double() / (n * (n + 1) / 2)

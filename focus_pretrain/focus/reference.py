@@ -1,11 +1,11 @@
 """The reference backend: exact, differentiable, blockwise; the yardstick for every other backend.
 
 Queries are processed in blocks of ``q_block`` rows against all keys they may see (causal; only
-the window for local-only layers). Scores, the pattern bias and the softmax are computed in fp32
-(fp64 for fp64 inputs) from :mod:`focus_pretrain.focus.pattern`, so the transient memory of a
-block is ``b * heads * q_block * seq`` and never ``seq^2`` per head. Under autograd each block is
-activation-checkpointed: only the inputs are kept, and a block's scores are recomputed in the
-backward pass, so memory kept for backward is linear in ``seq`` too.
+the window, plus the sink keys, for local-only layers). Scores, the pattern bias and the softmax
+are computed in fp32 (fp64 for fp64 inputs) from :mod:`focus_pretrain.focus.pattern`, so the
+transient memory of a block is ``b * heads * q_block * seq`` and never ``seq^2`` per head. Under
+autograd each block is activation-checkpointed: only the inputs are kept, and a block's scores
+are recomputed in the backward pass, so memory kept for backward is linear in ``seq`` too.
 
 Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 ``h // (heads / heads_kv)`` (Megatron's and HuggingFace's convention).
@@ -41,6 +41,7 @@ def attend_block(
     softcap: float | None,
     scale: float,
     local_only: bool,
+    sinks: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Exact Focus attention of a block of queries on a block of keys.
 
@@ -48,7 +49,8 @@ def attend_block(
         q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
         probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
         member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
-        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions.
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions (keys at global positions
+            ``< sinks`` are attention sinks).
 
     Returns:
         ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a query with no
@@ -72,6 +74,7 @@ def attend_block(
         member_k=member_k,
         gate_lambda=gate_lambda,
         local_only=local_only,
+        sinks=sinks,
     )  # [b|1, Lq, Lk]
     scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
     weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, Lq, Lk], [b, Hkv, G, Lq]
@@ -114,6 +117,7 @@ def reference_attention(
     softcap: float | None,
     scale: float,
     local_only: bool,
+    sinks: int = 0,
     q_block: int = DEFAULT_Q_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """Focus self-attention over a whole sequence, query block by query block.
@@ -122,6 +126,7 @@ def reference_attention(
         q: ``[b, s, H, D]``; k, v: ``[b, s, Hkv, D]`` (validated by ``focus_attention``).
         probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
         member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
+        sinks: the first ``sinks`` positions are visible to every query.
         q_block: rows per block (memory/speed trade-off; the result does not depend on it).
 
     Returns:
@@ -139,25 +144,35 @@ def reference_attention(
         softcap=softcap,
         scale=scale,
         local_only=local_only,
+        sinks=sinks,
     )
     outs, lses = [], []
     for start in range(0, s, q_block):
         end = min(s, start + q_block)
         k_start = max(0, start - window) if local_only else 0
+        keys = slice(k_start, end)
+        if min(sinks, k_start):  # a local-only block's window plus the sinks before it
+            keys = torch.cat([positions[: min(sinks, k_start)], positions[k_start:end]])
+
+        def key_rows(t: Tensor | None, keys=keys) -> Tensor | None:  # [b, s, ...] -> [b, Lk, ...]
+            if t is None:
+                return None
+            return t[:, keys] if isinstance(keys, slice) else t.index_select(1, keys)
+
         fn = partial(
             attend_block,
             q_pos=positions[start:end],
-            k_pos=positions[k_start:end],
+            k_pos=positions[keys],
             **block_fn_kwargs,
         )
         args = (
             q[:, start:end],
-            k[:, k_start:end],
-            v[:, k_start:end],
+            key_rows(k),
+            key_rows(v),
             None if probs is None else probs[:, start:end],
-            None if probs is None else probs[:, k_start:end],
+            key_rows(probs),
             None if member is None else member[:, start:end],
-            None if member is None else member[:, k_start:end],
+            key_rows(member),
         )
         if needs_grad:
             out, lse = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)

@@ -47,7 +47,9 @@ class FocusCoreAttention(MegatronModule):
     """Core attention with the Focus pattern (or dense causal when Focus is disabled).
 
     Constructed by Megatron's ``SelfAttention`` with the same arguments as its
-    ``DotProductAttention``; ``focus``, ``local_only`` and ``softcap`` come from the layer spec.
+    ``DotProductAttention``; ``focus``, ``local_window``, ``softcap`` and ``sinks`` come from the
+    layer spec (``sinks``: ``focus.sinks`` for Focus layers and the window-only twin's, 0 for a
+    family's own sliding-window layers and dense models).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class FocusCoreAttention(MegatronModule):
         focus: FocusConfig,
         local_window: int | None = None,
         softcap: float | None = None,
+        sinks: int = 0,
     ) -> None:
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
@@ -74,6 +77,7 @@ class FocusCoreAttention(MegatronModule):
         self.focus = focus
         self.local_window = local_window
         self.softcap = softcap
+        self.sinks = sinks
         self.softmax_scale = softmax_scale
         # Context parallelism installs its attention here from outside the model
         # (focus_pretrain.parallel.apply_context_parallel); same signature as focus_attention.
@@ -123,6 +127,7 @@ class FocusCoreAttention(MegatronModule):
             local_only=local_only,
             check_finite=self.focus.check_finite,
             backend=self.focus.backend if mode == "soft" else self.focus.inference_backend,
+            **({"sinks": self.sinks} if self.sinks else {}),
         )  # [b, s, np, d]
         return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]
 

@@ -102,11 +102,13 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
         local_window = config.sliding_window - 1
     elif config.focus.enabled and config.focus.window_only:
         local_window = config.focus.window  # the sliding-window ablation twin
+    family_local = config.is_local_layer(layer_number)  # the family's window: no sinks
     core = partial(
         FocusCoreAttention,
         focus=config.focus,
         softcap=config.attn_softcap,
         local_window=local_window,
+        sinks=config.focus.sinks if config.focus.enabled and not family_local else 0,
     )
     post_norm = family in ("olmo2", *GEMMA)
     local_rotary_base = None  # Gemma-3's local layers: their own, unscaled RoPE

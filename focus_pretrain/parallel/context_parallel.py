@@ -13,7 +13,10 @@ Megatron's convention, chunks ``r`` and ``2 * CP - 1 - r`` of ``2 * CP``).
 * ``"ring"`` (:mod:`focus_pretrain.parallel.ring`): K/V blocks travel around the ring.
 
 Routing needs no communication in the default causal mode (a token's groups depend on itself
-only). Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
+only). Attention sinks (``sinks=S``) are the first ``S`` *global* positions in both modes: after
+the all-to-all every rank holds the whole sequence in global order; in the ring, positions are
+global and the sink keys travel with the block of the rank that holds them.
+Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def context_parallel_attention(
         cp_mode: ``"a2a"`` or ``"ring"``.
         stats: a :class:`~focus_pretrain.parallel.ring.RingStats` to count skipped ring blocks.
         attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
-            softcap, scale, local_only, check_finite, backend; the ring computes every block
+            softcap, scale, local_only, check_finite, sinks, backend; the ring computes every block
             with the exact per-block attention, so it takes only the backends
             :data:`~focus_pretrain.parallel.config.RING_BACKENDS`).
 

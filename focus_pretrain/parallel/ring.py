@@ -16,6 +16,11 @@ its queries against the visiting block, takes the block's share of the merged ou
 
 Hard mode skips a block with no allowed pair (decided exactly, from positions and group bits,
 without an ``n x n`` test) in both passes; :class:`RingStats` counts them.
+
+Attention sinks need nothing of their own: positions are global, so the sink keys (global
+positions ``< sinks``) are those of whichever rank holds the start of the sequence (rank 0's
+first zigzag chunk, and the next ranks' when ``sinks`` is longer than a chunk); they travel the
+ring with their block, and the per-block pattern allows them.
 Layout: ``[batch, seq_local, heads, head_dim]``.
 """
 
@@ -30,6 +35,7 @@ from torch import Tensor
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.attention import check_dtypes, raise_if_not_finite
 from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.config import check_int
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.parallel.sharding import zigzag_positions
@@ -53,18 +59,22 @@ def block_has_pair(
     member_q: Tensor | None,
     member_k: Tensor | None,
     local_only: bool,
+    sinks: int = 0,
 ) -> bool:
     """Whether any (query, key) pair of a block is allowed, exactly, in ``O((Lq + Lk) K)``.
 
-    A local pair exists iff some key lies in ``[i - window, i]`` of some query ``i``; a pair
-    sharing a group exists iff for some group the earliest key in it is not after the latest
-    query in it. Without memberships (soft mode) every causal pair is allowed.
+    A local pair exists iff some key lies in ``[i - window, i]`` of some query ``i``; a sink
+    pair iff the earliest sink key (global position ``< sinks``) is not after the latest query;
+    a pair sharing a group exists iff for some group the earliest key in it is not after the
+    latest query in it. Without memberships (soft mode) every causal pair is allowed.
     """
     k_sorted = torch.sort(k_pos).values
     before = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # last key <= each query
     valid = before >= 0
     nearest = k_sorted[before.clamp(min=0)]
     if bool((valid & (q_pos - nearest <= window)).any()):
+        return True
+    if sinks and bool(k_sorted[0] < sinks) and bool(k_sorted[0] <= q_pos.max()):
         return True
     if local_only:
         return False
@@ -173,7 +183,7 @@ def _attend(q, probs, member, positions, block, soft, options, stats):
     k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
     if not block_has_pair(
         positions, pos_b, options["window"], member_q=member, member_k=member_b,
-        local_only=options["local_only"],
+        local_only=options["local_only"], sinks=options["sinks"],
     ):  # fmt: skip
         if stats is not None:
             stats.skipped += 1
@@ -231,7 +241,7 @@ def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_
 def _block_options(options: dict) -> dict:
     return {
         key: options[key]
-        for key in ("window", "mode", "gate_lambda", "softcap", "scale", "local_only")
+        for key in ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
     }
 
 
@@ -252,14 +262,17 @@ def ring_focus_attention(
     local_only: bool = False,
     check_finite: bool = False,
     stats: RingStats | None = None,
+    sinks: int = 0,
 ) -> Tensor:
     """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
 
     ``positions`` ``[s_loc]``: global positions of this rank's tokens (default: the zigzag
     shard of :func:`~focus_pretrain.parallel.sharding.zigzag_positions`). Each block runs the
     exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs; mixed
-    dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`.
+    dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`. ``sinks``:
+    keys at global positions ``< sinks`` are visible to every query (attention sinks).
     """
+    check_int("sinks", sinks, low=0)
     check_dtypes(q, k, v, None if local_only else probs)
     if check_finite:
         raise_if_not_finite(q=q, k=k, v=v, probs=None if local_only else probs)
@@ -274,6 +287,7 @@ def ring_focus_attention(
     options = dict(
         window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap,
         scale=q.shape[-1] ** -0.5 if scale is None else scale, local_only=local_only,
+        sinks=sinks,
     )  # fmt: skip
     return _RingAttention.apply(
         q, k, v, probs if mode == "soft" else None, member, positions, group, options, stats

@@ -114,12 +114,12 @@ def load_checkpoint_model(
 
 class DensityMeter:
     """While entered, forward hooks on every :class:`FocusRouter` of ``model`` record the hard
-    pattern's kept-pair fraction (:func:`pattern_density`: ``top_k`` groups, the window's
-    pairs included) of every routed sequence; :meth:`mean` averages over layers and
+    pattern's kept-pair fraction (:func:`pattern_density`: ``top_k`` groups, the window's and
+    the sinks' pairs included) of every routed sequence; :meth:`mean` averages over layers and
     sequences. Only meaningful without context parallelism (a router sees whole sequences)."""
 
-    def __init__(self, model: torch.nn.Module, top_k: int, window: int) -> None:
-        self.model, self.top_k, self.window = model, top_k, window
+    def __init__(self, model: torch.nn.Module, top_k: int, window: int, sinks: int = 0) -> None:
+        self.model, self.top_k, self.window, self.sinks = model, top_k, window, sinks
         self.values: list[float] = []
         self.handles: list = []
 
@@ -135,7 +135,7 @@ class DensityMeter:
 
     def _hook(self, module, args, routing: Routing) -> None:
         member = routing.membership(self.top_k)  # [b, s] group bits
-        self.values += pattern_density(member, self.window).tolist()
+        self.values += pattern_density(member, self.window, self.sinks).tolist()
 
     def mean(self) -> float | None:
         """Mean kept-pair fraction, ``None`` before any forward."""
@@ -182,7 +182,7 @@ def evaluate_checkpoint(
     meter = None
     hard = focus.enabled and not focus.window_only and focus.inference_mode == "hard"
     if hard and layout.context_parallel_group is None:
-        meter = DensityMeter(loaded.model, focus.top_k, focus.window)
+        meter = DensityMeter(loaded.model, focus.top_k, focus.window, focus.sinks)
     metrics = validator.run(loaded.model, meter)
     loaded.model.eval()
     if meter is not None:

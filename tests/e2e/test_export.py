@@ -67,6 +67,47 @@ def test_exported_model_matches_ours(exported, monkeypatch):
     assert greedy.tolist() == ours["greedy"].tolist()
 
 
+def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch):
+    """Attention sinks (``model.focus.sinks``, a setting without weights: the trained checkpoint
+    with sinks set in its config.yaml) go into the export's and the router adapter's focus
+    section; the export gives our logits in both patterns, and its greedy tokens (sparse
+    KV-cache steps that read the sinks) are ours by full recomputation."""
+    import shutil
+
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from focus_pretrain.convert import export_router_adapter
+
+    root, _ = exported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(root / "run" / "checkpoints" / "step_00000004", ckpt)
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["model"]["focus"]["sinks"] = 3
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    out = export_hf(ckpt, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["focus"]["sinks"] == 3
+    adapter = export_router_adapter(ckpt, tmp_path / "adapter")
+    assert json.loads((adapter / "focus_adapter.json").read_text())["focus"]["sinks"] == 3
+    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(2))
+    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 12)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    with torch.no_grad():
+        hard = model(tokens).logits
+        model.config.focus["inference_mode"] = "soft"
+        soft = model(tokens).logits
+        model.config.focus["inference_mode"] = "hard"
+        greedy = model.generate(tokens[:1], max_new_tokens=12, do_sample=False)
+        model.config.focus["sinks"] = 0
+        plain = model(tokens).logits
+    vocab = hard.shape[-1]
+    torch.testing.assert_close(hard, ours["hard"][..., :vocab], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(soft, ours["soft"][..., :vocab], rtol=1e-4, atol=1e-4)
+    assert greedy.tolist() == ours["greedy"].tolist()
+    assert (plain - hard).abs().max() > 1e-3  # the sinks matter here
+
+
 def test_sparse_decode_of_the_trained_export_equals_full_recomputation(exported, monkeypatch):
     """200 greedy tokens through the KV cache (one-token steps read only the window and the
     same-group keys) are the tokens of recomputing the whole sequence at every step, and each

@@ -24,6 +24,15 @@ def cases() -> list[dict]:
     # the ring's query-row chunks (3 rows of 4 heads x 2 samples against the block)
     out.append(dict(BASE, cp_mode="ring", mode="soft", score_budget=3 * 4 * 2 * 16, seed=99))
     out.append(dict(BASE, cp_mode="ring", mode="hard", score_budget=3 * 4 * 2 * 16, seed=98))
+    # attention sinks (global positions < S: rank 0's first chunk; at CP=4 (chunks of 4) 6 sinks
+    # also take rank 1's first chunk); more sinks than the window (3)
+    out.append(dict(BASE, cp_mode="a2a", mode="soft", sinks=3, seed=97))
+    out.append(dict(BASE, cp_mode="a2a", mode="hard", top_k=2, sinks=6, seed=96))
+    out.append(dict(BASE, cp_mode="ring", mode="soft", sinks=6, softcap=2.0, seed=95))
+    out.append(dict(BASE, cp_mode="ring", mode="hard", sinks=1, score_budget=3 * 4 * 2 * 16,
+                    seed=94))  # fmt: skip
+    out.append(dict(BASE, cp_mode="ring", mode="hard", top_k=2, sinks=6, seed=93))
+    out.append(dict(BASE, cp_mode="ring", mode="soft", local_only=True, sinks=5, seed=92))
     return out
 
 
@@ -56,16 +65,17 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
 
 
 @pytest.mark.parametrize(
-    "window, same_group, skipped",
-    [(0, False, 1), (0, True, 0), (1, False, 0)],
+    "window, same_group, sinks, skipped",
+    [(0, False, 0, [1, 1]), (0, True, 0, [0, 0]), (1, False, 0, [0, 0]), (0, False, 1, [1, 0])],
 )
-def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, skipped):
+def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, sinks, skipped):
     """CP=2, 16 tokens: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11. Disjoint groups and no
     window: the other rank's block has no allowed pair (skipped on each rank); one shared group,
-    or a window of 1 (3-4 and 11-12 are neighbours), gives it pairs."""
-    results = run_workers(f"{WORKERS}:ring_skips", 2, window, same_group)
-    for r in results:
-        assert r == dict(skipped=skipped, computed=2 - skipped, error=r["error"])
+    or a window of 1 (3-4 and 11-12 are neighbours), gives it pairs; one sink (token 0) gives
+    rank 1's queries pairs in rank 0's block, not the other way round."""
+    results = run_workers(f"{WORKERS}:ring_skips", 2, window, same_group, sinks)
+    for r, want in zip(results, skipped, strict=True):
+        assert r == dict(skipped=want, computed=2 - want, error=r["error"])
         assert r["error"] < 1e-12
 
 
@@ -90,6 +100,7 @@ MODEL_CASES = {  # id: (model, focus, cp_mode, CP size)
     "llama-sinkhorn-a2a": (LLAMA, dict(FOCUS, balance="sinkhorn"), "a2a", 2),  # column sums
     "llama-ring-cp4": (LLAMA, FOCUS, "ring", 4),
     "gemma3-a2a": (GEMMA3, FOCUS, "a2a", 2),
+    "gemma3-ring-sinks": (GEMMA3, dict(FOCUS, sinks=3), "ring", 2),  # sinks > 0 changes logits
 }
 
 
@@ -111,6 +122,9 @@ def model_runs():
 def test_whole_model_with_context_parallel_equals_cp1(model_runs, name):
     """Loss, every gradient (router included) and the hard-mode eval logits equal CP = 1."""
     want, got = model_runs[0][name], model_runs[1][name]
+    if name.endswith("-sinks"):  # the sinks are on in the model: its CP=1 logits differ
+        plain = model_runs[0][name.removesuffix("-sinks").replace("ring", "a2a")]
+        assert (plain["logits"] - want["logits"]).abs().max() > 1e-3
     assert abs(float(got["loss"]) - float(want["loss"])) < 1e-5
     torch.testing.assert_close(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
     assert any(".router." in name for name in want["grads"])

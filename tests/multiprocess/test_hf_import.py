@@ -270,14 +270,42 @@ def test_shipped_hf_modeling_matches_ours_with_focus_on(
 ):
     """The modeling code an export ships (family HF class + routers + "focus" attention) gives
     our logits with Focus on, in the hard and soft patterns, for every family."""
+    _check_shipped_modeling(hf_models[model_type], focus_on_runs[model_type], model_type,
+                            SHIPPED_FOCUS, tmp_path)  # fmt: skip
+
+
+SINKS = ["llama", "gemma2", "gemma3"]  # Gemma: sliding-window layers (no sinks) + Focus layers
+SINKS_FOCUS = dict(SHIPPED_FOCUS, sinks=5)  # more sinks than the window
+
+
+@pytest.fixture(scope="module")
+def sinks_runs(hf_models):
+    models = {name: hf_models[name] for name in SINKS}
+    return _runs("tests.multiprocess.test_hf_import:focus_on_each", models, SINKS_FOCUS)
+
+
+@pytest.mark.parametrize("model_type", SINKS)
+def test_shipped_hf_modeling_matches_ours_with_sinks(
+    hf_models, focus_on_runs, sinks_runs, model_type, tmp_path
+):
+    """Attention sinks: the shipped modeling code (sinks in the adapter's focus settings)
+    gives our logits in both patterns and through each backend, and they differ from those
+    without sinks."""
+    hard = _check_shipped_modeling(hf_models[model_type], sinks_runs[model_type], model_type,
+                                   SINKS_FOCUS, tmp_path)  # fmt: skip
+    assert (hard - _ok(focus_on_runs[model_type])["hard"]).abs().max() > 1e-3
+
+
+def _check_shipped_modeling(hf_model, ours, model_type: str, focus: dict, tmp_path):
+    """``ours`` (our model's logits and tensors) against the HF model with the routers
+    attached as an adapter; returns the HF hard logits."""
     from safetensors.torch import save_file
 
     from focus_pretrain.convert import attach_focus_adapter
 
-    original, path = hf_models[model_type]
+    original, path = hf_model
     model = copy.deepcopy(original)  # the fixture's models stay plain HF models
-    focus = SHIPPED_FOCUS
-    ours = _ok(focus_on_runs[model_type])
+    ours = _ok(ours)
     routers = {k: v for k, v in ours["hf_tensors"].items() if ".router." in k}
     assert routers
     save_file(routers, str(tmp_path / "focus_adapter.safetensors"))
@@ -300,3 +328,4 @@ def test_shipped_hf_modeling_matches_ours_with_focus_on(
         with torch.no_grad():
             logits = model(tokens()).logits
         torch.testing.assert_close(logits, ours["hard"], rtol=1e-5, atol=1e-5, msg=backend)
+    return hard

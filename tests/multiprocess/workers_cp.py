@@ -40,6 +40,7 @@ def _attention_kwargs(case: dict) -> dict:
         local_only=case.get("local_only", False),
         gate_lambda=4.0,
         check_finite=False,
+        **({"sinks": case["sinks"]} if case.get("sinks") else {}),
     )
 
 
@@ -122,9 +123,10 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
     return errors
 
 
-def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dict:
+def ring_skips(rank: int, world_size: int, window: int, same_group: bool, sinks: int = 0) -> dict:
     """Hard-mode ring on a constructed routing: rank 0's tokens in group 0, rank 1's in group 1
-    (or all in group 0): returns the step counts and the error against the single process."""
+    (or all in group 0), ``sinks`` attention sinks: returns the step counts and the error
+    against the single process."""
     apply_cpu_shim()
     group = dist.group.WORLD
     b, s, h, d, k = 1, 16, 2, 4, 2
@@ -135,7 +137,7 @@ def ring_skips(rank: int, world_size: int, window: int, same_group: bool) -> dic
         owner[shard_sequence(torch.arange(s), 0, world_size, r)] = r
     groups = torch.zeros_like(owner) if same_group else owner
     probs = torch.nn.functional.one_hot(groups, k).double()[None] * 0.9 + 0.05  # [1, s, K]
-    kwargs = dict(window=window, mode="hard", check_finite=False)
+    kwargs = dict(window=window, mode="hard", check_finite=False, sinks=sinks)
     want = focus_attention(q, key, v, probs, backend="reference", **kwargs)
     stats = RingStats()
     shards = [shard_sequence(t, 1, world_size, rank) for t in (q, key, v, probs)]

@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.attention import AttentionRequest, select_backend
-from focus_pretrain.focus.band import band_attention, merge_by_lse
+from focus_pretrain.focus.band import band_attention, merge_by_lse, sink_attention
 from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
 from focus_pretrain.focus.pattern import allowed_pairs
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
@@ -54,6 +54,7 @@ def problems(draw):
         local_only=draw(st.sampled_from([False, False, False, True])),
         softcap=draw(st.sampled_from([None, None, 2.0])),
         skew=draw(st.sampled_from([0.0, 0.0, 1.5, 4.0])),
+        sinks=draw(st.sampled_from([0, 0, 1, 3, 20])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -81,6 +82,7 @@ def run(p: dict, backend: str, dtype: torch.dtype):
         gate_lambda=6.0,
         backend=backend,
         return_lse=True,
+        sinks=p.get("sinks", 0),
     )
 
 
@@ -122,6 +124,35 @@ def test_backends_equal_reference_bf16(mode, top_k, local_only):
             # no worse than the reference's own bf16 rounding, measured against fp32
             err = (got.float() - exact).abs().max()
             assert err <= 2 * (want.float() - exact).abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("sinks", [1, 3, 40])  # 40: more sinks than the window
+@pytest.mark.parametrize(
+    "mode, top_k, local_only, softcap",
+    [("hard", 1, False, None), ("hard", 2, False, 2.0), ("soft", 1, False, 2.0),
+     ("hard", 1, True, None), ("hard", 3, False, None)],
+)  # fmt: skip
+def test_backends_with_sinks_equal_reference(sinks, mode, top_k, local_only, softcap):
+    """Attention sinks in every backend: output and log-sum-exp equal the reference's, which
+    equals the brute force (test_reference_exact.py), and the sinks change the result."""
+    p = problem(mode=mode, top_k=top_k, local_only=local_only, softcap=softcap, sinks=sinks,
+                k_groups=6)  # fmt: skip
+    assert_matches_reference(p, backend_names(p))
+    with torch.no_grad():
+        plain, _ = run({**p, "sinks": 0}, "reference", torch.float32)
+        want, _ = run(p, "reference", torch.float32)
+    assert (plain - want).abs().max() > 1e-3
+
+
+def test_sink_attention_chunking_does_not_change_the_result():
+    q, k, v = random_qkv(2, 120, 4, 2, 8, seed=13, dtype=torch.float32)
+    member = Routing(random_probs(2, 120, 4, seed=14)).membership(1)
+    kwargs = dict(window=10, sinks=5, scale=0.3, softcap=None, member=member)
+    whole = sink_attention(q, k, v, **kwargs)
+    chunked = sink_attention(q, k, v, max_scores=2 * 4 * 5 * 7, **kwargs)  # 7 rows at a time
+    assert torch.isneginf(whole[1][:, :11]).all() and torch.isfinite(whole[1][:, 11:]).any()
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -304,6 +335,8 @@ def test_auto_selection_on_cpu():
     assert select_backend("auto", request(mode="soft")).name == "reference"
     assert select_backend("auto", request(needs_grad=True)).name == "reference"
     assert select_backend("auto", request(softcap=True)).name == "reference"
+    assert select_backend("auto", request(sinks=4)).name == "decomposed"  # exact with sinks
+    assert select_backend("auto", request(sinks=4, top_k=2)).name == "reference"
     with pytest.raises(ValueError, match="'decomposed' cannot run mode='hard', top_k=2"):
         select_backend("decomposed", request(top_k=2))
     with pytest.raises(ValueError, match=r"'flex' cannot run .*needs_grad=True"):
@@ -326,8 +359,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2)])
-@pytest.mark.parametrize("softcap", [None, 3.0])
-def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap):
+@pytest.mark.parametrize("softcap, sinks", [(None, 0), (3.0, 0), (None, 4)])
+def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap, sinks):
     """FlexAttention's backward (GPU only): q, k, v and, in soft mode, the assignments."""
     b, n, h, hkv, d = 2, 700, 4, 2, 64
     q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=1, dtype=torch.float32))
@@ -343,6 +376,7 @@ def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap):
             top_k=top_k,
             softcap=softcap,
             backend=name,
+            sinks=sinks,
         )
         (out * torch.linspace(-1, 1, d, device="cuda")).sum().backward()
         grads[name] = [out] + [t.grad for t in leaves[: 4 if mode == "soft" else 3]]
@@ -354,11 +388,12 @@ def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_fast_backends_on_gpu(dtype, top_k):
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_fast_backends_on_gpu(dtype, top_k, sinks):
     b, n, h, hkv, d = 2, 3000, 8, 2, 64
     q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=3, dtype=dtype))
     routing = Routing(random_probs(b, n, 8, seed=4, sharpness=3.0).float().cuda())
-    kwargs = dict(window=128, mode="hard", top_k=top_k)
+    kwargs = dict(window=128, mode="hard", top_k=top_k, sinks=sinks)
     with torch.no_grad():
         want = focus_attention(q, k, v, routing, backend="reference", **kwargs).float()
         for name in ["flex", "auto"] + (["decomposed"] if top_k == 1 else []):

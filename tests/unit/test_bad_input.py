@@ -45,6 +45,8 @@ def test_shape_errors(inputs, change, message):
         (dict(mode="hard", top_k=0), r"top_k must be >= 1, got 0"),
         (dict(gate_lambda=0.0), r"gate_lambda must be > 0"),
         (dict(softcap=-1.0), r"softcap must be > 0"),
+        (dict(sinks=-1), r"sinks must be >= 0, got -1"),
+        (dict(sinks=1.5), r"sinks must be an integer, got 1.5"),
         (
             dict(backend="triton-magic"),
             r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference'\]",
@@ -126,6 +128,8 @@ def test_ring_refuses_mixed_dtypes_before_communicating(inputs):
         ring_focus_attention(q, k, v, p.double(), group=None, window=2)  # no group needed
     with pytest.raises(ValueError, match=r"q, k, v must share a dtype"):
         ring_focus_attention(q, k, v.double(), p, group=None, window=2)
+    with pytest.raises(ValueError, match=r"sinks must be >= 0, got -3"):
+        ring_focus_attention(q, k, v, p, group=None, window=2, sinks=-3)
 
 
 def test_router_errors():
@@ -155,9 +159,15 @@ def test_router_errors():
         ("top_k", 9, r"focus.top_k must be <= num_groups \(8\), got 9"),
         ("window", -3, r"focus.window must be >= 0, got -3"),
         ("tau", 0.0, r"focus.tau must be > 0, got 0.0"),
-        ("balance", "greedy", r"focus.balance must be one of 'causal', 'sinkhorn'; got 'greedy'"),
+        (
+            "balance",
+            "greedy",
+            r"focus.balance must be one of 'causal', 'sinkhorn', 'none'; got 'greedy'",
+        ),
         ("balance_rate", 2.0, r"focus.balance_rate must be in \(0, 1\], got 2.0"),
         ("group_dim", "16", r"focus.group_dim must be an integer, got '16'"),
+        ("sinks", -2, r"focus.sinks must be >= 0, got -2"),
+        ("sinks", True, r"focus.sinks must be an integer, got True"),
     ],
 )
 def test_config_errors_name_the_key(field, value, message):

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from focus_pretrain.focus import FocusRouter, focus_attention
+from focus_pretrain.focus import FocusRouter, Routing, focus_attention
+from focus_pretrain.focus.reference import reference_attention
 from tests.helpers import random_probs, random_qkv
 
 
@@ -85,3 +86,45 @@ def test_soft_mode_converges_to_hard_top1_as_lambda_grows():
     assert errors[0] > 1e-2  # the soft gate at small lambda is really different
     assert all(a > b for a, b in itertools.pairwise(errors[:4])), errors
     assert errors[3] < 1e-6 and errors[-1] < 1e-12, errors
+
+
+@pytest.mark.parametrize("sinks", [1, 3, 9])  # 9: more sinks than the window, past the sequence
+@pytest.mark.parametrize(
+    "mode, top_k, local_only",
+    [("soft", 1, False), ("hard", 1, False), ("hard", 2, False), ("hard", 1, True)],
+)
+def test_gradcheck_with_sinks(sinks, mode, top_k, local_only):
+    """With attention sinks: q, k, v (and, soft, the assignments) in float64, small query
+    blocks (a local-only block's keys are the sinks plus its window), output and lse."""
+    q, k, v = random_qkv(1, 8, 2, 1, 3, seed=sinks, requires_grad=True)
+    probs = random_probs(1, 8, 4, seed=sinks + 1, sharpness=2.0)
+    member = None if mode == "soft" or local_only else Routing(probs).membership(top_k)
+    soft = mode == "soft" and not local_only
+
+    def attention(q, k, v, *assignments):
+        return reference_attention(
+            q, k, v, probs=assignments[0] if assignments else None, member=member, window=1,
+            mode=mode, gate_lambda=4.0, softcap=1.5, scale=0.7, local_only=local_only,
+            sinks=sinks, q_block=3,
+        )  # fmt: skip
+
+    inputs = (q, k, v) + ((probs.requires_grad_(True),) if soft else ())
+    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+    # the public API (default query blocks) has the same gradients, which the sinks change
+    upstream = torch.linspace(-1, 1, 3, dtype=torch.float64)
+    grads = []
+    for n_sinks in (sinks, 0, None):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        if n_sinks is None:  # the block-wise reference above
+            out = attention(*leaves)[0]
+        else:
+            out = focus_attention(
+                *leaves[:3], leaves[3] if soft else probs, window=1, mode=mode, top_k=top_k,
+                gate_lambda=4.0, softcap=1.5, scale=0.7, local_only=local_only, sinks=n_sinks,
+            )  # fmt: skip
+        (out * upstream).sum().backward()
+        grads.append([t.grad for t in leaves])
+    with_sinks, without, blockwise = grads
+    for a, b in zip(with_sinks, blockwise, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert max((a - b).abs().max() for a, b in zip(with_sinks, without, strict=True)) > 1e-3

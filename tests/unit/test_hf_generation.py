@@ -96,9 +96,44 @@ def test_padded_batches_give_each_sequence_its_own_logits(family, mode, top_k, b
                 torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,top_k", [("Llama", 1), ("Llama", 2), ("Gemma2", 1), ("Qwen3", 2)])
-def test_batched_left_padded_generate_equals_one_by_one(family, top_k):
-    model = focus_model(family, top_k=top_k, window=4)
+@pytest.mark.parametrize(
+    "focus", [dict(inference_mode="hard", top_k=1), dict(inference_mode="hard", top_k=2),
+              dict(inference_mode="soft", top_k=1), dict(window_only=True)],
+    ids=["hard1", "hard2", "soft", "window_only"],
+)  # fmt: skip
+@pytest.mark.parametrize("sinks", [1, 5])  # 5: more sinks than the window (3)
+def test_sinks_are_the_first_real_tokens_of_each_row(focus, sinks):
+    """Attention sinks (Gemma-2: a sliding-window layer, without sinks, and a Focus or
+    window-only layer with them): a padded row (either side) gives its sequence's logits alone,
+    so the sinks are each row's first real tokens; the package's backends and the dense path
+    agree; the sinks change the logits."""
+    logits = {}
+    for backend in ("auto", "dense"):
+        model = focus_model("Gemma2", sinks=sinks, inference_backend=backend, **focus)
+        seqs = sequences(7, 20, 13, 1, seed=sinks)
+        with torch.no_grad():
+            alone = [model(s[None]).logits[0] for s in seqs]
+            for side in ("left", "right"):
+                ids, mask = padded(seqs, side)
+                out = model(ids, attention_mask=mask).logits
+                for i in range(len(seqs)):
+                    torch.testing.assert_close(out[i][mask[i].bool()], alone[i], rtol=1e-5,
+                                               atol=1e-5)  # fmt: skip
+        logits[backend] = torch.cat(alone)
+    torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
+    model.config.focus["sinks"] = 0
+    with torch.no_grad():
+        plain = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (plain - logits["dense"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "family,top_k,sinks",
+    [("Llama", 1, 0), ("Llama", 2, 0), ("Gemma2", 1, 0), ("Qwen3", 2, 0), ("Llama", 2, 2),
+     ("Gemma2", 1, 6)],
+)  # fmt: skip
+def test_batched_left_padded_generate_equals_one_by_one(family, top_k, sinks):
+    model = focus_model(family, top_k=top_k, window=4, sinks=sinks)
     seqs = sequences(5, 17, 11, seed=1)
     ids, mask = padded(seqs, "left")
     with torch.no_grad():
@@ -136,9 +171,11 @@ def test_a_copied_prompt_cache_is_reused_twice_and_prompt_lookup_decodes():
         assert lookup.tolist() == greedy(model, repeated, 20).tolist()
 
 
-def test_sparse_decode_reads_exactly_the_kept_keys():
-    """Each one-token step reads the window plus the keys sharing a group, nothing else."""
-    model = focus_model(top_k=2, window=3, num_groups=4)
+@pytest.mark.parametrize("sinks", [0, 2, 12])  # 12: longer than the shorter prompt (9)
+def test_sparse_decode_reads_exactly_the_kept_keys(sinks):
+    """Each one-token step reads the window plus the keys sharing a group plus the row's first
+    ``sinks`` real tokens, each once, nothing else."""
+    model = focus_model(top_k=2, window=3, num_groups=4, sinks=sinks)
     seqs = sequences(9, 30, seed=4)
     ids, mask = padded(seqs, "left")
     steps = 25
@@ -150,18 +187,20 @@ def test_sparse_decode_reads_exactly_the_kept_keys():
     for layer_idx, attn in enumerate(model.model.layers):
         members = cache.layers[layer_idx].focus_members  # [b, n]
         valid = full_mask.bool()
+        sink = valid & (valid.cumsum(dim=1) <= sinks)  # [b, n]: each row's first real tokens
         expected = 0
         for p in range(ids.shape[1], out.shape[1] - 1):  # query positions of the one-token steps
             distance = p - torch.arange(p + 1)
             shares = (members[:, : p + 1] & members[:, p : p + 1]) != 0  # [b, p + 1]
-            kept = valid[:, : p + 1] & ((distance <= 3) | shares)
+            kept = valid[:, : p + 1] & ((distance <= 3) | shares | sink[:, : p + 1])
             expected += int(kept.sum())
         assert attn.self_attn.focus_keys_read == expected
         assert expected < (steps - 1) * 2 * out.shape[1] * 0.8  # a real saving on these lengths
 
 
-def test_sparse_decode_equals_the_dense_step_and_the_standalone_path(monkeypatch):
-    model = focus_model(top_k=1, window=2, num_groups=4)
+@pytest.mark.parametrize("top_k, sinks", [(1, 0), (1, 3), (2, 5)])
+def test_sparse_decode_equals_the_dense_step_and_the_standalone_path(monkeypatch, top_k, sinks):
+    model = focus_model(top_k=top_k, window=2, num_groups=4, sinks=sinks)
     (prompt,) = sequences(40, seed=5)
     with torch.no_grad():
         sparse = greedy(model, prompt[None], 40, output_logits=True, return_dict_in_generate=True)

@@ -17,7 +17,7 @@ from tests.helpers import brute_force_focus, random_probs, random_qkv
 
 @st.composite
 def problems(draw):
-    """A random tiny Focus problem: shapes, K, top_k, window, mode, soft-cap, block size."""
+    """A random tiny Focus problem: shapes, K, top_k, window, mode, soft-cap, block size, sinks."""
     hkv = draw(st.integers(1, 2))
     s = draw(st.integers(1, 11))
     k_groups = draw(st.integers(1, 5))
@@ -35,6 +35,7 @@ def problems(draw):
         softcap=draw(st.sampled_from([None, 0.7, 5.0])),
         gate_lambda=draw(st.sampled_from([1.0, 10.0, 40.0])),
         q_block=draw(st.integers(1, 12)),
+        sinks=draw(st.sampled_from([0, 0, 1, 3, s + 1])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -49,6 +50,7 @@ def test_reference_equals_brute_force(p):
         gate_lambda=p["gate_lambda"],
         softcap=p["softcap"],
         local_only=p["local_only"],
+        sinks=p["sinks"],
     )
     expected = brute_force_focus(q, k, v, probs, top_k=p["top_k"], **kwargs)
     member = Routing(probs).membership(p["top_k"]) if p["mode"] == "hard" else None
@@ -79,6 +81,47 @@ def test_reference_equals_brute_force_grid(mode, top_k, heads, heads_kv, softcap
     kwargs = dict(window=window, mode=mode, top_k=top_k, softcap=softcap, gate_lambda=6.0)
     expected = brute_force_focus(q, k, v, probs, **kwargs)
     got = focus_attention(q, k, v, Routing(probs), **kwargs)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("sinks", [1, 3, 7])  # 7: more sinks than the window
+@pytest.mark.parametrize(
+    "mode, top_k, local_only", [("soft", 1, False), ("hard", 1, False), ("hard", 2, False),
+                                ("hard", 1, True)]
+)  # fmt: skip
+@pytest.mark.parametrize("window", [0, 2])
+def test_reference_with_sinks_equals_brute_force(sinks, mode, top_k, local_only, window):
+    q, k, v = random_qkv(2, 12, 4, 2, 3, seed=sinks + 10 * window)
+    probs = random_probs(2, 12, 4, seed=sinks + 1, sharpness=2.0)
+    kwargs = dict(window=window, mode=mode, top_k=top_k, local_only=local_only, gate_lambda=6.0)
+    expected = brute_force_focus(q, k, v, probs, sinks=sinks, **kwargs)
+    assert (expected - brute_force_focus(q, k, v, probs, **kwargs)).abs().max() > 1e-2  # matters
+    got = focus_attention(q, k, v, Routing(probs), sinks=sinks, backend="reference", **kwargs)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("local_only", [False, True])
+@pytest.mark.parametrize("q_block", [1, 16, 100, 1000])
+def test_sinks_equal_masked_sdpa_at_any_block_size(local_only, q_block):
+    """Larger than the brute force can afford (query blocks far past the sinks, whose local-only
+    key set is the sinks plus the window): SDPA with the explicit mask."""
+    b, s, h, d, w, k_groups, sinks = 2, 230, 2, 8, 9, 5, 4
+    q, k, v = random_qkv(b, s, h, h, d, seed=19)
+    probs = random_probs(b, s, k_groups, seed=20)
+    member = Routing(probs).membership(1)
+    pos = torch.arange(s)
+    causal = pos[:, None] >= pos[None, :]
+    near = causal & ((pos[:, None] - pos[None, :] <= w) | (pos[None, :] < sinks))  # [s, s]
+    share = (member[:, :, None] & member[:, None, :]) != 0  # [b, s, s]
+    mask = near[None] if local_only else near | (causal & share)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None]
+    ).transpose(1, 2)  # [b, h, s, d] -> [b, s, h, d]
+    got, _ = reference_attention(
+        q, k, v, probs=None, member=None if local_only else member, window=w, mode="hard",
+        gate_lambda=10.0, softcap=None, scale=d**-0.5, local_only=local_only, sinks=sinks,
+        q_block=q_block,
+    )  # fmt: skip
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 

@@ -219,3 +219,36 @@ def test_training_forwards_count_group_load():
     assert router.pop_load().sum() == 0  # reset by the pop
     router.eval()(hidden)
     assert router.pop_load().sum() == 0  # eval forwards are not counted
+
+
+def test_balance_none_is_plain_softmax_and_never_moves_offsets():
+    """``balance: none`` (the E2 ablation): the token's own softmax, no balance offsets ever."""
+    torch.manual_seed(0)
+    router = FocusRouter(32, num_groups=4, balance="none")
+    hidden = torch.randn(2, 40, 32)
+    for _ in range(3):
+        routing = router(hidden)
+        router.update_balance()
+    assert torch.equal(router.balance_offsets, torch.zeros(4))
+    assert router.balance_target() is None
+    torch.testing.assert_close(routing.probs, torch.softmax(router.logits(hidden), dim=-1))
+
+
+def test_freeze_centroids_trains_only_the_centroids():
+    """``train.freeze: centroids``: W_g is frozen with every original weight."""
+    from focus_pretrain.config import TrainConfig
+    from focus_pretrain.train.optim import apply_freeze_policy
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+            self.router = FocusRouter(32, num_groups=4)
+
+    model = torch.nn.Sequential(Layer(), Layer())
+    counts = apply_freeze_policy(model, TrainConfig(freeze="centroids"))
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == ["0.router.centroids", "1.router.centroids"]
+    assert counts["trainable"] == 2 * 4 * 16 and counts["router"] == 2 * (32 * 16 + 4 * 16)
+    with pytest.raises(ValueError, match="needs Focus routers"):
+        apply_freeze_policy(torch.nn.Linear(3, 3), TrainConfig(freeze="centroids"))

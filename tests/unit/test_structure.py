@@ -25,6 +25,7 @@ ALLOWED = {
     "train": {"focus", "model", "parallel", "data", "config", "convert"},
     "experiments": {"config", "train", "data"},
     "bench": {"focus", "convert"},  # attention kernels; the export's decode
+    "analysis": {"focus", "model", "parallel", "data", "config", "convert", "train"},
 }
 
 

@@ -30,6 +30,7 @@ FOCUS_DEFAULTS = {
     "normalize": True,
     "backend": "auto",
     "inference_backend": "auto",
+    "sinks": 0,
 }
 
 

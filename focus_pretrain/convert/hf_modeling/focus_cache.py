@@ -14,7 +14,9 @@ repetition, resetting, and ``copy.deepcopy`` of a prompt cache.
 the keys that share one of its groups. :class:`GroupIndex` keeps, per sequence and group, the
 sorted positions of the cached real tokens of that group (grown by doubling, rebuilt after a
 reorder); :func:`sparse_decode` gathers exactly those keys and attends to them, so a step reads
-``window + 1 + |same-group keys|`` keys instead of the whole cache.
+``window + 1 + |same-group keys|`` keys instead of the whole cache. With attention sinks the
+index also keeps each sequence's first ``S`` real positions, and a step reads those of them that
+are neither in its window nor in one of its groups (each key once: ``S`` more at most).
 
 Layouts: HF ``[b, heads, seq, d]`` for keys and values; routing ``[b, seq, K]``.
 """
@@ -50,9 +52,10 @@ class GroupPositions:
 
 
 class GroupIndex:
-    """Per sequence and group, where the cached real tokens of that group are."""
+    """Per sequence and group, where the cached real tokens of that group are; per sequence,
+    its first ``sinks`` real positions (the attention sinks)."""
 
-    def __init__(self, members: Tensor, valid: Tensor, num_groups: int) -> None:
+    def __init__(self, members: Tensor, valid: Tensor, num_groups: int, sinks: int = 0) -> None:
         """``members [b, n]`` int64 group bitmasks, ``valid [b, n]`` (False: padding)."""
         self.rows = [
             [
@@ -61,12 +64,18 @@ class GroupIndex:
             ]
             for row, ok in zip(members, valid, strict=True)
         ]
+        self.num_sinks = sinks
+        self.sinks = [torch.nonzero(ok).flatten()[:sinks] for ok in valid] if sinks else []
 
     def append(self, members: Tensor, valid: Tensor, position: int) -> None:
         """Add one new token per sequence (``members [b]``, ``valid [b]``) at ``position``."""
-        for groups, bits, ok in zip(self.rows, members.tolist(), valid.tolist(), strict=True):
+        for r, (groups, bits, ok) in enumerate(
+            zip(self.rows, members.tolist(), valid.tolist(), strict=True)
+        ):
             if not ok:
                 continue
+            if self.num_sinks and self.sinks[r].numel() < self.num_sinks:  # a row's first S
+                self.sinks[r] = torch.cat([self.sinks[r], self.sinks[r].new_tensor([position])])
             for g, positions in enumerate(groups):
                 if bits >> g & 1:
                     positions.append(position)
@@ -232,17 +241,21 @@ def sparse_decode(
     num_groups: int,
     scale: float,
     softcap: float | None,
+    sinks: int = 0,
 ) -> tuple[Tensor, int]:
     """One decode step over the keys the hard pattern keeps.
 
     ``query [b, H, 1, d]``, ``key/value [b, G, n, d]`` (the whole cache, this step's token last)
     -> ``([b, 1, H, d], keys read)``. Key ``j`` is read when it is real (not padding) and
-    ``n - 1 - j <= window``, or when it shares one of the query's groups.
+    ``n - 1 - j <= window``, or when it shares one of the query's groups, or when it is one of
+    the row's first ``sinks`` real tokens; each key at most once.
     """
     b, heads, _, d = query.shape
     groups, n = key.shape[1], key.shape[2]
-    if layer.focus_index is None:
-        layer.focus_index = GroupIndex(layer.focus_members, layer.focus_valid, num_groups)
+    index = layer.focus_index
+    if index is None or index.num_sinks != sinks:
+        index = GroupIndex(layer.focus_members, layer.focus_valid, num_groups, sinks)
+        layer.focus_index = index
     start = max(0, n - 1 - window)
     window_positions = torch.arange(start, n, device=key.device)
     members, valid = layer.focus_members, layer.focus_valid
@@ -255,11 +268,15 @@ def sparse_decode(
         for g in range(num_groups):
             if not bits >> g & 1:
                 continue
-            far = layer.focus_index.rows[r][g].before(start)
+            far = index.rows[r][g].before(start)
             if taken:  # top-k > 1: a key in two of the query's groups is read once
                 far = far[(members[r, far] & taken) == 0]
             parts.append(far)
             taken |= 1 << g
+        if sinks:  # sinks beyond the window and in none of the query's groups (not read yet)
+            sink = index.sinks[r]
+            sink = sink[sink < start]
+            parts.append(sink[(members[r, sink] & bits) == 0])
         positions = torch.cat(parts)  # [m]
         reads += positions.numel()
         k, v = (t.to(dtype) for t in layer.token_rows(r, positions))  # [G, m, d]

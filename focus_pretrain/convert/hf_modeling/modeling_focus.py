@@ -9,7 +9,11 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
 * ``inference_mode="hard"`` (default): a query sees keys in its local window plus keys whose
   ``top_k`` groups intersect its own; ``"soft"``: every causal key, beyond the window with the
   gate ``log sigmoid(lambda (g_i . g_j - 1/2))`` (the training pattern);
-* Gemma-2's sliding-window layers keep their window and have no router.
+* Gemma-2's sliding-window layers keep their window and have no router;
+* ``focus["sinks"] = S`` (attention sinks): the first ``S`` *real* tokens of each row (padding
+  skipped, so a left-padded row has the sinks of the same sequence alone) are visible to every
+  query of Focus layers and of the window-only twin's layers, with no gate (not in a family's
+  own sliding-window layers).
 
 Speed: when ``focus_pretrain`` is importable, a whole-sequence forward (evaluation, the prefill
 of generation) runs through its ``focus_attention`` with ``focus["inference_backend"]`` (soft
@@ -118,6 +122,33 @@ def _route(module: nn.Module, allowed: Tensor | None, q_len: int, kv_len: int):
     return (*store_routing(layer, probs, members, valid, kv_len), layer)
 
 
+def _sinks(module: nn.Module) -> int:
+    """Attention sinks of a Focus layer (or a window-only twin's); 0 for a family's own
+    sliding-window layers and without Focus."""
+    router = getattr(module, "router", None)
+    if router is not None:
+        return int(router.focus.get("sinks", 0))
+    if getattr(module, "focus_window", None) is None:
+        return 0
+    return int(getattr(module.config, "focus", {}).get("sinks", 0))
+
+
+def _sink_keys(module, routing, allowed: Tensor | None, b: int, kv_len: int, device):
+    """``[b, kv]`` bool: the layer's sink keys, the first ``sinks`` real keys of each row (real:
+    the cached routing's ``valid``, else a key some query of HF's mask attends), or ``None``
+    without sinks."""
+    sinks = _sinks(module)
+    if not sinks:
+        return None
+    valid = routing[2] if routing is not None else None  # [b, kv]
+    if valid is None and allowed is not None:
+        valid = allowed.any(dim=1)  # a real key is attended by some query (its own, or later)
+    if valid is None:  # no padding
+        return (torch.arange(kv_len, device=device) < sinks)[None].expand(b, kv_len)
+    before = valid.long().cumsum(dim=1) - 1  # [b, kv]: real tokens before each key
+    return valid & (before < sinks)
+
+
 def focus_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -158,6 +189,7 @@ def focus_attention_forward(
                 num_groups=focus["num_groups"],
                 scale=scale,
                 softcap=softcap,
+                sinks=_sinks(module),
             )
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
             return out, None
@@ -181,17 +213,23 @@ def _dense(
     distance = q_pos[:, None] - torch.arange(kv_len, device=device)[None]  # [q, kv]
     causal = distance >= 0
     neg_inf = torch.tensor(float("-inf"), device=device)
+    sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device)  # [b, kv]|None
     if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
         keep = causal
         if sliding_window is not None:
             keep = causal & (distance < sliding_window)  # HF: W keys including itself
         elif getattr(module, "focus_window", None) is not None:
             keep = causal & (distance <= module.focus_window)
-        bias = torch.where(keep, 0.0, neg_inf)[None]  # [1, q, kv]
+        if sink is not None:
+            keep = keep | (causal & sink[:, None, :])  # [b, q, kv]
+        bias = torch.where(keep, 0.0, neg_inf)
+        bias = bias if bias.dim() == 3 else bias[None]  # [b|1, q, kv]
     else:
         focus = module.router.focus
         probs_k, member_k = routing[0], routing[1]  # [b, kv, K], [b, kv]
         local = causal & (distance <= focus["window"])
+        if sink is not None:  # sinks: like keys in the window (no gate)
+            local = local | (causal & sink[:, None, :])  # [b, q, kv]
         if mode == "hard":
             member_q = member_k[:, kv_len - q_len :]
             shares = (member_q[:, :, None] & member_k[:, None, :]) != 0  # [b, q, kv]
@@ -232,6 +270,8 @@ def _fast_path(
     router = getattr(module, "router", None)
     focus_window = getattr(module, "focus_window", None)
     kwargs = dict(scale=scale, softcap=softcap, backend=backend)
+    if _sinks(module):  # padded rows run on their real tokens: the sinks are their first ones
+        kwargs.update(sinks=_sinks(module))
     probs = None
     if router is not None:
         focus = router.focus

@@ -1,0 +1,148 @@
+"""Loading a model to inspect: one of our checkpoints or an exported HuggingFace directory.
+
+Ours go through :func:`focus_pretrain.train.evaluate.load_checkpoint_model` (one process; the
+model in ``eval()``, so layers run the inference pattern); an export through
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (its shipped code).
+Either way the result says how to run a ``[b, s]`` token batch and the pattern's settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from focus_pretrain.data import Tokenizer
+from focus_pretrain.train.evaluate import load_checkpoint_model
+
+CHECKPOINT_HELP = (
+    "pass a run directory (e.g. runs/tiny), a checkpoint directory "
+    "(runs/tiny/checkpoints/step_00000800) or an exported HuggingFace directory "
+    "(tools/convert_to_hf.py; it has config.json)"
+)
+
+
+@dataclass
+class InspectedModel:
+    """A model ready to run, with its pattern's settings.
+
+    Attributes:
+        kind: ``"checkpoint"`` (ours) or ``"hf-export"``.
+        path: what was loaded.
+        module: the model (its routers are hooked by
+            :class:`~focus_pretrain.analysis.capture.RouterCapture`).
+        run: runs a token batch ``[b, s]`` (int64, any device) through the model, no grad.
+        tokenizer: the model's tokenizer (or the one passed), ``None`` when it has none.
+        num_groups, window, top_k, sinks: the hard pattern (``focus`` settings).
+        inference_mode: the pattern the layers run in (``"hard"`` or ``"soft"``).
+        max_length: the longest sequence the model takes.
+    """
+
+    kind: str
+    path: Path
+    module: nn.Module
+    run: Callable[[Tensor], None]
+    tokenizer: Tokenizer | None
+    num_groups: int
+    window: int
+    top_k: int
+    sinks: int
+    inference_mode: str
+    max_length: int
+
+
+def load_for_inspection(
+    path: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    device: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> InspectedModel:
+    """Load ``path``: an exported HF directory (``config.json``) or one of our checkpoints
+    (a run or checkpoint directory; ``overrides`` apply to its config). ``tokenizer`` (a
+    SentencePiece ``.model`` or an HF tokenizer directory) replaces the model's own.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist or is not a checkpoint or an export.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist: {CHECKPOINT_HELP}")
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise FileNotFoundError(
+            f"--tokenizer {tokenizer} does not exist: pass a SentencePiece .model file or a "
+            "HuggingFace tokenizer directory (tokenizer.json)"
+        )
+    if (path / "config.json").is_file():
+        return _load_export(path, tokenizer, device)
+    try:
+        loaded = load_checkpoint_model(path, overrides)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{error}; {CHECKPOINT_HELP}") from error
+    model, focus = loaded.model, loaded.config.model.focus
+    if device is not None:
+        model.to(device)
+    target = next(model.parameters()).device
+
+    def run(tokens: Tensor) -> None:
+        tokens = tokens.to(target)
+        positions = torch.arange(tokens.shape[1], device=target)[None].expand_as(tokens)  # [b, s]
+        with torch.no_grad():
+            model(tokens, positions, None)
+
+    return InspectedModel(
+        kind="checkpoint",
+        path=loaded.checkpoint,
+        module=model,
+        run=run,
+        tokenizer=Tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer,
+        num_groups=focus.num_groups,
+        window=focus.window,
+        top_k=focus.top_k,
+        sinks=getattr(focus, "sinks", 0),
+        inference_mode=focus.inference_mode,
+        max_length=loaded.config.model.max_seq_length,
+    )
+
+
+def _load_export(
+    path: Path, tokenizer: str | os.PathLike | None, device: str | None
+) -> InspectedModel:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an export is self-contained
+    from transformers import AutoModelForCausalLM  # heavy; only this path needs it
+
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    model = model.to(device or "cpu").eval()
+    config = model.config
+    focus = getattr(config, "focus", None)
+    if focus is None:
+        raise ValueError(
+            f"{path} is a HuggingFace model without a focus section in config.json: not a Focus "
+            "export (tools/convert_to_hf.py writes one)"
+        )
+    max_length = getattr(config, "max_position_embeddings", None) or config.n_positions
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        tokenizer = path
+    target = next(model.parameters()).device
+
+    def run(tokens: Tensor) -> None:
+        with torch.no_grad():
+            model(input_ids=tokens.to(target), use_cache=False)
+
+    return InspectedModel(
+        kind="hf-export",
+        path=path,
+        module=model,
+        run=run,
+        tokenizer=None if tokenizer is None else Tokenizer(tokenizer),
+        num_groups=focus["num_groups"],
+        window=focus["window"],
+        top_k=focus["top_k"],
+        sinks=focus.get("sinks", 0),
+        inference_mode=focus.get("inference_mode", "hard"),
+        max_length=int(max_length),
+    )
