@@ -43,12 +43,12 @@ class FocusConfig:
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
             lie in ``[-1/tau, 1/tau]``); ``False`` uses the plain dot product. **Decision**: cosine
             by default; with plain dot products 10 Sinkhorn iterations at ``tau = 0.1`` leave
-            columns 38-50% off balance, with cosine 0.3% (see docs/focus-method.md).
+            the worst column 18-36% off balance, with cosine 0.1% (docs/benchmarks.md).
         check_finite: reject NaN/inf inputs with a ``ValueError`` (costs a device sync on GPU).
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
-        backend: attention backend of the soft (training) pattern: ``"auto"`` (the fastest
-            exact one for each call), ``"reference"`` or ``"flex"``.
+        backend: attention backend of the soft (training) pattern: ``"auto"`` (an exact one
+            for each call, by fixed rules), ``"reference"`` or ``"flex"``.
         inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
             ``"flex"`` or ``"decomposed"`` (hard top-1 only).
         sinks: ``S >= 0`` attention sinks (StreamingLLM): the first ``S`` tokens of every
