@@ -4,6 +4,7 @@ TensorBoard scalars and ``metrics.jsonl``."""
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 from focus_pretrain.model.config import ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
+_DETAIL = re.compile(r"_L\d+_d\d+_")  # per length and depth probe scores: files only
 
 # Dense bf16 peak per device (TFLOP/s), for MFU when train.peak_tflops is not set.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -156,11 +158,14 @@ class MetricsLogger:
             self.writer = SummaryWriter(str(output_dir / "tensorboard"))
 
     def log(self, step: int, scalars: dict[str, float | None], prefix: str = "train") -> None:
-        """One interval's scalars (``None`` values are left out)."""
+        """One interval's scalars (``None`` values are left out). The console line leaves out
+        per-length-and-depth probe scores (``passkey_L4096_d50_acc``...); TensorBoard and
+        ``metrics.jsonl`` get every scalar."""
         if not self.enabled:
             return
         shown = {k: v for k, v in scalars.items() if v is not None}
-        parts = [f"{prefix} step {step}"] + [f"{k} {_fmt(v)}" for k, v in shown.items()]
+        brief = {k: v for k, v in shown.items() if not _DETAIL.search(k)}
+        parts = [f"{prefix} step {step}"] + [f"{k} {_fmt(v)}" for k, v in brief.items()]
         print(" | ".join(parts), flush=True)
         self._append({"split": prefix, "step": step, **shown})
         if self.writer is not None:
