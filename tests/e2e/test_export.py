@@ -45,21 +45,29 @@ def test_export_layout(exported):
         assert (out / name).is_file(), name
 
 
-def test_exported_model_matches_ours(exported, monkeypatch):
+def _export_outputs(out, tokens: torch.Tensor, new_tokens: int):
+    """The export at ``out`` loaded offline: ``(model, hard logits, soft logits, greedy
+    tokens of the first row)``, the model left in hard mode."""
     from transformers import AutoModelForCausalLM
 
-    root, out = exported
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
-    ckpt = next((root / "run" / "checkpoints").glob("step_00000004"))
-    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 8)
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     with torch.no_grad():
         hard = model(tokens).logits
         model.config.focus["inference_mode"] = "soft"
         soft = model(tokens).logits
         model.config.focus["inference_mode"] = "hard"
-        greedy = model.generate(tokens[:1], max_new_tokens=8, do_sample=False)
+        greedy = model.generate(tokens[:1], max_new_tokens=new_tokens, do_sample=False)
+    return model, hard, soft, greedy
+
+
+def test_exported_model_matches_ours(exported, monkeypatch):
+
+    root, out = exported
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    ckpt = next((root / "run" / "checkpoints").glob("step_00000004"))
+    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 8)
+    _, hard, soft, greedy = _export_outputs(out, tokens, 8)
     vocab = hard.shape[-1]
     assert not torch.allclose(ours["soft"], ours["hard"])  # the two patterns differ here
     torch.testing.assert_close(hard, ours["hard"][..., :vocab], rtol=1e-4, atol=1e-4)
@@ -75,7 +83,6 @@ def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch):
     import shutil
 
     import yaml
-    from transformers import AutoModelForCausalLM
 
     from focus_pretrain.convert import export_router_adapter
 
@@ -92,14 +99,9 @@ def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch):
     assert json.loads((adapter / "focus_adapter.json").read_text())["focus"]["sinks"] == 3
     tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(2))
     (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 12)
-    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    model, hard, soft, greedy = _export_outputs(out, tokens, 12)
+    model.config.focus["sinks"] = 0
     with torch.no_grad():
-        hard = model(tokens).logits
-        model.config.focus["inference_mode"] = "soft"
-        soft = model(tokens).logits
-        model.config.focus["inference_mode"] = "hard"
-        greedy = model.generate(tokens[:1], max_new_tokens=12, do_sample=False)
-        model.config.focus["sinks"] = 0
         plain = model(tokens).logits
     vocab = hard.shape[-1]
     torch.testing.assert_close(hard, ours["hard"][..., :vocab], rtol=1e-4, atol=1e-4)
