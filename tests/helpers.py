@@ -27,11 +27,14 @@ def brute_force_focus(
     scale: float | None = None,
     local_only: bool = False,
     sinks: int = 0,
+    documents: list[list[int]] | None = None,
 ) -> Tensor:
     """Focus attention as a scalar double loop over (i, j), written from the spec alone.
 
     Shares no code with the package. ``q [b, s, H, D]``, ``k/v [b, s, Hkv, D]``,
     ``probs [b, s, K]``; ``sinks``: keys ``j < sinks`` are treated like keys in the window.
+    ``documents``: per sample, each token's document id (a change of id starts a document):
+    keys of other documents are skipped and the sinks count from each document's start.
     Returns ``[b, s, H, D]`` float64.
     """
     b, s, h, d = q.shape
@@ -40,6 +43,10 @@ def brute_force_focus(
     qs, ks, vs = q.double().tolist(), k.double().tolist(), v.double().tolist()
     out = torch.zeros(b, s, h, d, dtype=torch.float64)
     for bi in range(b):
+        doc = [0] * s if documents is None else list(documents[bi])
+        start = [0] * s
+        for t in range(1, s):
+            start[t] = t if doc[t] != doc[t - 1] else start[t - 1]
         if probs is not None:
             p = probs[bi].double().tolist()
             n_groups = len(p[0])
@@ -51,7 +58,9 @@ def brute_force_focus(
             for i in range(s):
                 logits, keys = [], []
                 for j in range(i + 1):
-                    local = i - j <= window or j < sinks
+                    if start[j] != start[i]:
+                        continue
+                    local = i - j <= window or j - start[j] < sinks
                     bias = 0.0
                     if local_only:
                         if not local:
@@ -126,3 +135,24 @@ def make_hf_tokenizer(directory, texts, vocab_size: int = 400):
     config = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def packed_documents(b: int, lengths: list[int], *, seed: int) -> Tensor:
+    """``[b, sum(lengths)]`` int64 document ids: sample ``r`` packs documents of ``lengths``
+    rotated by ``r`` (so the samples of a batch differ), with arbitrary (non-start) ids."""
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    for r in range(b):
+        order = lengths[r % len(lengths) :] + lengths[: r % len(lengths)]
+        labels = torch.randperm(1000, generator=gen)[: len(order)]
+        rows.append(torch.cat([torch.full((n,), int(x)) for n, x in zip(order, labels)]))
+    return torch.stack(rows)
+
+
+def document_spans(documents: Tensor) -> list[list[tuple[int, int]]]:
+    """Per sample, the ``(start, end)`` of each document of ``[b, s]`` ids (runs of one id)."""
+    spans = []
+    for row in documents.tolist():
+        cuts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]] + [len(row)]
+        spans.append(list(zip(cuts[:-1], cuts[1:])))
+    return spans

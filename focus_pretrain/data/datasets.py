@@ -37,6 +37,16 @@ class DataConfig:
         demo_pairs: key-value pairs each demo document defines and recalls.
         demo_values: value words (of 64) the demo documents draw from.
         demo_filler_sentences: filler between definitions and recalls in the demo corpus.
+        document_mask: packed documents never see each other: attention (every backend, under
+            context parallelism too) stays inside the document, which ends with its EOD token.
+        reset_position_ids: RoPE positions restart at 0 at every document start.
+        eod_mask_loss: no loss on predictions made *from* an EOD token (the next document's
+            first token, which the previous document cannot know).
+        min_document_tokens: documents shorter than this (tokens, EOD included) are left out
+            of training samples (0: keep all).
+        long_document_tokens, long_document_repeat: documents of at least
+            ``long_document_tokens`` tokens appear ``long_document_repeat`` times per epoch
+            (up-sampling, so that a long-context recipe holds long documents at all).
     """
 
     sources: list[str] = field(default_factory=lambda: ["demo:2000"])
@@ -50,6 +60,12 @@ class DataConfig:
     demo_pairs: int = 4
     demo_values: int = 64
     demo_filler_sentences: int = 16
+    document_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+    min_document_tokens: int = 0
+    long_document_tokens: int = 0
+    long_document_repeat: int = 1
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -64,6 +80,15 @@ class DataConfig:
                 check_positive("data.weights[]", w)
         for name in ("vocab_size", "seq_length", "workers", "demo_pairs", "demo_filler_sentences"):
             check_int(f"data.{name}", getattr(self, name), low=1)
+        for name in ("min_document_tokens", "long_document_tokens"):
+            check_int(f"data.{name}", getattr(self, name), low=0)
+        check_int("data.long_document_repeat", self.long_document_repeat, low=1)
+        if self.long_document_repeat > 1 and not self.long_document_tokens:
+            raise ValueError(
+                f"data.long_document_repeat is {self.long_document_repeat} but "
+                "data.long_document_tokens is 0; set data.long_document_tokens to the length "
+                "from which documents are up-sampled"
+            )
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"data.split must be three numbers like '98,2,0', got {self.split!r}")

@@ -10,6 +10,9 @@ keys and values (GQA when ``heads_kv < heads``). Causal self-attention with the 
 * ``local_only=True``: a sliding-window layer (interleaved local/global models); no routing.
 * ``sinks=S``: attention sinks, the first ``S`` positions visible to every query in any of
   these (no gate on them in soft mode); every backend computes them exactly.
+* ``documents``: packed documents, ``[b, s]`` per-token document ids; no pair crosses a
+  document boundary and the sinks are each document's first ``S`` tokens, so every document
+  gets exactly the attention it would get alone.
 
 Every backend computes exactly the same function; ``backend="auto"`` picks the fastest exact
 one for the request (:func:`select_backend`). Backends:
@@ -38,7 +41,7 @@ from focus_pretrain.focus import flex
 from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
 from focus_pretrain.focus.decomposed import decomposed_attention, flash_attn_available
 from focus_pretrain.focus.flex import flex_focus_attention
-from focus_pretrain.focus.pattern import compute_dtype
+from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 
@@ -57,6 +60,7 @@ class AttentionRequest:
         softcap: whether Gemma-2 soft-capping is on.
         needs_grad: whether autograd will differentiate through the call.
         sinks: attention sinks (every built-in backend is exact for any number).
+        documents: whether the sequences are packed documents (``documents=`` given).
     """
 
     device: str
@@ -73,6 +77,7 @@ class AttentionRequest:
     softcap: bool
     needs_grad: bool
     sinks: int = 0
+    documents: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,9 @@ class Backend:
     Attributes:
         name: what ``backend=`` selects.
         fn: ``fn(q, k, v, *, probs, member, window, mode, gate_lambda, softcap, scale,
-            local_only, sinks) -> (out [b, s, H, D], lse [b, s, H] fp32)``; ``sinks`` is passed
-            only when non-zero.
+            local_only, sinks, documents) -> (out [b, s, H, D], lse [b, s, H] fp32)``;
+            ``sinks`` is passed only when non-zero, ``documents`` (``[b, s]`` int64 document
+            starts, :func:`~focus_pretrain.focus.pattern.document_starts`) only when given.
         priority: ``priority(request) -> int | None``: ``None`` when the backend cannot run the
             :class:`AttentionRequest` exactly; otherwise ``auto`` picks the highest.
     """
@@ -118,6 +124,7 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
         raise ValueError(
             f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
             f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
+            f"documents={request.documents}, "
             f"needs_grad={request.needs_grad} on {request.device} with {request.dtype}; "
             "use backend='auto'"
         )
@@ -141,6 +148,7 @@ def focus_attention(
     return_lse: bool = False,
     check_finite: bool = True,
     sinks: int = 0,
+    documents: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal Focus attention.
 
@@ -161,6 +169,11 @@ def focus_attention(
         check_finite: raise ``ValueError`` on NaN/inf inputs (a device sync on GPU).
         sinks: attention sinks ``S >= 0``: keys at positions ``< S`` are attended by every
             (later) query, with no gate in soft mode, also in ``local_only`` layers.
+        documents: ``[batch, seq]`` integer document ids of packed sequences: a token whose id
+            differs from the previous token's starts a new document. Queries attend only keys
+            of their own document, and the sinks are the first ``S`` tokens of each document.
+            Start positions (:func:`~focus_pretrain.focus.pattern.document_starts`) are valid
+            ids. ``None``: one document per sequence.
 
     Returns:
         ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
@@ -187,6 +200,9 @@ def focus_attention(
         check_finite=check_finite,
     )
     check_int("sinks", sinks, low=0)
+    if documents is not None:
+        _check_documents(documents, q)
+        documents = document_starts(documents)  # [b, s] int64
     member = None
     if local_only:
         probs = None
@@ -209,9 +225,12 @@ def focus_attention(
         needs_grad=torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
         sinks=sinks,
+        documents=documents is not None,
     )
     chosen = select_backend(backend, request)
     extra = {"sinks": sinks} if sinks else {}  # sinks = 0: the call of a plain pattern
+    if documents is not None:
+        extra["documents"] = documents
     out, lse = chosen.fn(
         q,
         k,
@@ -286,6 +305,19 @@ def _validate(
         raise_if_not_finite(q=q, k=k, v=v, **{"routing.probs": None if local_only else probs})
 
 
+def _check_documents(documents: Tensor, q: Tensor) -> None:
+    b, s = q.shape[:2]
+    if not isinstance(documents, Tensor) or tuple(documents.shape) != (b, s):
+        shape = tuple(documents.shape) if isinstance(documents, Tensor) else type(documents)
+        raise ValueError(
+            f"documents must be [batch={b}, seq={s}] per-token document ids, got {shape}"
+        )
+    if documents.is_floating_point() or documents.is_complex() or documents.dtype == torch.bool:
+        raise ValueError(f"documents must be an integer tensor, got {documents.dtype}")
+    if documents.device != q.device:
+        raise ValueError(f"documents must be on {q.device}, got {documents.device}")
+
+
 def check_dtypes(q: Tensor, k: Tensor, v: Tensor, probs: Tensor | None) -> None:
     """Raise ``ValueError`` unless ``q``, ``k``, ``v`` share one dtype and ``probs`` (the
     routing's soft assignments; ``None`` skipped) is floating point and no more precise than the
@@ -326,6 +358,8 @@ _FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _decomposed_priority(r: AttentionRequest) -> int | None:
+    if r.documents:
+        return None
     if r.needs_grad or not (r.local_only or (r.mode == "hard" and r.top_k == 1)):
         return None
     if r.device == "cuda":
@@ -338,6 +372,8 @@ def _decomposed_priority(r: AttentionRequest) -> int | None:
 
 
 def _flex_priority(r: AttentionRequest) -> int | None:
+    if r.documents:
+        return None
     if r.device == "cuda":
         return 20 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
     if r.device == "cpu" and not r.needs_grad:

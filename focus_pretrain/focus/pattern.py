@@ -7,6 +7,13 @@ A query at position ``i`` may attend a key at position ``j`` when::
 ``sinks`` (``S``, default 0) are attention sinks: the first ``S`` positions of the sequence are
 always visible, like keys inside the window (:func:`causal_and_local`).
 
+**Documents** (packed sequences): given each token's *document start* ``d`` (the position of
+the first token of its document, :func:`document_starts`), a pair is allowed only inside one
+document, ``d_i == d_j``, and the sinks are the first ``S`` tokens *of each document*
+(``j - d_j < S``). So a document packed among others sees exactly what it would see alone (the
+window and causal tests use differences of positions, which packing does not change). The
+structure is ``[b, s]`` integers, never an ``n x n`` mask.
+
 * **hard** (inference): ``shares_group`` is "the top-k group sets of ``i`` and ``j`` intersect",
   tested on int64 membership bitmasks (one bit per group). Disallowed pairs get ``-inf``.
 * **soft** (training): every causal pair is allowed; pairs beyond the window (and not a sink)
@@ -78,21 +85,63 @@ def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
     return F.logsigmoid(gate_lambda * (at_least_fp32(affinity) - 0.5))
 
 
+def document_starts(documents: Tensor) -> Tensor:
+    """Each token's document start: ``[b, s]`` document ids -> ``[b, s]`` int64 positions.
+
+    A token starts a new document when its id differs from the previous token's (documents
+    are contiguous runs; the ids themselves only need to change at boundaries). The result is
+    the position of the first token of each token's document, itself a valid id array
+    (``document_starts(document_starts(x)) == document_starts(x)``), and what every backend
+    and the context-parallel shards use (positions are global, so they survive sharding).
+    """
+    b, s = documents.shape
+    positions = torch.arange(s, device=documents.device).expand(b, s)  # [b, s]
+    new = torch.ones(b, s, dtype=torch.bool, device=documents.device)
+    new[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return torch.where(new, positions, 0).cummax(dim=1).values
+
+
+def same_document(q_doc: Tensor, k_doc: Tensor) -> Tensor:
+    """``[b, Lq, Lk]`` bool: are query and key in one document (document starts ``[b, L]``)?"""
+    return q_doc[:, :, None] == k_doc[:, None, :]
+
+
 def causal_and_local(
-    q_pos: Tensor, k_pos: Tensor, window: int, sinks: int = 0
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    sinks: int = 0,
+    *,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``([Lq, Lk] causal, [Lq, Lk] local)`` from positions ``[Lq]`` and ``[Lk]``.
+    """``(causal, local)`` pair masks from positions ``[Lq]`` and ``[Lk]``.
 
     ``causal`` is ``j <= i``; ``local`` (the pairs that are always attended, with no gate) is
     ``0 <= i - j <= window`` or, with ``sinks = S > 0``, a causal key at a position ``j < S``
     (an attention sink). A subset of causal. The one definition of the sinks.
+
+    With document starts ``q_doc [b, Lq]`` and ``k_doc [b, Lk]`` both masks also require one
+    document, the sinks are the first ``S`` tokens of each document (``j - d_j < S``), and the
+    masks are ``[b, Lq, Lk]``; without, ``[Lq, Lk]``.
     """
     distance = q_pos[:, None] - k_pos[None, :]  # [Lq, Lk]
     causal = distance >= 0
     local = distance <= window
+    if q_doc is None or k_doc is None:
+        if sinks:
+            local = local | (k_pos < sinks)[None, :]
+        return causal, causal & local
+    causal = causal[None] & same_document(q_doc, k_doc)  # [b, Lq, Lk]
+    local = local[None]
     if sinks:
-        local = local | (k_pos < sinks)[None, :]
+        local = local | ((k_pos[None, :] - k_doc) < sinks)[:, None, :]  # [b, 1, Lk]
     return causal, causal & local
+
+
+def _batched(mask: Tensor) -> Tensor:
+    """``[Lq, Lk] -> [1, Lq, Lk]``; ``[b, Lq, Lk]`` unchanged."""
+    return mask[None] if mask.dim() == 2 else mask
 
 
 def sink_only_pairs(
@@ -103,17 +152,21 @@ def sink_only_pairs(
     *,
     member_q: Tensor | None = None,
     member_k: Tensor | None = None,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
 ) -> Tensor:
     """``[b, Lq, Lk]`` bool: pairs allowed *only* because the key is a sink.
 
-    Causal pairs with ``j < sinks`` beyond the window and, given memberships ``[b, Lq|Lk]``,
-    whose groups do not intersect: the part of the pattern that neither the local window nor
-    the same-group pairs cover (disjoint from both, so a backend can add it by log-sum-exp;
-    ``b = 1`` without memberships, e.g. sliding-window layers).
+    Causal pairs with ``j < sinks`` (``j - d_j < sinks`` with document starts ``[b, Lq|Lk]``)
+    beyond the window and, given memberships ``[b, Lq|Lk]``, whose groups do not intersect:
+    the part of the pattern that neither the local window nor the same-group pairs cover
+    (disjoint from both, so a backend can add it by log-sum-exp; ``b = 1`` without
+    memberships and documents, e.g. sliding-window layers).
     """
-    _, window_pairs = causal_and_local(q_pos, k_pos, window)
-    _, always = causal_and_local(q_pos, k_pos, window, sinks)
-    extra = (always & ~window_pairs)[None]  # [1, Lq, Lk]
+    docs = dict(q_doc=q_doc, k_doc=k_doc)
+    _, window_pairs = causal_and_local(q_pos, k_pos, window, **docs)
+    _, always = causal_and_local(q_pos, k_pos, window, sinks, **docs)
+    extra = _batched(always & ~window_pairs)  # [b|1, Lq, Lk]
     if member_q is not None and member_k is not None:
         extra = extra & ~shares_group(member_q, member_k)
     return extra
@@ -128,6 +181,8 @@ def allowed_pairs(
     member_k: Tensor | None = None,
     local_only: bool = False,
     sinks: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
 ) -> Tensor:
     """Boolean pattern of allowed pairs.
 
@@ -138,16 +193,18 @@ def allowed_pairs(
             when omitted and not ``local_only``, every causal pair is allowed (soft mode).
         local_only: sliding-window layer: only the window (and the sinks).
         sinks: ``S >= 0``: keys at positions ``< S`` are always allowed (causally).
+        q_doc, k_doc: ``[b, Lq]``, ``[b, Lk]`` document starts (packed documents), or ``None``.
 
     Returns:
-        ``[b, Lq, Lk]`` bool (``b = 1`` without memberships).
+        ``[b, Lq, Lk]`` bool (``b = 1`` without memberships and documents).
     """
-    causal, local = causal_and_local(q_pos, k_pos, window, sinks)
+    causal, local = causal_and_local(q_pos, k_pos, window, sinks, q_doc=q_doc, k_doc=k_doc)
+    causal, local = _batched(causal), _batched(local)
     if local_only:
-        return local[None]
+        return local
     if member_q is None or member_k is None:
-        return causal[None]
-    return local[None] | (causal[None] & shares_group(member_q, member_k))
+        return causal
+    return local | (causal & shares_group(member_q, member_k))
 
 
 def pair_bias(
@@ -163,15 +220,18 @@ def pair_bias(
     gate_lambda: float = 10.0,
     local_only: bool = False,
     sinks: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
 ) -> Tensor:
     """Additive score bias (at least fp32) implementing the pattern: ``0``, gate or ``-inf``.
 
     ``mode="hard"`` needs ``member_q/member_k``; ``mode="soft"`` needs ``probs_q/probs_k``
     (``[b, L, K]``); ``local_only`` needs neither. Sink keys (positions ``< sinks``) are
-    allowed with no gate, like keys inside the window.
+    allowed with no gate, like keys inside the window. Document starts ``q_doc [b, Lq]`` and
+    ``k_doc [b, Lk]`` (packed documents) disallow pairs across documents.
 
     Returns:
-        ``[b, Lq, Lk]`` float32 (``b = 1`` when no routing is used).
+        ``[b, Lq, Lk]`` float32 (``b = 1`` when neither routing nor documents are used).
     """
     neg_inf = torch.tensor(float("-inf"), device=q_pos.device)
     if local_only or mode == "hard":
@@ -183,15 +243,17 @@ def pair_bias(
             member_k=member_k,
             local_only=local_only,
             sinks=sinks,
+            q_doc=q_doc,
+            k_doc=k_doc,
         )
         return torch.where(allowed, torch.zeros((), device=q_pos.device), neg_inf)
     if mode != "soft":
         raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
-    causal, local = causal_and_local(q_pos, k_pos, window, sinks)
+    causal, local = causal_and_local(q_pos, k_pos, window, sinks, q_doc=q_doc, k_doc=k_doc)
+    causal, local = _batched(causal), _batched(local)  # [b|1, Lq, Lk]
     gate = soft_gate(group_affinity(probs_q, probs_k), gate_lambda)  # [b, Lq, Lk]
-    distant = (causal & ~local)[None]  # [1, Lq, Lk]
-    bias = torch.where(distant, gate, torch.zeros((), device=gate.device))
-    return torch.where(causal[None], bias, neg_inf)
+    bias = torch.where(causal & ~local, gate, torch.zeros((), device=gate.device))
+    return torch.where(causal, bias, neg_inf)
 
 
 def count_allowed_pairs(member: Tensor, window: int, sinks: int = 0) -> Tensor:

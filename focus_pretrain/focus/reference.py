@@ -32,6 +32,8 @@ def attend_block(
     probs_k: Tensor | None,
     member_q: Tensor | None,
     member_k: Tensor | None,
+    doc_q: Tensor | None = None,
+    doc_k: Tensor | None = None,
     *,
     q_pos: Tensor,
     k_pos: Tensor,
@@ -49,6 +51,7 @@ def attend_block(
         q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
         probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
         member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
+        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts (packed documents) or ``None``.
         q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions (keys at global positions
             ``< sinks`` are attention sinks).
 
@@ -75,6 +78,8 @@ def attend_block(
         gate_lambda=gate_lambda,
         local_only=local_only,
         sinks=sinks,
+        q_doc=doc_q,
+        k_doc=doc_k,
     )  # [b|1, Lq, Lk]
     scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
     weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, Lq, Lk], [b, Hkv, G, Lq]
@@ -118,6 +123,7 @@ def reference_attention(
     scale: float,
     local_only: bool,
     sinks: int = 0,
+    documents: Tensor | None = None,
     q_block: int = DEFAULT_Q_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """Focus self-attention over a whole sequence, query block by query block.
@@ -126,7 +132,9 @@ def reference_attention(
         q: ``[b, s, H, D]``; k, v: ``[b, s, Hkv, D]`` (validated by ``focus_attention``).
         probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
         member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
-        sinks: the first ``sinks`` positions are visible to every query.
+        sinks: the first ``sinks`` positions are visible to every query (of each document).
+        documents: ``[b, s]`` int64 document starts
+            (:func:`~focus_pretrain.focus.pattern.document_starts`): no pair crosses documents.
         q_block: rows per block (memory/speed trade-off; the result does not depend on it).
 
     Returns:
@@ -150,6 +158,8 @@ def reference_attention(
     for start in range(0, s, q_block):
         end = min(s, start + q_block)
         k_start = max(0, start - window) if local_only else 0
+        if documents is not None and sinks:  # each document's sinks: any earlier key may be one
+            k_start = 0
         keys = slice(k_start, end)
         if min(sinks, k_start):  # a local-only block's window plus the sinks before it
             keys = torch.cat([positions[: min(sinks, k_start)], positions[k_start:end]])
@@ -173,6 +183,8 @@ def reference_attention(
             key_rows(probs),
             None if member is None else member[:, start:end],
             key_rows(member),
+            None if documents is None else documents[:, start:end],
+            key_rows(documents),
         )
         if needs_grad:
             out, lse = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
