@@ -29,7 +29,9 @@ SHORT_DOCS = [3, 1, 5, 30, 2, 9]  # shorter than the window, and one of a single
 
 def forward_backends(mode: str, top_k: int, local_only: bool) -> list[str]:
     """The backends that must compute packed documents for this request (forward)."""
-    names = ["reference"]
+    names = ["reference", "flex"]
+    if local_only or (mode == "hard" and top_k == 1):
+        names.append("decomposed")
     return names
 
 
