@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -145,7 +146,8 @@ def packed_documents(b: int, lengths: list[int], *, seed: int) -> Tensor:
     for r in range(b):
         order = lengths[r % len(lengths) :] + lengths[: r % len(lengths)]
         labels = torch.randperm(1000, generator=gen)[: len(order)]
-        rows.append(torch.cat([torch.full((n,), int(x)) for n, x in zip(order, labels)]))
+        runs = [torch.full((n,), int(x)) for n, x in zip(order, labels, strict=True)]
+        rows.append(torch.cat(runs))
     return torch.stack(rows)
 
 
@@ -154,5 +156,5 @@ def document_spans(documents: Tensor) -> list[list[tuple[int, int]]]:
     spans = []
     for row in documents.tolist():
         cuts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]] + [len(row)]
-        spans.append(list(zip(cuts[:-1], cuts[1:])))
+        spans.append(list(itertools.pairwise(cuts)))
     return spans

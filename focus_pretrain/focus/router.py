@@ -18,6 +18,13 @@ modes:
   to 1 and columns to ``n / K``. Token ``i``'s group depends on tokens after ``i`` through the
   column sums: **not causal**; perplexity measured with it leaks the future.
 
+  With packed documents (``documents=``, document starts ``[b, s]``) Sinkhorn normalises each
+  document on its own (columns to ``n_doc / K``), so a document is routed as if alone.
+
+Packing never couples documents in ``causal`` mode: a token's groups depend on itself only,
+and the balance statistic treats the whole micro-batch as one set of tokens, whether its
+documents are packed or not.
+
 * ``none`` (ablation): ``g_i = softmax(a_i)``, no balancing at all; the paper's point is that
   this collapses onto few groups.
 
@@ -135,6 +142,39 @@ def sinkhorn_log(
     return log_p, potential - potential.mean(dim=-1, keepdim=True)
 
 
+def document_logsumexp(x: Tensor, documents: Tensor) -> Tensor:
+    """``logsumexp`` over the tokens of each document, broadcast back to its tokens.
+
+    Args:
+        x: ``[b, s, K]``; documents: ``[b, s]`` int64 document starts (positions in ``[0, s)``).
+
+    Returns:
+        ``[b, s, K]``: row ``t`` holds the column logsumexp of ``t``'s document. Differentiable.
+    """
+    index = documents[..., None].expand_as(x)  # [b, s, K]: each token's document slot
+    top = torch.full_like(x, float("-inf")).scatter_reduce(1, index, x.detach(), "amax")
+    top = top.gather(1, index)  # [b, s, K] per-document max (a constant for the gradient)
+    sums = torch.zeros_like(x).scatter_add(1, index, torch.exp(x - top))
+    return top + sums.gather(1, index).log()
+
+
+def sinkhorn_documents(logits: Tensor, iters: int, documents: Tensor) -> Tensor:
+    """:func:`sinkhorn_log` on each document of packed sequences: ``[b, s, K] -> log_p``.
+
+    Columns sum to ``n_doc / K`` inside each document (``documents``: ``[b, s]`` int64 starts),
+    rows to 1; equal to running :func:`sinkhorn_log` on every document alone.
+    """
+    check_int("iters", iters, low=1)
+    ones = torch.ones_like(documents, dtype=logits.dtype)  # [b, s]
+    sizes = torch.zeros_like(ones).scatter_add(1, documents, ones).gather(1, documents)
+    log_target = torch.log(sizes / logits.shape[-1])[..., None]  # [b, s, 1]
+    log_p = logits
+    for _ in range(iters):
+        log_p = log_p + (log_target - document_logsumexp(log_p, documents))
+        log_p = log_p - torch.logsumexp(log_p, dim=-1, keepdim=True)  # rows sum to 1
+    return log_p
+
+
 class FocusRouter(nn.Module):
     """Per-layer router: ``[b, s, d]`` normalised hidden states -> :class:`Routing`.
 
@@ -235,12 +275,22 @@ class FocusRouter(nn.Module):
         *,
         column_logsumexp: ColumnLogSumExp | None = None,
         num_tokens: int | None = None,
+        documents: Tensor | None = None,
     ) -> Routing:
         """Route ``hidden`` ``[b, s, d]``. ``column_logsumexp``/``num_tokens`` (see
         :func:`sinkhorn_log`) make Sinkhorn see a sequence split over ranks: the routing in
-        ``sinkhorn`` mode, the balance statistic in ``causal`` mode."""
+        ``sinkhorn`` mode, the balance statistic in ``causal`` mode. ``documents`` (``[b, s]``
+        int64 document starts of packed sequences) makes ``sinkhorn`` routing per document."""
         logits = self.logits(hidden)
-        if self.balance == "sinkhorn":
+        if self.balance == "sinkhorn" and documents is not None:
+            if column_logsumexp is not None:
+                raise ValueError(
+                    "balance 'sinkhorn' with packed documents under context parallelism is not "
+                    "supported (Sinkhorn would need per-document sums across ranks); use "
+                    "model.focus.balance=causal (the default), or data.document_mask=false"
+                )
+            routing = Routing(sinkhorn_documents(logits, self.sinkhorn_iters, documents).exp())
+        elif self.balance == "sinkhorn":
             log_p, _ = sinkhorn_log(
                 logits,
                 self.sinkhorn_iters,

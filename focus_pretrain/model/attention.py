@@ -8,6 +8,10 @@ Layouts: Megatron hands core attention ``query [s, b, heads/tp, d]`` and
 The routing is computed from the layer's normalised input (the tensor that feeds ``linear_qkv``)
 and passed to core attention as an explicit argument, also through selective activation
 recompute, never stashed on a module.
+
+Packed documents arrive as ``packed_seq_params``, a
+:class:`~focus_pretrain.model.packing.DocumentParams` (document starts for the attention and
+the router, per-token RoPE positions); Megatron's own ``thd`` packing is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
+from focus_pretrain.model.packing import DocumentParams, rope_for_positions
 
 UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: dense causal attention
 
@@ -94,10 +99,22 @@ class FocusCoreAttention(MegatronModule):
         packed_seq_params=None,
         routing: Routing | None = None,
         mode: str = "soft",
+        documents: Tensor | None = None,
     ) -> Tensor:
-        """``query [s, b, np, d]``, ``key/value [s, b, ng, d]`` -> ``[s, b, np * d]``."""
+        """``query [s, b, np, d]``, ``key/value [s, b, ng, d]`` -> ``[s, b, np * d]``.
+
+        ``documents``: ``[b, s]`` int64 global document starts of packed sequences (this
+        rank's shard under context parallelism), or ``None``.
+        """
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("Focus attention supports neither packed sequences nor bias here")
+            raise ValueError(
+                "Focus core attention takes packed documents as documents=, and no bias"
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                "Focus attention is causal and takes no attention_mask; pack documents with "
+                "focus_pretrain.model.packing.DocumentParams as packed_seq_params"
+            )
         s, b = query.shape[:2]
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [s, b, h, d] -> [b, s, h, d]
         local_only = routing is None
@@ -128,6 +145,7 @@ class FocusCoreAttention(MegatronModule):
             check_finite=self.focus.check_finite,
             backend=self.focus.backend if mode == "soft" else self.focus.inference_backend,
             **({"sinks": self.sinks} if self.sinks else {}),
+            **({"documents": documents} if documents is not None else {}),
         )  # [b, s, np, d]
         return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]
 
@@ -197,12 +215,18 @@ class FocusSelfAttention(SelfAttention):
         # Context parallelism sets this from outside: ``fn(local_seq_len) -> router kwargs``
         # (Sinkhorn's column reduction over the whole sequence).
         self.route_options = None
+        # The model's RotaryEmbedding (set by build_model; kept out of the module tree): the
+        # frequencies of per-token RoPE positions (DocumentParams.rope_positions).
+        self.__dict__["model_rotary"] = None
 
-    def route(self, hidden_states: Tensor) -> Routing | None:
-        """Route the normalised layer input ``[s, b, hidden]``; ``None`` without a router."""
+    def route(self, hidden_states: Tensor, documents: Tensor | None = None) -> Routing | None:
+        """Route the normalised layer input ``[s, b, hidden]``; ``None`` without a router.
+        ``documents`` (``[b, s]`` document starts) keeps Sinkhorn routing inside documents."""
         if self.router is None:
             return None
         options = {} if self.route_options is None else self.route_options(hidden_states.shape[0])
+        if documents is not None:
+            options["documents"] = documents
         routing = self.router(hidden_states.transpose(0, 1), **options)  # [s, b, h] -> [b, s, h]
         # Each TP rank back-propagates through its own heads only: the copy's backward sums the
         # routing gradient over TP. _ContiguousGrad sits *after* the copy so that the gradient
@@ -238,11 +262,23 @@ class FocusSelfAttention(SelfAttention):
         """``hidden_states [s, b, hidden]`` -> ``(output [s, b, hidden], bias)``."""
         if inference_context is not None or inference_params is not None:
             raise ValueError("Focus layers do not support Megatron's inference KV cache yet")
-        if packed_seq_params is not None or key_value_states is not None:
-            raise ValueError("Focus layers support neither packed sequences nor cross attention")
-        routing = self.route(hidden_states)
+        if key_value_states is not None:
+            raise ValueError("Focus layers do not support cross attention")
+        if packed_seq_params is not None and not isinstance(packed_seq_params, DocumentParams):
+            raise ValueError(
+                "Focus layers take packed documents as focus_pretrain.model.packing."
+                "DocumentParams (document starts per token), not Megatron's thd PackedSeqParams"
+            )
+        documents = None if packed_seq_params is None else packed_seq_params.document_starts
+        routing = self.route(hidden_states, documents)
         query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, d]
-        if rotary_pos_emb is not None and self.local_rotary is not None:
+        positions = None if packed_seq_params is None else packed_seq_params.rope_positions
+        if rotary_pos_emb is not None and positions is not None:
+            rotary = self.local_rotary if self.local_rotary is not None else self.model_rotary
+            if rotary is None:
+                raise ValueError("per-token RoPE positions need build_model's model_rotary")
+            rotary_pos_emb = rope_for_positions(rotary, positions)  # [s, b, 1, d]
+        elif rotary_pos_emb is not None and self.local_rotary is not None:
             rotary_pos_emb = self._local_rotary_emb(rotary_pos_emb)
         if rotary_pos_emb is not None:
             q_emb, k_emb = (
@@ -256,12 +292,20 @@ class FocusSelfAttention(SelfAttention):
 
             def core(q, k, v, p):
                 return self.core_attention(
-                    q, k, v, attention_mask, routing=None if p is None else Routing(p), mode=mode
+                    q,
+                    k,
+                    v,
+                    attention_mask,
+                    routing=None if p is None else Routing(p),
+                    mode=mode,
+                    documents=documents,
                 )
 
             out = tensor_parallel.checkpoint(core, False, query, key, value, probs)
         else:
-            out = self.core_attention(query, key, value, attention_mask, routing=routing, mode=mode)
+            out = self.core_attention(
+                query, key, value, attention_mask, routing=routing, mode=mode, documents=documents
+            )
         output, bias = self.linear_proj(out)
         if self.post_norm is not None:
             if bias is not None:

@@ -184,6 +184,10 @@ def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) 
         set_rope_frequencies(
             model.rotary_pos_emb, config.kv_channels, config.rotary_base, config.rope_scaling
         )
+    rotary = getattr(model, "rotary_pos_emb", None)
+    for module in model.modules():  # per-token RoPE positions of packed documents
+        if isinstance(module, FocusSelfAttention):
+            module.__dict__["model_rotary"] = rotary  # a reference, not a submodule
     if config.family in GEMMA:
         model.embedding.register_forward_hook(_scale_embeddings(config.hidden_size**0.5))
         if config.final_softcap is not None:

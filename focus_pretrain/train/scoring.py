@@ -16,6 +16,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from torch import Tensor
 
 from focus_pretrain.parallel.sharding import gather_sequence, shard_batch
+from focus_pretrain.train.loss import packed_documents
 
 
 def _tensor_parallel() -> bool:
@@ -33,6 +34,9 @@ def token_scores(
     micro_batch_size: int,
     device: torch.device,
     cp_group: dist.ProcessGroup | None = None,
+    *,
+    documents: Tensor | None = None,
+    rope_positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Next-token loss and argmax hits of ``model`` at every position.
 
@@ -45,6 +49,8 @@ def token_scores(
         micro_batch_size: rows per forward.
         device: where the forwards run.
         cp_group: the context-parallel group (``s`` must divide into its shards), or ``None``.
+        documents, rope_positions: ``[n, s]`` document starts and RoPE positions of packed
+            documents (:mod:`focus_pretrain.data.documents`), or ``None``.
 
     Returns:
         ``(loss [n, s] float64, hits [n, s] bool)`` on the CPU.
@@ -55,9 +61,16 @@ def token_scores(
         x, y = tokens[rows].to(device), labels[rows].to(device)
         positions = torch.arange(x.shape[1], device=device).expand_as(x)  # [b, s]
         batch = dict(tokens=x, positions=positions, labels=y)
+        for name, extra in (("documents", documents), ("rope_positions", rope_positions)):
+            if extra is not None:
+                batch[name] = extra[rows].to(device)  # [b, s]
+        if "rope_positions" in batch:
+            batch["positions"] = batch["rope_positions"]  # learned absolute positions restart
         if cp_group is not None:  # each context-parallel rank scores its shard
             batch = shard_batch(batch, cp_group)  # [b, s_loc] each
-        logits = model(batch["tokens"], batch["positions"], None)  # [b, s_loc, vocab / tp]
+        logits = model(
+            batch["tokens"], batch["positions"], None, **packed_documents(batch, x.shape[1])
+        )  # [b, s_loc, vocab / tp]
         if _tensor_parallel():
             logits = gather_from_tensor_model_parallel_region(logits)  # [b, s_loc, vocab]
         logits = logits.float()

@@ -150,6 +150,8 @@ class Validator:
                 self.micro_batch_size,
                 self.device,
                 layout.context_parallel_group,
+                documents=batch.get("documents"),
+                rope_positions=batch.get("rope_positions"),
             )  # [b, s]
             masks = distance_masks(batch["tokens"], labels, self.window, self.eod)
             for row, mask in enumerate((valid, masks["beyond_window"], masks["far_evidence"])):

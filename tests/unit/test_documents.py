@@ -92,7 +92,8 @@ def run_packed_and_alone(backend, ids, *, grads: bool, dtype=torch.float64, **kw
         for out in (packed, alone):
             inputs = (q, k, v, probs)  # probs are unused in hard mode: zero gradient
             found = torch.autograd.grad((out * weight).sum(), inputs, allow_unused=True)
-            results.extend(torch.zeros_like(t) if g is None else g for g, t in zip(found, inputs))
+            for g, t in zip(found, inputs, strict=True):
+                results.append(torch.zeros_like(t) if g is None else g)
     return results
 
 

@@ -1,0 +1,158 @@
+"""Document-aware samples: where packed documents start, per-document positions, EOD loss mask,
+and which documents a long-context run trains on.
+
+Megatron's ``GPTDataset`` packs documents (each ending with the EOD token) into fixed-length
+samples. Its own ``reset_position_ids``/``reset_attention_mask`` loop over the EOD tokens in
+Python and build an ``s x s`` mask; here every field is a vectorised ``[s]`` tensor:
+
+* ``documents``: each token's document start (a document starts at position 0 and after every
+  EOD token; the EOD belongs to the document it ends), the attention's document structure
+  (:mod:`focus_pretrain.model.packing`);
+* ``position_ids`` (and ``rope_positions``): positions restarting at every document start;
+* ``loss_mask``: 0 where the *input* token is EOD (the prediction of the next document's first
+  token from the previous document), Megatron's ``eod_mask_loss``.
+
+:class:`DocumentGPTDataset` also drops short documents and repeats long ones
+(:func:`select_documents`) before Megatron builds its sample index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from torch import Tensor
+
+
+def eod_document_starts(tokens: Tensor, eod: int) -> Tensor:
+    """``[..., s]`` token ids -> ``[..., s]`` int64 document starts.
+
+    Position 0 and every position right after an EOD token start a document.
+    """
+    s = tokens.shape[-1]
+    positions = torch.arange(s, device=tokens.device).expand(tokens.shape)  # [..., s]
+    new = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+    new[..., 0] = True
+    new[..., 1:] = tokens[..., :-1] == eod
+    return torch.where(new, positions, 0).cummax(dim=-1).values
+
+
+def document_fields(
+    sample: dict[str, Tensor],
+    eod: int,
+    *,
+    document_mask: bool,
+    reset_position_ids: bool,
+    eod_mask_loss: bool,
+) -> dict[str, Tensor]:
+    """``sample`` (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[s]``) with
+    the document fields the flags ask for (see the module docstring); a new dict."""
+    out = dict(sample)
+    tokens = sample["tokens"]
+    starts = eod_document_starts(tokens, eod)  # [s]
+    if document_mask:
+        out["documents"] = starts
+    if reset_position_ids:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device) - starts  # [s]
+        out["position_ids"] = positions
+        out["rope_positions"] = positions
+    if eod_mask_loss:
+        out["loss_mask"] = torch.where(tokens == eod, 0.0, sample["loss_mask"].float())
+    return out
+
+
+def select_documents(
+    lengths: np.ndarray,
+    indices: np.ndarray,
+    *,
+    min_tokens: int = 0,
+    long_tokens: int = 0,
+    long_repeat: int = 1,
+) -> np.ndarray:
+    """The document indices a split trains on: ``indices`` without documents shorter than
+    ``min_tokens``, and documents of at least ``long_tokens`` tokens ``long_repeat`` times.
+
+    Args:
+        lengths: ``[num_documents]`` tokens per document of the indexed dataset (EOD included).
+        indices: ``[n]`` the split's document indices, in order.
+
+    Returns:
+        ``[m]`` int32 indices; order kept, a repeated document's copies follow each other
+        (Megatron shuffles documents afterwards).
+    """
+    sizes = lengths[indices]
+    keep = indices[sizes >= min_tokens]
+    if long_repeat > 1 and long_tokens > 0:
+        repeats = np.where(lengths[keep] >= long_tokens, long_repeat, 1)
+        keep = np.repeat(keep, repeats)
+    return keep.astype(np.int32)
+
+
+@dataclass
+class DocumentDatasetConfig(GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus the document options of the ``data:`` section (all part of
+    Megatron's cache key, so changing one rebuilds the sample index)."""
+
+    document_mask: bool = False
+    reset_document_positions: bool = False
+    mask_eod_loss: bool = False
+    min_document_tokens: int = 0
+    long_document_tokens: int = 0
+    long_document_repeat: int = 1
+
+
+class DocumentGPTDataset(GPTDataset):
+    """Megatron's ``GPTDataset`` over the selected documents, with the document fields.
+
+    Samples are dicts of ``[s]`` tensors: ``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``, and ``documents``/``rope_positions`` when asked for.
+    """
+
+    def __init__(
+        self,
+        indexed_dataset,
+        dataset_path,
+        indexed_indices: np.ndarray,
+        num_samples,
+        index_split,
+        config: DocumentDatasetConfig,
+    ) -> None:
+        selected = select_documents(
+            indexed_dataset.sequence_lengths,
+            indexed_indices,
+            min_tokens=config.min_document_tokens,
+            long_tokens=config.long_document_tokens,
+            long_repeat=config.long_document_repeat,
+        )
+        if len(indexed_indices) and not len(selected):
+            longest = int(indexed_dataset.sequence_lengths[indexed_indices].max())
+            raise ValueError(
+                f"data.min_document_tokens={config.min_document_tokens} leaves no document in "
+                f"the {index_split.name} split of {dataset_path} (its longest document has "
+                f"{longest} tokens); lower data.min_document_tokens"
+            )
+        super().__init__(indexed_dataset, dataset_path, selected, num_samples, index_split, config)
+
+    @staticmethod
+    def _key_config_attributes() -> list[str]:
+        return [
+            *GPTDataset._key_config_attributes(),
+            "document_mask",
+            "reset_document_positions",
+            "mask_eod_loss",
+            "min_document_tokens",
+            "long_document_tokens",
+            "long_document_repeat",
+        ]
+
+    def __getitem__(self, idx) -> dict[str, Tensor]:
+        config = self.config
+        return document_fields(
+            super().__getitem__(idx),
+            config.tokenizer.eod,
+            document_mask=config.document_mask,
+            reset_position_ids=config.reset_document_positions,
+            eod_mask_loss=config.mask_eod_loss,
+        )
