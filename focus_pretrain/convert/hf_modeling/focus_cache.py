@@ -18,6 +18,9 @@ reorder); :func:`sparse_decode` gathers exactly those keys and attends to them, 
 index also keeps each sequence's first ``S`` real positions, and a step reads those of them that
 are neither in its window nor in one of its groups (each key once: ``S`` more at most).
 
+**Packed inputs** cannot be continued: a forward over packed documents may fill a cache (the
+default ``use_cache=True``), but :func:`check_packed_cache` refuses any later step on it.
+
 Layouts: HF ``[b, heads, seq, d]`` for keys and values; routing ``[b, seq, K]``.
 """
 
@@ -190,6 +193,36 @@ def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
             "dynamic cache (DynamicCache, generate's default), not a static or sliding one"
         )
     return layer
+
+
+def check_packed_cache(cache, layer_idx: int, docs: Tensor | None, q_len: int, kv_len: int) -> None:
+    """Mark this layer's cache as filled by packed documents (``docs [b, q]`` document starts)
+    or not, on a forward into an empty cache; refuse continuing a packed one.
+
+    A packed row ends in the middle of its last document's context (and its other documents
+    are unrelated text), so no next token of it is meaningful: decode each document alone.
+
+    Raises:
+        ValueError: packed documents after cached tokens, or any step after a packed forward.
+    """
+    if cache is None:
+        return
+    cache = getattr(cache, "self_attention_cache", cache)  # GPT-2's EncoderDecoderCache
+    layer = cache.layers[layer_idx]
+    if kv_len == q_len:  # a fresh fill (after reset or crop to nothing, too)
+        layer.focus_packed = docs is not None
+        return
+    if docs is not None:
+        raise ValueError(
+            f"packed inputs (position_ids restarting within a row) after {kv_len - q_len} cached "
+            "tokens are not supported: run packed documents with an empty cache or use_cache=False"
+        )
+    if getattr(layer, "focus_packed", False):
+        raise ValueError(
+            "this KV cache was filled by packed documents (position_ids restarting within a "
+            "row), which cannot be continued: generate from each document alone (one row per "
+            "prompt, left-padded), or run packed forwards with use_cache=False"
+        )
 
 
 def store_routing(

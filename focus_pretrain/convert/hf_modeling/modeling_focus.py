@@ -11,9 +11,9 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
   gate ``log sigmoid(lambda (g_i . g_j - 1/2))`` (the training pattern);
 * Gemma-2's sliding-window layers keep their window and have no router;
 * ``focus["sinks"] = S`` (attention sinks): the first ``S`` *real* tokens of each row (padding
-  skipped, so a left-padded row has the sinks of the same sequence alone) are visible to every
-  query of Focus layers and of the window-only twin's layers, with no gate (not in a family's
-  own sliding-window layers).
+  skipped, so a left-padded row has the sinks of the same sequence alone), or of each packed
+  document, are visible to every query of Focus layers and of the window-only twin's layers,
+  with no gate (not in a family's own sliding-window layers).
 
 Speed: when ``focus_pretrain`` is importable, a whole-sequence forward (evaluation, the prefill
 of generation) runs through its ``focus_attention`` with ``focus["inference_backend"]`` (soft
@@ -25,10 +25,19 @@ one-token decode step reads only its window and its groups' keys (``focus_cache.
 Padding: HF's attention mask is applied (a boolean ``"focus"`` mask function is registered);
 rows with no key (left padding) output zeros. The routing of cached keys lives in the KV cache
 (``focus_cache.FocusDynamicLayer``), so beam search, cropping and copied caches keep it exact.
+
+Packed inputs (as transformers detects them for flash-attention varlen): ``position_ids`` that
+restart (a position that is not the previous one + 1 starts a new document) with
+``attention_mask`` ``None`` or all ones. Every layer (Focus, window-only, a family's sliding
+window) then attends only inside each document, whose sinks are its own first ``S`` tokens, so
+each document gets the logits it gets alone (:func:`packed_documents`). Refused, with an error:
+restarting positions among the real tokens of a padded batch, packed inputs after cached
+tokens, and continuing a KV cache filled by a packed forward (``focus_cache.check_packed_cache``).
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -63,7 +72,11 @@ from .configuration_focus import (
     FocusQwen2Config,
     FocusQwen3Config,
 )
-from .focus_cache import focus_cache_layer, sparse_decode, store_routing
+from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
+
+_PACKAGE_DOCUMENTS = _package_focus_attention is not None and (
+    "documents" in inspect.signature(_package_focus_attention).parameters
+)  # an older focus_pretrain without packed documents: the dense path runs them
 
 
 class FocusRouter(nn.Module):
@@ -88,9 +101,65 @@ class FocusRouter(nn.Module):
 
 
 def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: the attention module's input (what the router reads) and its cache."""
-    module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    """Forward pre-hook: the attention module's cache and, for a Focus layer, its input (what
+    the router reads)."""
+    if getattr(module, "router", None) is not None:
+        module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     module._focus_cache = kwargs.get("past_key_values")
+
+
+class _Documents:
+    """The packed documents of the running forward, shared by a model's attention modules."""
+
+    starts: Tensor | None = None  # [b, s] document starts, or None (one document per row)
+
+
+def packed_documents(
+    position_ids: Tensor | None, attention_mask: Tensor | None, b: int, s: int
+) -> Tensor | None:
+    """Document starts ``[b, s]`` (the position of each token's document's first token in the
+    row) of a packed batch, or ``None`` (one document per row).
+
+    A token starts a new document when its position id is not the previous token's + 1 (how
+    transformers finds packed sequences). Only with ``attention_mask`` ``None`` or all ones; a
+    4-D mask is the caller's own.
+
+    Raises:
+        ValueError: position ids restart among the real tokens of a padded row (the padding's
+            own positions are ignored: left-padded generation restarts there).
+    """
+    if position_ids is None or s < 2 or (attention_mask is not None and attention_mask.dim() != 2):
+        return None
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(b, s)  # [s]|[1, s] -> [b, s]
+    new = torch.ones(b, s, dtype=torch.bool, device=pos.device)
+    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # [b, s]
+    if not bool(new[:, 1:].any()):
+        return None
+    if attention_mask is not None and not bool(attention_mask[:, -s:].all()):
+        real = attention_mask[:, -s:].bool()  # [b, s]: the new tokens' real ones
+        for r in range(b):
+            if bool((pos[r][real[r]].diff() != 1).any()):
+                raise ValueError(
+                    "position_ids restart inside the real tokens of a padded row: packed "
+                    "documents with padding are not supported; pass packed rows with "
+                    "attention_mask=None (or all ones), or each document as its own padded row"
+                )
+        return None
+    index = torch.arange(s, device=pos.device).expand(b, s)  # [b, s]
+    return torch.where(new, index, 0).cummax(dim=1).values
+
+
+def _capture_documents(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of the base model: the packed documents of this forward."""
+    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    inputs = bound.get("input_ids")
+    inputs = bound.get("inputs_embeds") if inputs is None else inputs
+    if inputs is None:
+        model.focus_documents.starts = None
+        return
+    b, s = inputs.shape[:2]
+    starts = packed_documents(bound.get("position_ids"), bound.get("attention_mask"), b, s)
+    model.focus_documents.starts = starts
 
 
 def _membership(probs: Tensor, top_k: int) -> Tensor:
@@ -133,13 +202,18 @@ def _sinks(module: nn.Module) -> int:
     return int(getattr(module.config, "focus", {}).get("sinks", 0))
 
 
-def _sink_keys(module, routing, allowed: Tensor | None, b: int, kv_len: int, device):
+def _sink_keys(
+    module, routing, allowed: Tensor | None, b: int, kv_len: int, device, docs: Tensor | None = None
+) -> Tensor | None:
     """``[b, kv]`` bool: the layer's sink keys, the first ``sinks`` real keys of each row (real:
-    the cached routing's ``valid``, else a key some query of HF's mask attends), or ``None``
-    without sinks."""
+    the cached routing's ``valid``, else a key some query of HF's mask attends) or, given
+    document starts ``docs [b, kv]`` (packed, no padding), of each document; ``None`` without
+    sinks."""
     sinks = _sinks(module)
     if not sinks:
         return None
+    if docs is not None:
+        return torch.arange(kv_len, device=device)[None] - docs < sinks  # [b, kv]
     valid = routing[2] if routing is not None else None  # [b, kv]
     if valid is None and allowed is not None:
         valid = allowed.any(dim=1)  # a real key is attended by some query (its own, or later)
@@ -164,11 +238,15 @@ def focus_attention_forward(
     """``query [b, H, q, d]``, ``key/value [b, G, kv, d]`` -> ``([b, q, H, d], None)``.
 
     ``attention_mask``: HF's mask (padding, packed sequences) or ``None``; queries that may
-    attend to no key (left padding) get a zero output.
+    attend to no key (left padding) get a zero output. Packed documents (:func:`packed_documents`)
+    come from the base model's forward.
     """
     b, _, q_len, d = query.shape
     kv_len = key.shape[2]
     scale = d**-0.5 if scaling is None else scaling
+    documents = getattr(module, "focus_documents", None)
+    docs = None if documents is None else documents.starts  # [b, s] or None
+    check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
     allowed = _allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
     focus = router.focus if router is not None else getattr(module.config, "focus", {})
@@ -194,26 +272,30 @@ def focus_attention_forward(
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
             return out, None
     if backend != "dense" and q_len == kv_len:
-        args = (scale, softcap, sliding_window, routing, allowed, mode, backend)
+        args = (scale, softcap, sliding_window, routing, allowed, mode, backend, docs)
         out = _fast_path(module, query, key, value, *args)
         if out is not None:
             return out, None
-    args = (scale, softcap, sliding_window, routing, allowed, mode)
+    args = (scale, softcap, sliding_window, routing, allowed, mode, docs)
     return _dense(module, query, key, value, *args), None
 
 
 def _dense(
-    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode
+    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode, docs=None
 ) -> Tensor:
-    """Exact masked attention, ``O(q kv)``: ``[b, H, q, d]`` in, ``[b, q, H, d]`` out."""
+    """Exact masked attention, ``O(q kv)``: ``[b, H, q, d]`` in, ``[b, q, H, d]`` out.
+
+    ``docs``: ``[b, kv]`` document starts of a packed batch (``q == kv``), or ``None``."""
     heads, q_len = query.shape[1:3]
     kv_len = key.shape[2]
     device = query.device
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     distance = q_pos[:, None] - torch.arange(kv_len, device=device)[None]  # [q, kv]
     causal = distance >= 0
+    if docs is not None:  # packed: pairs inside one document only
+        causal = causal & (docs[:, kv_len - q_len :, None] == docs[:, None, :])  # [b, q, kv]
     neg_inf = torch.tensor(float("-inf"), device=device)
-    sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device)  # [b, kv]|None
+    sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device, docs)
     if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
         keep = causal
         if sliding_window is not None:
@@ -258,14 +340,15 @@ def _dense(
 
 
 def _fast_path(
-    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode, backend
+    module, query, key, value, scale, softcap, sliding_window, routing, allowed, mode, backend, docs
 ) -> Tensor | None:
     """The package's ``focus_attention`` on whole sequences, or ``None`` where it does not apply
-    (not installed, packed or non-contiguous masks). Padded rows run on their real tokens only.
+    (not installed, a mask neither padding nor packed documents). Padded rows run on their real
+    tokens only; packed rows (document starts ``docs [b, s]``, no padding) with ``documents=``.
 
     ``[b, H, s, d]`` in, ``[b, s, H, d]`` out.
     """
-    if _package_focus_attention is None:
+    if _package_focus_attention is None or (docs is not None and not _PACKAGE_DOCUMENTS):
         return None
     router = getattr(module, "router", None)
     focus_window = getattr(module, "focus_window", None)
@@ -285,6 +368,9 @@ def _fast_path(
     else:  # Focus disabled: plain causal attention, not ours to speed up
         return None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, H, s, d] -> [b, s, H, d]
+    if docs is not None:  # packed rows have no padding (packed_documents)
+        out = _package_focus_attention(q, k, v, probs, check_finite=False, documents=docs, **kwargs)
+        return out.contiguous()  # [b, s, H, d]
     spans = _real_spans(allowed, q.shape[0], q.shape[1], sliding_window)
     if spans is None:
         return None
@@ -338,17 +424,22 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _attach_routers(model: nn.Module, config) -> None:
-    """Give every Focus layer a router (Gemma-2's sliding layers keep only their window)."""
+    """Give every Focus layer a router (Gemma-2's sliding layers keep only their window), and
+    every attention layer the packed documents of the running forward."""
     config._attn_implementation = "focus"
     focus = config.focus
+    base = model.transformer if hasattr(model, "transformer") else model.model
+    base.focus_documents = _Documents()
+    base.register_forward_pre_hook(_capture_documents, with_kwargs=True)
     for module in _attention_modules(model):
+        module.focus_documents = base.focus_documents
+        module.register_forward_pre_hook(_capture_input, with_kwargs=True)
         if getattr(module, "sliding_window", None) is not None or not focus.get("enabled", True):
             continue
         if focus.get("window_only"):
             module.focus_window = focus["window"]
             continue
         module.router = FocusRouter(config.hidden_size, focus)
-        module.register_forward_pre_hook(_capture_input, with_kwargs=True)
     model.set_attn_implementation = types.MethodType(_keep_focus_attention, model)
 
 
