@@ -16,6 +16,16 @@ Routing needs no communication in the default causal mode (a token's groups depe
 only). Attention sinks (``sinks=S``) are the first ``S`` *global* positions in both modes: after
 the all-to-all every rank holds the whole sequence in global order; in the ring, positions are
 global and the sink keys travel with the block of the rank that holds them.
+
+**Packed documents** (``documents=``): each rank passes its zigzag shard ``[b, s_loc]`` of the
+document *starts* of the full sequence (``shard_sequence(document_starts(ids), 1, CP, rank)``,
+:func:`~focus_pretrain.focus.pattern.document_starts`). Starts are global positions, so they
+mean the same on every rank; document ids cannot be normalised per shard (a shard does not
+know where the documents it continues began). The all-to-all gathers them (integers, no
+gradient) into global order for :func:`focus_attention`; the ring sends them with their K/V
+block and skips the blocks that hold no same-document causal pair (with short documents, most).
+In both, the sinks are the first ``S`` tokens of each document. The routers are unchanged: the
+default causal routing is per token, and its balance statistic does not depend on packing.
 Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
 """
 
@@ -31,8 +41,8 @@ from torch import Tensor
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.parallel.config import RING_BACKENDS, check_cp_heads, check_cp_seq_length
-from focus_pretrain.parallel.ring import RingStats, ring_focus_attention
-from focus_pretrain.parallel.sharding import rank_major_orders
+from focus_pretrain.parallel.ring import RingStats, check_document_starts, ring_focus_attention
+from focus_pretrain.parallel.sharding import gather_sequence, rank_major_orders
 
 
 def _seq_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -88,18 +98,25 @@ def a2a_focus_attention(
     probs: Tensor | None,
     *,
     group: dist.ProcessGroup,
+    documents: Tensor | None = None,
     **attention_kwargs,
 ) -> Tensor:
     """Ulysses context parallelism: ``[b, s_loc, H, D]`` -> ``[b, s_loc, H, D]``.
 
-    ``attention_kwargs`` go to :func:`focus_attention` (window, mode, top_k, backend, ...).
+    ``documents``: ``[b, s_loc]`` int64 document starts of this rank's tokens, all-gathered to
+    ``[b, S]`` in global order. ``attention_kwargs`` go to :func:`focus_attention` (window,
+    mode, top_k, backend, ...).
     """
     cp_size = dist.get_world_size(group)
     heads = q.shape[2]
     k, v = _kv_for_a2a(k, heads, cp_size), _kv_for_a2a(v, heads, cp_size)
     q_h, k_h, v_h = (_seq_to_heads(t, group) for t in (q, k, v))  # [b, S, H/CP, D]
     routing = None if probs is None else Routing(_gather_probs(probs, group))
-    out = focus_attention(q_h, k_h, v_h, routing, **attention_kwargs)  # [b, S, H/CP, D]
+    if documents is not None:
+        documents = gather_sequence(documents, 1, group)  # [b, s_loc] -> [b, S] global order
+    out = focus_attention(
+        q_h, k_h, v_h, routing, documents=documents, **attention_kwargs
+    )  # [b, S, H/CP, D]
     return _heads_to_seq(out, group)
 
 
@@ -111,7 +128,8 @@ def context_parallel_attention(
     *,
     group: dist.ProcessGroup,
     cp_mode: str,
-    stats=None,
+    stats: RingStats | None = None,
+    documents: Tensor | None = None,
     **attention_kwargs,
 ) -> Tensor:
     """Focus attention of this rank's tokens over the whole (sharded) sequence.
@@ -123,6 +141,12 @@ def context_parallel_attention(
         group: the context-parallel process group.
         cp_mode: ``"a2a"`` or ``"ring"``.
         stats: a :class:`~focus_pretrain.parallel.ring.RingStats` to count skipped ring blocks.
+        documents: packed documents: ``[b, s_loc]`` integer document *starts* of this rank's
+            tokens, i.e. this rank's zigzag shard of ``document_starts(ids)`` computed on the
+            full sequence (:func:`~focus_pretrain.parallel.sharding.shard_sequence`), not
+            per-token ids (they cannot be normalised per shard); ``None``: one document per
+            sequence. The ring checks them against its positions
+            (:func:`~focus_pretrain.parallel.ring.check_document_starts`).
         attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
             softcap, scale, local_only, check_finite, sinks, backend; the ring computes every block
             with the exact per-block attention, so it takes only the backends
@@ -134,15 +158,21 @@ def context_parallel_attention(
     cp_size = dist.get_world_size(group)
     check_cp_seq_length(q.shape[1] * cp_size, cp_size)
     check_cp_heads(q.shape[2], 1, cp_size, cp_mode)  # q holds this TP rank's heads
+    if documents is not None:
+        documents = check_document_starts(documents, q)  # [b, s_loc] int64
     if cp_mode == "a2a":
-        return a2a_focus_attention(q, k, v, probs, group=group, **attention_kwargs)
+        return a2a_focus_attention(
+            q, k, v, probs, group=group, documents=documents, **attention_kwargs
+        )
     backend = attention_kwargs.pop("backend", "auto")
     if backend not in RING_BACKENDS:
         raise ValueError(
             f"backend {backend!r} cannot run inside the ring (each ring step runs the exact "
             f"per-block attention); use one of {', '.join(RING_BACKENDS)} or cp_mode 'a2a'"
         )
-    return ring_focus_attention(q, k, v, probs, group=group, stats=stats, **attention_kwargs)
+    return ring_focus_attention(
+        q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
+    )
 
 
 def _column_logsumexp(group: dist.ProcessGroup):
@@ -161,9 +191,12 @@ def _column_logsumexp(group: dist.ProcessGroup):
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_mode: str):
     """Make every Focus layer of ``model`` attend over the whole context-parallel sequence.
 
-    Installs :func:`context_parallel_attention` as each core attention's ``attention_fn`` and
-    gives the routers Sinkhorn's column reduction over the group, so that CP = N routes
+    Installs :func:`context_parallel_attention` as each core attention's ``attention_fn``
+    (``documents=``, this rank's shard of the document starts, is passed through) and gives
+    the routers Sinkhorn's column reduction over the group, so that CP = N routes
     (``sinkhorn`` mode) and collects balance statistics (``causal`` mode) exactly like CP = 1.
+    The column reduction is over the whole sequence, not per document: per-document Sinkhorn
+    with packed documents is the router's to refuse under context parallelism.
     The model must have been built with ``context_parallel_size`` equal to the group's size, and
     its inputs sharded with :func:`~focus_pretrain.parallel.sharding.shard_sequence`. Returns the
     :class:`~focus_pretrain.parallel.ring.RingStats` the layers count into (ring mode).
@@ -171,11 +204,12 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_
     cp_size = dist.get_world_size(group)
     stats = RingStats()
 
-    def attention(q, k, v, routing, **kwargs):
+    def attention(q, k, v, routing, documents: Tensor | None = None, **kwargs) -> Tensor:
         probs = routing.probs if isinstance(routing, Routing) else routing
         return context_parallel_attention(
-            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, **kwargs
-        )
+            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, documents=documents,
+            **kwargs,
+        )  # fmt: skip
 
     def route_options(local_len: int) -> dict:
         return dict(column_logsumexp=_column_logsumexp(group), num_tokens=local_len * cp_size)

@@ -14,13 +14,24 @@ its queries against the visiting block, takes the block's share of the merged ou
 ``w_b = exp(lse_b - lse)``), adds its ``dk, dv`` into the travelling accumulators and keeps its
 ``dq``; after a full turn the accumulators are home.
 
-Hard mode skips a block with no allowed pair (decided exactly, from positions and group bits,
-without an ``n x n`` test) in both passes; :class:`RingStats` counts them.
+A block with no allowed pair is skipped in both passes (decided exactly, from positions, group
+bits and document starts, without an ``n x n`` test: :func:`block_has_pair`); :class:`RingStats`
+counts them. Without documents that happens in hard and local-only mode; with packed documents
+also in soft mode, whenever no query of the block shares a document with an earlier key of the
+visiting block (with short documents, most blocks).
 
 Attention sinks need nothing of their own: positions are global, so the sink keys (global
 positions ``< sinks``) are those of whichever rank holds the start of the sequence (rank 0's
 first zigzag chunk, and the next ranks' when ``sinks`` is longer than a chunk); they travel the
 ring with their block, and the per-block pattern allows them.
+
+**Packed documents**: each rank passes its zigzag shard ``[b, s_loc]`` of the document *starts*
+computed on the full sequence
+(``shard_sequence(document_starts(ids), 1, CP, rank)``, :func:`~focus_pretrain.focus.pattern.
+document_starts`): a start is a global position, so it means the same on every rank, while
+per-shard ids could not be compared across ranks. The starts travel with their K/V block (like
+the positions) and every per-block attention gets ``doc_q/doc_k``, so no pair crosses a document
+and the sinks are each document's first ``sinks`` tokens.
 Layout: ``[batch, seq_local, heads, head_dim]``.
 """
 
@@ -45,7 +56,8 @@ SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
 
 @dataclass
 class RingStats:
-    """Ring steps computed and skipped (hard mode: blocks with no allowed pair)."""
+    """Ring steps computed and skipped (blocks with no allowed pair: hard or local-only mode,
+    or packed documents), counted in the forward pass."""
 
     computed: int = 0
     skipped: int = 0
@@ -60,31 +72,49 @@ def block_has_pair(
     member_k: Tensor | None,
     local_only: bool,
     sinks: int = 0,
+    q_doc: Tensor | None = None,
 ) -> bool:
     """Whether any (query, key) pair of a block is allowed, exactly, in ``O((Lq + Lk) K)``.
 
-    A local pair exists iff some key lies in ``[i - window, i]`` of some query ``i``; a sink
-    pair iff the earliest sink key (global position ``< sinks``) is not after the latest query;
-    a pair sharing a group exists iff for some group the earliest key in it is not after the
-    latest query in it. Without memberships (soft mode) every causal pair is allowed.
+    Args:
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions.
+        member_q, member_k: ``[b, Lq|Lk]`` int64 membership bitmasks (hard mode) or ``None``.
+        q_doc: ``[b, Lq]`` the queries' document starts (of the full sequence), or ``None``
+            (one document: every start is ``0``).
+
+    Documents are contiguous runs of positions, so the keys of query ``i``'s document that it
+    may see causally are exactly the keys at positions in ``[d_i, i]`` (the keys' own starts
+    are not needed). Hence a causal
+    same-document pair exists iff the last key ``<= i`` is ``>= d_i``; a local one iff it is
+    also ``>= i - window``; a sink pair iff the first key ``>= d_i`` is ``<= min(i, d_i +
+    sinks - 1)``; a pair sharing group ``g`` iff the last key ``<= i`` in group ``g`` is
+    ``>= d_i`` for a query ``i`` in group ``g``. Soft mode (no memberships) allows every
+    causal same-document pair.
     """
-    k_sorted = torch.sort(k_pos).values
-    before = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # last key <= each query
-    valid = before >= 0
-    nearest = k_sorted[before.clamp(min=0)]
-    if bool((valid & (q_pos - nearest <= window)).any()):
+    lk = k_pos.shape[0]
+    k_sorted, order = torch.sort(k_pos)
+    start = torch.zeros_like(q_pos)[None] if q_doc is None else q_doc  # [b|1, Lq]
+    before = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # [Lq]: last key <= i
+    nearest = k_sorted[before.clamp(min=0)]  # [Lq]
+    causal = (before >= 0) & (nearest >= start)  # [b|1, Lq]: a same-document key <= i
+    if bool((causal & (q_pos - nearest <= window)).any()):
         return True
-    if sinks and bool(k_sorted[0] < sinks) and bool(k_sorted[0] <= q_pos.max()):
-        return True
+    if sinks:
+        after = torch.searchsorted(k_sorted, start)  # [b|1, Lq]: first key >= d_i
+        first = k_sorted[after.clamp(max=lk - 1)]
+        last_sink = torch.minimum(q_pos, start + sinks - 1)  # [b|1, Lq]
+        if bool(((after < lk) & (first <= last_sink)).any()):
+            return True
     if local_only:
         return False
-    if member_q is None or member_k is None:  # soft: any causal pair
-        return bool(valid.any())
-    in_q, in_k = member_bits(member_q), member_bits(member_k)  # [b, Lq|Lk, 64]
-    big = torch.iinfo(torch.int64).max
-    latest_q = torch.where(in_q, q_pos[None, :, None], -1).amax(dim=1)  # [b, 64]
-    earliest_k = torch.where(in_k, k_pos[None, :, None], big).amin(dim=1)  # [b, 64]
-    return bool((earliest_k <= latest_q).any())
+    if member_q is None or member_k is None:  # soft: any causal same-document pair
+        return bool(causal.any())
+    in_q = member_bits(member_q)  # [b, Lq, 64]
+    in_k = member_bits(member_k.index_select(1, order))  # [b, Lk, 64], keys sorted
+    latest = torch.where(in_k, k_sorted[None, :, None], -1).cummax(dim=1).values  # [b, Lk, 64]
+    seen = latest.index_select(1, before.clamp(min=0))  # [b, Lq, 64]: last key <= i per group
+    shared = in_q & (seen >= start[..., None]) & (before >= 0)[None, :, None]
+    return bool(shared.any())
 
 
 def _exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> tuple[list, list[Tensor]]:
@@ -106,15 +136,15 @@ def _wait(requests: list) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, probs, member, positions, group, options, stats):
+    def forward(ctx, q, k, v, probs, member, positions, docs, group, options, stats):
         size = dist.get_world_size(group)
         soft = options["mode"] == "soft" and not options["local_only"]
-        block = _block(k, v, positions, probs if soft else None, member)
+        block = _block(k, v, positions, probs if soft else None, member, docs)
         out = lse = None
         computed = []  # per step: was the visiting block attended (backward skips the same)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
-            result = _attend(q, probs, member, positions, block, soft, options, stats)
+            result = _attend(q, probs, member, docs, positions, block, soft, options, stats)
             computed.append(result is not None)
             if result is not None:
                 out, lse = result if out is None else merge_by_lse((out, lse), result)
@@ -122,16 +152,16 @@ class _RingAttention(torch.autograd.Function):
             block = incoming
         if out is None:  # cannot happen: a rank's own block holds its diagonal
             raise RuntimeError("ring attention computed no block")
-        ctx.save_for_backward(q, k, v, probs, member, positions, out, lse)
+        ctx.save_for_backward(q, k, v, probs, member, positions, docs, out, lse)
         ctx.group, ctx.options, ctx.soft, ctx.computed = group, options, soft, computed
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, probs, member, positions, out, lse = ctx.saved_tensors
+        q, k, v, probs, member, positions, docs, out, lse = ctx.saved_tensors
         group, options, soft = ctx.group, ctx.options, ctx.soft
         size = dist.get_world_size(group)
-        block = _block(k, v, positions, probs if soft else None, member)
+        block = _block(k, v, positions, probs if soft else None, member, docs)
         grads = [torch.zeros_like(at_least_fp32(t)) for t in (k, v)]  # accumulators
         if soft:
             grads.append(torch.zeros_like(at_least_fp32(probs)))
@@ -142,7 +172,7 @@ class _RingAttention(torch.autograd.Function):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
             if ctx.computed[step]:
                 shares = _block_grads(
-                    q, probs, member, positions, block, soft, options, out, lse, d_out
+                    q, probs, member, docs, positions, block, soft, options, out, lse, d_out
                 )
                 d_q += shares[0]
                 for acc, g in zip(grads, shares[1:-1] if soft else shares[1:], strict=True):
@@ -156,19 +186,22 @@ class _RingAttention(torch.autograd.Function):
             block = incoming
         d_k, d_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
         d_p = (d_probs + grads[2]).to(probs.dtype) if soft else None
-        return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None
+        return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None, None
 
 
-def _block(k, v, positions, probs, member) -> list[Tensor]:
-    """What travels the ring: K, V, positions, then soft assignments and/or memberships."""
-    return [t for t in (k, v, positions, probs, member) if t is not None]
+def _block(k, v, positions, probs, member, docs) -> list[Tensor]:
+    """What travels the ring: K, V, positions, then those present of soft assignments,
+    memberships and document starts (in that order)."""
+    return [t for t in (k, v, positions, probs, member, docs) if t is not None]
 
 
-def _unpack(block: list[Tensor], soft: bool, has_member: bool):
-    k_b, v_b, pos_b = block[:3]
-    probs_b = block[3] if soft else None
-    member_b = block[-1] if has_member else None
-    return k_b, v_b, pos_b, probs_b, member_b
+def _unpack(block: list[Tensor], soft: bool, has_member: bool, has_docs: bool):
+    """``(k, v, positions, probs, member, docs)`` of a block (``None`` where absent)."""
+    k_b, v_b, pos_b, *rest = block
+    probs_b = rest.pop(0) if soft else None
+    member_b = rest.pop(0) if has_member else None
+    docs_b = rest.pop(0) if has_docs else None
+    return k_b, v_b, pos_b, probs_b, member_b, docs_b
 
 
 def _row_chunks(q: Tensor, keys: int) -> list[slice]:
@@ -178,12 +211,14 @@ def _row_chunks(q: Tensor, keys: int) -> list[slice]:
     return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
-def _attend(q, probs, member, positions, block, soft, options, stats):
+def _attend(q, probs, member, docs, positions, block, soft, options, stats):
     """This rank's queries against one visiting block: ``(out, lse)`` or ``None`` (skipped)."""
-    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
+    k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
+        block, soft, member is not None, docs is not None
+    )
     if not block_has_pair(
         positions, pos_b, options["window"], member_q=member, member_k=member_b,
-        local_only=options["local_only"], sinks=options["sinks"],
+        local_only=options["local_only"], sinks=options["sinks"], q_doc=docs,
     ):  # fmt: skip
         if stats is not None:
             stats.skipped += 1
@@ -195,6 +230,7 @@ def _attend(q, probs, member, positions, block, soft, options, stats):
         out, lse = attend_block(
             q[:, rows], k_b, v_b, probs[:, rows] if soft else None, probs_b,
             None if member is None else member[:, rows], member_b,
+            None if docs is None else docs[:, rows], docs_b,
             q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
         )  # fmt: skip
         outs.append(out)
@@ -202,10 +238,12 @@ def _attend(q, probs, member, positions, block, soft, options, stats):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_out):
+def _block_grads(q, probs, member, docs, positions, block, soft, options, out, lse, d_out):
     """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (soft: ``+
     [dprobs_k, dprobs_q]``), at least fp32."""
-    k_b, v_b, pos_b, probs_b, member_b = _unpack(block, soft, member is not None)
+    k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
+        block, soft, member is not None, docs is not None
+    )
     d_q = torch.zeros_like(at_least_fp32(q))
     d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
     d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None
@@ -219,7 +257,8 @@ def _block_grads(q, probs, member, positions, block, soft, options, out, lse, d_
             out_b, lse_b = attend_block(
                 leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
                 leaves[3] if soft else None, None if member is None else member[:, rows],
-                member_b, q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
+                member_b, None if docs is None else docs[:, rows], docs_b,
+                q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
             )  # fmt: skip
             weight = torch.exp(lse_b - lse[:, rows])  # [b, rows, H]: the block's share
             grad_out = d_out[:, rows] * weight[..., None]
@@ -263,6 +302,7 @@ def ring_focus_attention(
     check_finite: bool = False,
     stats: RingStats | None = None,
     sinks: int = 0,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
 
@@ -270,15 +310,22 @@ def ring_focus_attention(
     shard of :func:`~focus_pretrain.parallel.sharding.zigzag_positions`). Each block runs the
     exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs; mixed
     dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`. ``sinks``:
-    keys at global positions ``< sinks`` are visible to every query (attention sinks).
+    the first ``sinks`` tokens of the sequence (of each document) are visible to every later
+    query (of their document): attention sinks. ``documents``: ``[b, s_loc]`` integer document
+    *starts* of this rank's tokens (its shard of ``document_starts`` of the full sequence),
+    checked against ``positions`` (:func:`check_document_starts`); ``None``: one document.
     """
     check_int("sinks", sinks, low=0)
     check_dtypes(q, k, v, None if local_only else probs)
+    if documents is not None:
+        documents = check_document_starts(documents, q)  # [b, s_loc] int64
     if check_finite:
         raise_if_not_finite(q=q, k=k, v=v, probs=None if local_only else probs)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if positions is None:
         positions = zigzag_positions(q.shape[1] * size, size, rank, device=q.device)
+    if documents is not None:
+        check_document_starts(documents, q, positions)
     member = None
     if local_only:
         probs = None
@@ -290,5 +337,49 @@ def ring_focus_attention(
         sinks=sinks,
     )  # fmt: skip
     return _RingAttention.apply(
-        q, k, v, probs if mode == "soft" else None, member, positions, group, options, stats
-    )
+        q, k, v, probs if mode == "soft" else None, member, positions, documents, group, options,
+        stats,
+    )  # fmt: skip
+
+
+def check_document_starts(documents: Tensor, q: Tensor, positions: Tensor | None = None) -> Tensor:
+    """Check this rank's document starts ``[b, s_loc]`` against ``q [b, s_loc, H, D]``; return
+    them as int64.
+
+    Raises ``ValueError`` on a shape other than ``[b, s_loc]``, a non-integer dtype or another
+    device and, given this rank's global ``positions [s_loc]``, on values that cannot be starts
+    of the full sequence: a start after its token, or, between neighbouring positions, a token
+    that neither continues the previous token's document nor starts its own (what per-token
+    document *ids*, or starts computed per shard, usually look like). A local check: it costs
+    one device sync and no communication.
+    """
+    b, s_loc = q.shape[:2]
+    if not isinstance(documents, Tensor) or tuple(documents.shape) != (b, s_loc):
+        shape = tuple(documents.shape) if isinstance(documents, Tensor) else type(documents)
+        raise ValueError(
+            f"documents must be this rank's [batch={b}, seq_local={s_loc}] document starts, "
+            f"got {shape}"
+        )
+    if documents.is_floating_point() or documents.is_complex() or documents.dtype == torch.bool:
+        raise ValueError(
+            f"documents must be an integer tensor (document starts), got {documents.dtype}"
+        )
+    if documents.device != q.device:
+        raise ValueError(f"documents must be on {q.device}, got {documents.device}")
+    documents = documents.to(torch.int64)
+    if positions is None:
+        return documents
+    pos = positions[None]  # [1, s_loc]
+    bad = (documents < 0) | (documents > pos)  # [b, s_loc]
+    follows = (positions[1:] == positions[:-1] + 1)[None]  # [1, s_loc - 1]: neighbours
+    same = documents[:, 1:] == documents[:, :-1]
+    own = documents[:, 1:] == pos[:, 1:]
+    bad[:, 1:] |= follows & ~(same | own)
+    if bool(bad.any()):
+        raise ValueError(
+            "documents must be the document starts of the full sequence (each token's global "
+            "position of its document's first token: shard_sequence(document_starts(ids), 1, "
+            "CP, rank)), not per-token ids or starts computed per shard; got values that "
+            "cannot be starts at these positions"
+        )
+    return documents

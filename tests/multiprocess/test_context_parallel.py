@@ -11,6 +11,12 @@ from tests.multiprocess.workers_model import LLAMA
 pytestmark = pytest.mark.multiprocess
 WORKERS = "tests.multiprocess.workers_cp"
 BASE = dict(b=2, s=32, h=4, hkv=2, d=8, k=4, window=3, seed=0)
+# packed documents (lengths per sample, 32 tokens): a one-token document, one shorter than the
+# window (3), documents across zigzag chunks (of 8 tokens at CP=2, 4 at CP=4)
+DOCS = [[5, 1, 2, 11, 13], [1, 14, 3, 9, 5]]
+# soft ring, the same documents in both samples: the ring skips (query shard, key shard)
+# blocks with no same-document causal pair; with shorter documents, more of them
+LAYOUTS = {"none": None, "long": [6, 12, 14], "pairs": [8] * 4, "chunks": [4] * 8}
 
 
 def cases() -> list[dict]:
@@ -33,6 +39,20 @@ def cases() -> list[dict]:
                     seed=94))  # fmt: skip
     out.append(dict(BASE, cp_mode="ring", mode="hard", top_k=2, sinks=6, seed=93))
     out.append(dict(BASE, cp_mode="ring", mode="soft", local_only=True, sinks=5, seed=92))
+    # packed documents: each sequence's documents equal the single process with documents
+    for cp_mode in ("a2a", "ring"):
+        doc = dict(BASE, cp_mode=cp_mode, docs=DOCS)
+        out.append(dict(doc, mode="soft", seed=len(out)))
+        out.append(dict(doc, mode="hard", seed=len(out)))
+        out.append(dict(doc, mode="hard", top_k=2, softcap=2.0, seed=len(out)))
+        out.append(dict(doc, mode="soft", hkv=1, window=0, sinks=2, seed=len(out)))
+        out.append(dict(doc, mode="hard", top_k=2, sinks=3, seed=len(out)))
+        out.append(dict(doc, mode="soft", local_only=True, sinks=2, seed=len(out)))
+    out.append(dict(BASE, cp_mode="ring", mode="hard", docs=DOCS, sinks=1,
+                    score_budget=3 * 4 * 2 * 16, seed=91))  # fmt: skip
+    for name, lengths in LAYOUTS.items():
+        docs = None if lengths is None else [lengths, lengths]
+        out.append(dict(BASE, cp_mode="ring", mode="soft", docs=docs, layout=name, seed=90))
     return out
 
 
@@ -62,19 +82,84 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
         refusals = result["refusals"]
         assert "backend 'flex' cannot run inside the ring" in refusals["backend"]
         assert "v contains NaN or inf values" in refusals["nan"]
+        assert "must be the document starts of the full sequence" in refusals["ids"]
+        assert "documents must be an integer tensor" in refusals["float"]
 
 
-@pytest.mark.parametrize(
-    "window, same_group, sinks, skipped",
-    [(0, False, 0, [1, 1]), (0, True, 0, [0, 0]), (1, False, 0, [0, 0]), (0, False, 1, [1, 0])],
-)
-def test_hard_ring_skips_exactly_the_blocks_without_pairs(window, same_group, sinks, skipped):
+def test_ring_skips_exactly_the_blocks_without_allowed_pairs(cp_results):
+    """Every ring case (hard, soft, local-only, sinks, documents) skips exactly the blocks in
+    which the whole-sequence pattern has no allowed pair (brute force over ``[b, s, s]``)."""
+    _, per_rank = cp_results
+    for i, case in enumerate(cases()):
+        if case["cp_mode"] == "ring":
+            for rank, result in enumerate(per_rank):
+                got = result["cases"][i]
+                assert got["skipped"] == got["expected_skipped"], (rank, case)
+                assert got["skipped"] + got["computed"] == len(per_rank), (rank, case)
+
+
+# Skipped blocks per rank, by hand (the soft ring with the LAYOUTS documents in both samples).
+# The 32 tokens are 2 CP chunks; rank r holds chunks c_r and c_{2CP-1-r}. Soft mode allows
+# every causal same-document pair, so rank r skips the block of rank r' iff none of its queries
+# has an earlier key of its own document there.
+# CP=4, chunks of 4 (c0 = 0-3, ..., c7 = 28-31): r0 {c0, c7}, r1 {c1, c6}, r2 {c2, c5},
+# r3 {c3, c4}.
+# * none: c_{7-r} (positions >= 16) follows every rank's first chunk: nothing skipped.
+# * long, documents 0-5 | 6-17 | 18-31: r0's c7 sees 18-31 in c6, c5, c4 (r1, r2, r3); r1's
+#   4-5 see c0 (r0) and its c6 sees c5, c4 (r2, r3); r2 sees r1 (c2 in 6-17, keys 6-7 of c1) and
+#   r3 (c5 in 18-31, keys 18-19 of c4) but not r0 (c0 is in 0-5, c7 after c5); r3 sees r1
+#   (c3 ~ 6-7), r2 (c3 ~ c2) but not r0 (c4's 16-17 and 18-19 lie in documents that r0's 0-3
+#   do not reach and 28-31 are later): [0, 0, 1, 1].
+# * pairs, documents c0-c1 | c2-c3 | c4-c5 | c6-c7: each rank has one causal partner
+#   (r0's c7 -> r1's c6, r1's c1 -> r0's c0, r2's c5 -> r3's c4, r3's c3 -> r2's c2):
+#   2 of the 3 other blocks skipped per rank.
+# * chunks, one document per chunk: only the own block: 3 skipped per rank.
+# CP=2, chunks of 8: r0 {0-7, 24-31}, r1 {8-15, 16-23}. none: 0. long: r0's 24-31 see r1's
+# 18-23 and r1's 8-15 see r0's 6-7: 0. pairs and chunks (documents of 8 and 4 tokens) never
+# cross a chunk: 1 per rank. test_ring_skips_exactly_... checks the same by brute force.
+HAND_SKIPS = {
+    2: {"none": [0, 0], "long": [0, 0], "pairs": [1, 1], "chunks": [1, 1]},
+    4: {
+        "none": [0, 0, 0, 0],
+        "long": [0, 0, 1, 1],
+        "pairs": [2, 2, 2, 2],
+        "chunks": [3, 3, 3, 3],
+    },
+}
+
+
+def test_ring_skips_more_blocks_with_shorter_documents(cp_results):
+    """With documents, the soft ring skips the blocks with no same-document causal pair: more
+    of them the shorter the documents (exact counts, derived by hand above)."""
+    size, per_rank = cp_results
+    for i, case in enumerate(cases()):
+        if "layout" in case:
+            got = [result["cases"][i]["skipped"] for result in per_rank]
+            assert got == HAND_SKIPS[size][case["layout"]], case["layout"]
+
+
+SKIP_CASES = {  # (window, same_group, sinks): skipped blocks per rank
+    (0, False, 0): [1, 1],
+    (0, True, 0): [0, 0],
+    (1, False, 0): [0, 0],
+    (0, False, 1): [1, 0],
+}
+
+
+@pytest.fixture(scope="module")
+def skip_runs() -> dict:
+    """Every :data:`SKIP_CASES` in one set of two processes: ``{case: [rank0, rank1]}``."""
+    per_rank = run_workers(f"{WORKERS}:ring_skips", 2, list(SKIP_CASES))
+    return {case: [r[i] for r in per_rank] for i, case in enumerate(SKIP_CASES)}
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES), ids=lambda c: "w{}-same{}-sinks{}".format(*c))
+def test_hard_ring_skips_exactly_the_blocks_without_pairs(skip_runs, case):
     """CP=2, 16 tokens: rank 0 holds 0-3 and 12-15, rank 1 holds 4-11. Disjoint groups and no
     window: the other rank's block has no allowed pair (skipped on each rank); one shared group,
     or a window of 1 (3-4 and 11-12 are neighbours), gives it pairs; one sink (token 0) gives
     rank 1's queries pairs in rank 0's block, not the other way round."""
-    results = run_workers(f"{WORKERS}:ring_skips", 2, window, same_group, sinks)
-    for r, want in zip(results, skipped, strict=True):
+    for r, want in zip(skip_runs[case], SKIP_CASES[case], strict=True):
         assert r == dict(skipped=want, computed=2 - want, error=r["error"])
         assert r["error"] < 1e-12
 

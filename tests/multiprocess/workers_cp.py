@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from focus_pretrain.focus import FocusRouter, focus_attention
+from focus_pretrain.focus import FocusRouter, Routing, focus_attention
+from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.parallel import (
     apply_cpu_shim,
     context_parallel_attention,
@@ -29,6 +30,40 @@ def _problem(case: dict):
     torch.manual_seed(case["seed"])
     router = FocusRouter(width, num_groups=case["k"], group_dim=4, tau=0.3, dtype=torch.float64)
     return q, k, v, hidden, upstream, router
+
+
+def document_ids(case: dict) -> torch.Tensor | None:
+    """``[b, s]`` per-token document ids from ``case["docs"]`` (per sample, the document
+    lengths), or ``None``."""
+    if case.get("docs") is None:
+        return None
+    rows = [torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in case["docs"]]
+    return torch.stack(rows)  # [b, s]
+
+
+def expected_skips(case: dict, probs: torch.Tensor | None, rank: int, world_size: int) -> int:
+    """Brute force, from the whole-sequence pattern (``allowed_pairs``, ``[b, s, s]``): the
+    ring blocks (other ranks' shards included) in which this rank's queries have no allowed
+    key, i.e. the steps the ring must skip."""
+    s, starts = case["s"], None
+    ids = document_ids(case)
+    if ids is not None:
+        starts = document_starts(ids)
+    positions = torch.arange(s)
+    member = None
+    if case["mode"] == "hard" and not case.get("local_only"):
+        member = Routing(probs).membership(case.get("top_k", 1))  # [b, s]
+    allowed = allowed_pairs(
+        positions, positions, case["window"], member_q=member, member_k=member,
+        local_only=case.get("local_only", False), sinks=case.get("sinks", 0),
+        q_doc=starts, k_doc=starts,
+    )  # fmt: skip
+    mine = shard_sequence(positions, 0, world_size, rank)
+    rows = allowed[:, mine]  # [b|1, s_loc, s]
+    return sum(
+        not bool(rows[:, :, shard_sequence(positions, 0, world_size, r)].any())
+        for r in range(world_size)
+    )
 
 
 def _attention_kwargs(case: dict) -> dict:
@@ -58,11 +93,14 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
         q, k, v, hidden, upstream, router = _problem(case)
         kwargs = _attention_kwargs(case)
         router.eval()  # no balance statistics; the same routing in both runs
+        ids = document_ids(case)  # [b, s] or None
+        starts = None if ids is None else document_starts(ids)
 
-        # single process, the whole sequence
+        # single process, the whole sequence (documents as ids: starts are ids too)
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         probs = None if kwargs["local_only"] else router(hidden).probs
-        want = focus_attention(*leaves, probs, backend="reference", **kwargs)
+        skips = expected_skips(case, None if probs is None else probs.detach(), rank, world_size)
+        want = focus_attention(*leaves, probs, backend="reference", documents=ids, **kwargs)
         want.backward(upstream)
         want_grads = [t.grad for t in leaves] + [
             torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in router.parameters()
@@ -74,9 +112,11 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
         local_hidden = shard_sequence(hidden, 1, world_size, rank)
         probs = None if kwargs["local_only"] else router(local_hidden).probs
         stats = RingStats()
+        documents = None if starts is None else shard_sequence(starts, 1, world_size, rank)
         out = context_parallel_attention(
-            *shards, probs, group=group, cp_mode=case["cp_mode"], stats=stats, **kwargs
-        )
+            *shards, probs, group=group, cp_mode=case["cp_mode"], stats=stats,
+            documents=documents, **kwargs,
+        )  # fmt: skip
         out.backward(shard_sequence(upstream, 1, world_size, rank))
         got = gather_sequence(out.detach(), 1, group)
         got_grads = [gather_sequence(t.grad, 1, group) for t in shards]
@@ -94,6 +134,7 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
                 scale=float(want.abs().max()),
                 skipped=stats.skipped,
                 computed=stats.computed,
+                expected_skipped=skips,
             )
         )
     ring.SCORE_BUDGET = default_budget
@@ -102,16 +143,21 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
 
 def ring_refusals(case: dict, group) -> dict[str, str]:
     """The ring's errors for a backend it cannot run (it computes each block with the exact
-    per-block attention) and for NaN inputs when ``check_finite`` is on."""
+    per-block attention), for NaN inputs when ``check_finite`` is on, and for documents given
+    as per-token ids (``position // 2``: every rank holds a token that neither continues its
+    neighbour's document nor starts its own) or as floats."""
     q, k, v, hidden, _, router = _problem(case)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, hidden = (shard_sequence(t, 1, size, rank) for t in (q, k, v, hidden))
     probs = router(hidden).probs.detach()
     kwargs = dict(_attention_kwargs(case), local_only=False)
+    ids = shard_sequence(torch.arange(case["s"]) // 2, 0, size, rank).expand(q.shape[0], -1)
     errors = {}
     for name, extra, inputs in (
         ("backend", dict(backend="flex"), (q, k, v)),
         ("nan", dict(check_finite=True), (q, k, v.clone().fill_(float("nan")))),
+        ("ids", dict(documents=ids), (q, k, v)),
+        ("float", dict(documents=ids.double()), (q, k, v)),
     ):
         try:
             context_parallel_attention(
@@ -123,11 +169,16 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
     return errors
 
 
-def ring_skips(rank: int, world_size: int, window: int, same_group: bool, sinks: int = 0) -> dict:
+def ring_skips(rank: int, world_size: int, configs: list[tuple[int, bool, int]]) -> list[dict]:
+    """:func:`ring_skip` for each ``(window, same_group, sinks)`` (one set of processes)."""
+    apply_cpu_shim()
+    return [ring_skip(rank, world_size, *config) for config in configs]
+
+
+def ring_skip(rank: int, world_size: int, window: int, same_group: bool, sinks: int = 0) -> dict:
     """Hard-mode ring on a constructed routing: rank 0's tokens in group 0, rank 1's in group 1
     (or all in group 0), ``sinks`` attention sinks: returns the step counts and the error
     against the single process."""
-    apply_cpu_shim()
     group = dist.group.WORLD
     b, s, h, d, k = 1, 16, 2, 4, 2
     gen = torch.Generator().manual_seed(5)

@@ -61,10 +61,21 @@ def package_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+CASES = [  # (family, sinks, focus): every family, mode and sink setting at least once
+    ("Llama", 0, "hard1"),
+    ("Llama", 2, "hard2"),
+    ("Llama", 2, "soft"),
+    ("GPT2", 2, "window_only"),
+    ("Gemma2", 2, "hard1"),
+    ("Gemma3", 2, "soft"),
+]
+
+
 @pytest.mark.parametrize(
-    "family,sinks", [("Llama", 0), ("Llama", 2), ("GPT2", 2), ("Gemma2", 2), ("Gemma3", 2)]
+    "family,sinks,focus",
+    [(f, s, FOCUS[m]) for f, s, m in CASES],
+    ids=[f"{f}-{s}-{m}" for f, s, m in CASES],
 )
-@pytest.mark.parametrize("focus", list(FOCUS.values()), ids=list(FOCUS))
 @pytest.mark.parametrize("path", ["package", "standalone"])
 def test_packed_rows_give_each_document_its_own_logits(
     family, focus, sinks, path, package_calls, monkeypatch
@@ -100,13 +111,12 @@ def test_the_document_mask_matters_and_the_packed_paths_agree(monkeypatch):
     assert (merged - dense).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("focus", [FOCUS["hard2"], FOCUS["soft"]], ids=["hard2", "soft"])
 def test_an_export_loaded_with_remote_code_runs_packed_rows_without_the_package(
-    tmp_path, monkeypatch, focus
+    tmp_path, monkeypatch
 ):
     """The shipped files in an exported directory (``trust_remote_code``), with and without
     the package's ``focus_attention``."""
-    model = focus_model("Llama", sinks=2, **focus)
+    model = focus_model("Llama", sinks=2, **FOCUS["hard2"])
     config = model.config
     config.auto_map = {
         "AutoConfig": f"configuration_focus.{type(config).__name__}",
