@@ -358,8 +358,7 @@ _FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _decomposed_priority(r: AttentionRequest) -> int | None:
-    if r.documents:
-        return None
+    # packed documents (r.documents) are exact here: segments, band and sinks are per document
     if r.needs_grad or not (r.local_only or (r.mode == "hard" and r.top_k == 1)):
         return None
     if r.device == "cuda":
@@ -372,8 +371,6 @@ def _decomposed_priority(r: AttentionRequest) -> int | None:
 
 
 def _flex_priority(r: AttentionRequest) -> int | None:
-    if r.documents:
-        return None
     if r.device == "cuda":
         return 20 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
     if r.device == "cpu" and not r.needs_grad:

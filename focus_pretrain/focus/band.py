@@ -15,6 +15,12 @@ in one batched matmul, so time and memory are ``O(n (B + w))``. :func:`sink_atte
 (every query against the first ``S`` keys, masked). :func:`merge_by_lse` combines partial results
 ``(out, lse)`` of disjoint key sets into the attention over their union.
 
+**Packed documents** (``documents``: ``[b, n]`` int64 document starts ``d``,
+:func:`~focus_pretrain.focus.pattern.document_starts`): the band keeps only pairs of one
+document (``d_i == d_j``), and the sinks of query ``i`` are its own document's first ``S``
+tokens, positions ``d_i .. d_i + S - 1``: :func:`sink_attention` gathers those ``S`` keys per
+query, still ``O(n S)`` (never a ``n x n`` mask).
+
 Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 ``h // (heads / heads_kv)``.
 """
@@ -41,6 +47,7 @@ def band_attention(
     scale: float,
     softcap: float | None,
     member: Tensor | None = None,
+    documents: Tensor | None = None,
     block: int = DEFAULT_BAND_BLOCK,
     max_scores: int = MAX_BAND_SCORES,
 ) -> tuple[Tensor, Tensor]:
@@ -52,6 +59,7 @@ def band_attention(
         scale, softcap: as in :func:`focus_pretrain.focus.focus_attention`.
         member: ``[b, n]`` int64 bitmasks: if given, only pairs whose bitmasks do **not**
             intersect (the cross-group band B); if ``None``, every pair of the band.
+        documents: ``[b, n]`` int64 document starts: if given, only pairs of one document.
         block: query rows per block (the result does not depend on it).
         max_scores: bound on the scores materialised at once.
 
@@ -79,6 +87,9 @@ def band_attention(
     if member is not None:
         m_q = F.pad(member, (0, pad_back)).reshape(b, nb, block)  # [b, nb, block]
         m_k = F.pad(member, (w, pad_back)).unfold(1, span, block)  # [b, nb, span]
+    if documents is not None:
+        d_q = F.pad(documents, (0, pad_back)).reshape(b, nb, block)  # [b, nb, block]
+        d_k = F.pad(documents, (w, pad_back)).unfold(1, span, block)  # [b, nb, span]
     first_key = torch.arange(nb, device=q.device)[:, None] * block + k_idx  # [nb, span]
     key_exists = first_key >= 0  # the w front-padding keys do not exist
     chunk = max(1, max_scores // max(1, b * h * block * span))
@@ -92,6 +103,9 @@ def band_attention(
         if member is not None:
             cross = (m_q[:, c0:c1, :, None] & m_k[:, c0:c1, None, :]) == 0  # [b, c, block, span]
             allowed = allowed & cross
+        if documents is not None:
+            same = d_q[:, c0:c1, :, None] == d_k[:, c0:c1, None, :]  # [b, c, block, span]
+            allowed = allowed & same
         allowed = allowed[:, :, None, None]  # [b|1, c, 1, 1, block, span]
         scores = scores.masked_fill(~allowed, float("-inf"))  # [b, c, Hkv, G, block, span]
         weights, lse = softmax_with_lse(scores)  # lse: [b, c, Hkv, G, block]
@@ -113,6 +127,7 @@ def sink_attention(
     scale: float,
     softcap: float | None,
     member: Tensor | None = None,
+    documents: Tensor | None = None,
     max_scores: int = MAX_BAND_SCORES,
 ) -> tuple[Tensor, Tensor]:
     """Each query against the sink keys that neither the window nor its groups give it.
@@ -123,11 +138,15 @@ def sink_attention(
         scale, softcap: as in :func:`focus_pretrain.focus.focus_attention`.
         member: ``[b, n]`` int64 bitmasks (hard pattern: pairs sharing a group are left to the
             same-group part); ``None`` for a sliding-window layer.
+        documents: ``[b, n]`` int64 document starts ``d``: the sinks of query ``i`` are then
+            positions ``d_i .. d_i + S - 1`` (its own document's first ``S`` tokens), gathered
+            per query (``O(n S)``).
         max_scores: bound on the scores materialised at once (chunks of query rows).
 
     Returns:
         ``(out [b, n, H, D] in q.dtype, lse [b, n, H] at least fp32)``; queries with no such
-        key (every query at a position ``<= w``) get ``out = 0``, ``lse = -inf``.
+        key (every query at most ``w`` past its document's start) get ``out = 0``,
+        ``lse = -inf``.
     """
     b, n, h, d = q.shape
     hkv = k.shape[2]
@@ -137,29 +156,101 @@ def sink_attention(
     first = min(n, window + 1)  # queries at positions <= w reach every sink inside the window
     if s == 0 or first == n:
         return out, lse
-    positions = torch.arange(n, device=q.device)
-    k_s, v_s = at_least_fp32(k[:, :s]), at_least_fp32(v[:, :s])  # [b, S, Hkv, D]
     q5 = at_least_fp32(q).reshape(b, n, hkv, h // hkv, d)  # [b, n, Hkv, G, D]
-    rows = max(1, max_scores // max(1, b * h * s))
+    per_row = b * s * (h if documents is None else h + 2 * hkv * d)  # scores (+ gathered k, v)
+    rows = max(1, max_scores // max(1, per_row))
+    kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap, member=member)
     for r0 in range(first, n, rows):  # chunks of query rows bound the memory
         r1 = min(n, r0 + rows)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", q5[:, r0:r1], k_s) * scale  # [b,Hkv,G,r,S]
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        allowed = sink_only_pairs(
-            positions[r0:r1],
-            positions[:s],
-            window,
-            sinks,
-            member_q=None if member is None else member[:, r0:r1],
-            member_k=None if member is None else member[:, :s],
-        )  # [b|1, r, S]
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-        weights, part_lse = softmax_with_lse(scores)  # [b, Hkv, G, r, S], [b, Hkv, G, r]
-        part = torch.einsum("bhgqk,bkhd->bqhgd", weights, v_s)  # [b, r, Hkv, G, D]
+        if documents is None:
+            part, part_lse = _shared_sinks(q5, k, v, r0, r1, **kwargs)
+        else:
+            part, part_lse = _document_sinks(q5, k, v, r0, r1, documents=documents, **kwargs)
         out[:, r0:r1] = part.reshape(b, r1 - r0, h, d).to(q.dtype)  # [b, r, H, D]
-        lse[:, r0:r1] = part_lse.permute(0, 3, 1, 2).reshape(b, r1 - r0, h)  # [b, r, H]
+        lse[:, r0:r1] = part_lse  # [b, r, H]
     return out, lse
+
+
+def _shared_sinks(
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r0: int,
+    r1: int,
+    *,
+    window: int,
+    sinks: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Sink-only part of queries ``[r0, r1)`` (``q5 [b, n, Hkv, G, D]``) with one document per
+    sample: every query against the first ``S`` keys, masked by
+    :func:`~focus_pretrain.focus.pattern.sink_only_pairs`. Returns ``([b, r, Hkv, G, D],
+    [b, r, H])``."""
+    b, s = q5.shape[0], min(sinks, k.shape[1])
+    positions = torch.arange(r1, device=k.device)
+    k_s, v_s = at_least_fp32(k[:, :s]), at_least_fp32(v[:, :s])  # [b, S, Hkv, D]
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q5[:, r0:r1], k_s) * scale  # [b, Hkv, G, r, S]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = sink_only_pairs(
+        positions[r0:r1],
+        positions[:s],
+        window,
+        sinks,
+        member_q=None if member is None else member[:, r0:r1],
+        member_k=None if member is None else member[:, :s],
+    )  # [b|1, r, S]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, r, S], [b, Hkv, G, r]
+    part = torch.einsum("bhgqk,bkhd->bqhgd", weights, v_s)  # [b, r, Hkv, G, D]
+    return part, lse.permute(0, 3, 1, 2).reshape(b, r1 - r0, -1)  # [b, r, H]
+
+
+def _document_sinks(
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r0: int,
+    r1: int,
+    *,
+    window: int,
+    sinks: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None,
+    documents: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Sink-only part of queries ``[r0, r1)`` (``q5 [b, n, Hkv, G, D]``) of packed documents:
+    each query against its own document's first ``S`` positions ``d_i + t`` (``t < S``),
+    gathered per query; the allowed pairs are those of
+    :func:`~focus_pretrain.focus.pattern.sink_only_pairs` with ``q_doc``/``k_doc``: causal,
+    beyond the window and, with ``member``, sharing no group (a causal key ``d_i <= j <= i``
+    lies in the query's document, so no document test is needed). Returns
+    ``([b, r, Hkv, G, D], [b, r, H])``."""
+    b, n, hkv = k.shape[:3]
+    s = min(sinks, n)
+    query = torch.arange(r0, r1, device=k.device)[None, :, None]  # [1, r, 1]
+    key = documents[:, r0:r1, None] + torch.arange(s, device=k.device)  # [b, r, S] positions
+    allowed = (key <= query) & (query - key > window)  # [b, r, S]
+    key = key.clamp(max=n - 1)  # past the end only when not causal (masked above)
+    if member is not None:
+        key_member = member.gather(1, key.reshape(b, -1)).view_as(key)  # [b, r * S] -> [b, r, S]
+        allowed = allowed & ((member[:, r0:r1, None] & key_member) == 0)
+    # gathered straight into [b, r, Hkv, S, D] (batched matmuls over (b, r, Hkv), no transposes)
+    sample = torch.arange(b, device=k.device)[:, None, None, None]  # [b, 1, 1, 1]
+    head = torch.arange(hkv, device=k.device)[None, None, :, None]  # [1, 1, Hkv, 1]
+    rows = key[:, :, None, :]  # [b, r, 1, S]
+    k_s = at_least_fp32(k[sample, rows, head])  # [b, r, Hkv, S, D]
+    v_s = at_least_fp32(v[sample, rows, head])
+    scores = torch.matmul(q5[:, r0:r1], k_s.transpose(-1, -2)) * scale  # [b, r, Hkv, G, S]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed[:, :, None, None], float("-inf"))
+    weights, lse = softmax_with_lse(scores)  # [b, r, Hkv, G, S], [b, r, Hkv, G]
+    part = torch.matmul(weights, v_s)  # [b, r, Hkv, G, D]
+    return part, lse.reshape(b, r1 - r0, -1)  # [b, r, Hkv, G] -> [b, r, H]
 
 
 def with_sinks(
@@ -173,13 +264,23 @@ def with_sinks(
     scale: float,
     softcap: float | None,
     member: Tensor | None = None,
+    documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``result`` (the pattern's other parts, ``(out [b, n, H, D], lse [b, n, H])``) merged with
-    the sink-only part of :func:`sink_attention`; ``result`` itself when that part is empty."""
+    the sink-only part of :func:`sink_attention` (each document's own sinks with ``documents``
+    ``[b, n]`` document starts); ``result`` itself when that part is empty."""
     if not sinks or window + 1 >= q.shape[1]:  # every query reaches the sinks in its window
         return result
     extra = sink_attention(
-        q, k, v, window=window, sinks=sinks, scale=scale, softcap=softcap, member=member
+        q,
+        k,
+        v,
+        window=window,
+        sinks=sinks,
+        scale=scale,
+        softcap=softcap,
+        member=member,
+        documents=documents,
     )
     return merge_by_lse(result, extra)
 

@@ -11,8 +11,15 @@ With ``top_k = 1`` the hard pattern is the disjoint union of
   :func:`~focus_pretrain.focus.band.sink_attention`),
 
 merged per query by log-sum-exp (exact: the parts are disjoint and their union is the pattern),
-then unsorted. No Python loop over groups or samples. A sliding-window layer is B without the
-group test, plus C.
+then unsorted. No Python loop over groups, samples or documents. A sliding-window layer is B
+without the group test, plus C.
+
+**Packed documents** (``documents``: ``[b, n]`` int64 document starts,
+:func:`~focus_pretrain.focus.pattern.document_starts`): the sort key becomes ``(document start,
+group)``, so the segments are the (sample, document, group) runs and A's one varlen call never
+crosses a document; B keeps only pairs of one document; C uses each document's own first ``S``
+tokens as sinks (``S`` gathered keys per query, ``O(n S)``). Each document then gets exactly
+the attention it would get alone.
 
 The varlen call, best first: ``flash_attn_varlen_func`` (CUDA, when ``flash-attn`` is
 importable; the only path that also takes Gemma-2's soft-capping), FlexAttention with a document
@@ -56,42 +63,63 @@ def decomposed_attention(
     scale: float,
     local_only: bool,
     sinks: int = 0,
+    documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Hard top-1 (or sliding-window) Focus attention; see the module docstring.
 
     Args:
         q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
         member: ``[b, n]`` int64 one-bit memberships (hard mode, ``top_k = 1``).
-        sinks: attention sinks (the first ``sinks`` positions, visible to every query).
+        sinks: attention sinks (the first ``sinks`` positions of each document, visible to
+            every later query of that document).
+        documents: ``[b, n]`` int64 document starts of packed sequences, or ``None`` (one
+            document per sample).
 
     Returns:
         ``(out [b, n, H, D], lse [b, n, H] fp32)``.
     """
+    common = dict(window=window, scale=scale, softcap=softcap, documents=documents)
     if local_only:
-        result = _band(q, k, v, window=window, scale=scale, softcap=softcap, member=None)
-        return with_sinks(result, q, k, v, window=window, sinks=sinks, scale=scale, softcap=softcap)
+        result = _band(q, k, v, member=None, **common)
+        return with_sinks(result, q, k, v, sinks=sinks, **common)
     if mode != "hard" or member is None:
         raise ValueError("the decomposed backend computes hard top-1 attention only")
-    layout = GroupSortedLayout.build(member)
+    layout = GroupSortedLayout.build(member, documents)
     q_p, k_p, v_p = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)
     same_group = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
-    cross_band = _band(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
+    cross_band = _band(q, k, v, member=member, **common)
     result = merge_by_lse(same_group, cross_band)
-    kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap, member=member)
-    return with_sinks(result, q, k, v, **kwargs)
+    return with_sinks(result, q, k, v, sinks=sinks, member=member, **common)
 
 
-def _band(q, k, v, *, window, scale, softcap, member) -> tuple[Tensor, Tensor]:
+def _band(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: int,
+    scale: float,
+    softcap: float | None,
+    member: Tensor | None,
+    documents: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """The (cross-group with ``member``) local band inside each document: ``[b, n, H, D]``."""
+    kwargs = dict(window=window, scale=scale, softcap=softcap, member=member)
+    if documents is not None:  # passed only when given (flex.band takes it with documents)
+        kwargs["documents"] = documents
     if q.is_cuda and flex.flex_available_on(q.device.type):
-        return flex.band(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
-    return band_attention(q, k, v, window=window, scale=scale, softcap=softcap, member=member)
+        return flex.band(q, k, v, **kwargs)
+    return band_attention(q, k, v, **kwargs)
 
 
 def _segments_causal(
     q: Tensor, k: Tensor, v: Tensor, layout: GroupSortedLayout, *, scale: float, softcap
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention inside each segment: packed ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
+    """Causal attention inside each segment: packed ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``.
+
+    The segments (``layout.cu_seqlens``) are the (sample, document, group) runs, so no call
+    here crosses a document."""
     if flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_varlen_func
 

@@ -2,22 +2,35 @@
 
 * **hard** (any ``top_k``): the pattern is split like the decomposed backend's: pairs that share a
   group (causal) are computed on the :class:`~focus_pretrain.focus.sorted_layout.GroupSortedLayout`
-  where they are block-sparse, and the cross-group local band on the original layout; the two are
-  merged by log-sum-exp. On the sorted layout the block mask keeps a (query block, key block)
-  only when the blocks' OR-ed membership bitmasks intersect, their samples overlap and some key
-  is not after some query; a block is *full* (no per-pair mask) when both blocks hold one sample
-  and one bitmask and every key precedes every query. Tokens of equal bitmask are contiguous, so
-  for ``top_k = 1`` this is a block-diagonal document mask, and for ``top_k = 2`` of ``K = 8``
-  a query block meets 13 of the 28 bitmask segments: the pair-count ideal, at block granularity.
-  Block masks are built from per-block summaries (``O(n / B)`` work per block row; no ``n x n``
-  pair evaluation).
+  where they are block-sparse, and the cross-group local band (with the sink keys the groups do
+  not cover) on the original layout; the two are merged by log-sum-exp. On the sorted layout the
+  block mask keeps a (query block, key block) only when the blocks' OR-ed membership bitmasks
+  intersect, their (sample, document) ranges overlap and some key is not after some query; a
+  block is *full* (no per-pair mask) when both blocks hold one segment of one document and every
+  key precedes every query. Tokens of equal bitmask are contiguous, so for ``top_k = 1`` this is
+  a block-diagonal document mask, and for ``top_k = 2`` of ``K = 8`` a query block meets 13 of
+  the 28 bitmask segments: the pair-count ideal, at block granularity. Block masks are built
+  from per-block summaries (``O(n / B)`` work per block row; no ``n x n`` pair evaluation).
 * **soft** (training): one causal call whose ``score_mod`` adds the gate
   ``log sigmoid(lambda (g_i . g_j - 1/2))`` to pairs beyond the window (sink keys excepted),
   reading the soft assignments ``[K, b, n]`` by index: nothing ``n x n`` is materialised, and on
   GPU the gradient flows to ``q``, ``k``, ``v`` and the assignments.
-* **local only**: one sliding-window call.
-* **sinks** (hard and local only): the sink keys neither the window nor the groups cover are a
-  third part, :func:`~focus_pretrain.focus.band.sink_attention` (``O(n S)``), merged likewise.
+* **local only**: one sliding-window call (with the sink keys).
+* **sinks**: the sink keys beyond the window are part of the band call's ``mask_mod`` (cross-group
+  only in hard mode, so the parts stay disjoint); their key blocks are added to the band's block
+  mask.
+* **documents** (packed sequences, ``[b, n]`` int64 document starts,
+  :func:`~focus_pretrain.focus.pattern.document_starts`): every ``mask_mod`` also requires one
+  document, the sinks are each document's first ``S`` tokens, and every block mask drops the
+  block pairs that hold no same-document pair. Document starts never decrease along a sequence,
+  so a block's documents are the range between its first and last token's; two blocks share a
+  document exactly when these ranges overlap. For the causal mask (soft mode) and the
+  sliding-window band with its sinks the kept blocks are then exactly those holding an allowed
+  pair: short packed documents cost what each document alone costs, at block granularity. The
+  block masks are then per sample (``[b, 1, nb, nb]``). Hard mode sorts each sample by
+  ``(document, bitmask)`` (the layout's segments are (sample, document, bitmask) runs), so blocks
+  on the sorted layout are document-tight too; there the range test runs on the
+  (sample, document) key of the packed tokens, valid for any sort order.
 
 On CUDA ``flex_attention`` is compiled (Triton kernels that skip the blocks the mask leaves out).
 On CPU it runs eagerly: exact and forward-only (PyTorch has no CPU FlexAttention backward), and
@@ -31,9 +44,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -42,7 +55,7 @@ try:  # PyTorch >= 2.9 asks for auxiliary outputs this way (return_lse is deprec
 except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
-from focus_pretrain.focus.band import merge_by_lse, with_sinks
+from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.pattern import member_bits
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
@@ -93,12 +106,14 @@ def _call(
 def _block_mask(
     candidate: Tensor, full: Tensor | None, mask_mod, seq_len: int, block: int
 ) -> BlockMask:
-    """A ``BlockMask`` from dense block predicates ``[nb, nb]`` (partial = candidate & ~full)."""
+    """A ``BlockMask`` from dense block predicates ``[nb, nb]`` (one mask for every sample) or
+    ``[B, nb, nb]`` (one per sample); partial blocks are ``candidate & ~full``."""
 
     def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
-        num = dense.sum(dim=-1, dtype=torch.int32)  # [nb]
+        dense = dense if dense.dim() == 3 else dense[None]  # [B, nb, nb]
+        num = dense.sum(dim=-1, dtype=torch.int32)  # [B, nb]
         idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[None, None], idx.to(torch.int32)[None, None]  # [1, 1, nb], [1, 1, nb, nb]
+        return num[:, None], idx.to(torch.int32)[:, None]  # [B, 1, nb], [B, 1, nb, nb]
 
     partial = candidate if full is None else candidate & ~full
     kv_num, kv_idx = ordered(partial)
@@ -114,18 +129,78 @@ def _block_mask(
     )
 
 
+def _block_ends(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """``([..., nb], [..., nb])`` minimum and maximum of ``values [..., L]`` per block of
+    ``block`` (the last block is padded with its own last value, which changes neither)."""
+    nb = -(-values.shape[-1] // block)
+    pad = nb * block - values.shape[-1]
+    edge = values[..., -1:].expand(*values.shape[:-1], pad)  # [..., pad]
+    blocks = torch.cat([values, edge], dim=-1).view(*values.shape[:-1], nb, block)
+    return blocks.amin(dim=-1), blocks.amax(dim=-1)  # [..., nb] each
+
+
+def _overlap(q_low: Tensor, q_high: Tensor, k_low: Tensor, k_high: Tensor) -> Tensor:
+    """``[..., nq, nk]``: do the ranges ``[q_low, q_high]`` (``[..., nq]``) and ``[k_low, k_high]``
+    (``[..., nk]``) intersect?"""
+    return (k_low[..., None, :] <= q_high[..., :, None]) & (
+        q_low[..., :, None] <= k_high[..., None, :]
+    )
+
+
+class _BlockDocuments(NamedTuple):
+    """Per-block document summaries of ``[b, n]`` document starts (``[b, nb]`` each).
+
+    ``first``/``last``: the document starts of a block's first and last token (document starts
+    never decrease, so the block holds exactly the documents starting in ``[first, last]``);
+    ``sink_low``/``sink_high``: the same range over the block's sink tokens (empty when
+    ``sink_low > sink_high``)."""
+
+    first: Tensor
+    last: Tensor
+    sink_low: Tensor
+    sink_high: Tensor
+
+    @classmethod
+    def of(cls, documents: Tensor, block: int, sinks: int) -> _BlockDocuments:
+        n = documents.shape[1]
+        big = torch.iinfo(torch.int64).max
+        first, last = _block_ends(documents, block)  # [b, nb] each
+        positions = torch.arange(n, device=documents.device)
+        is_sink = positions - documents < sinks  # [b, n]
+        sink_low, _ = _block_ends(torch.where(is_sink, documents, big), block)
+        _, sink_high = _block_ends(torch.where(is_sink, documents, -1), block)
+        return cls(first, last, sink_low, sink_high)
+
+    def shared(self) -> Tensor:
+        """``[b, nb, nb]``: does a (query block, key block) pair hold a same-document pair?"""
+        return _overlap(self.first, self.last, self.first, self.last)
+
+    def one_document(self) -> Tensor:
+        """``[b, nb, nb]``: both blocks hold only tokens of one same document."""
+        single = self.first == self.last  # [b, nb]
+        same = self.first[:, :, None] == self.first[:, None, :]  # [b, nb, nb]
+        return same & single[:, :, None] & single[:, None, :]
+
+    def sink_shared(self) -> Tensor:
+        """``[b, nb, nb]``: the key block holds a sink of a document of the query block."""
+        return _overlap(self.first, self.last, self.sink_low, self.sink_high)
+
+
 def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK) -> BlockMask:
-    """Block mask of the pairs that share a group (causal), on the packed sorted layout."""
+    """Block mask of the pairs that share a group (causal, one document), on the packed sorted
+    layout; the documents are ``layout.document`` (``None``: one per sample)."""
     total = layout.order.numel()
     nb = -(-total // block)
     pad = nb * block - total
     device = layout.order.device
-    member, sample = layout.member, layout.sample
-    gpos = sample * layout.seq + layout.position  # [T] position in the flattened batch
+    member = layout.member
+    gpos = layout.sample * layout.seq + layout.position  # [T] position in the flattened batch
+    doc = layout.position.new_zeros(()) if layout.document is None else layout.document
+    unit = layout.sample * layout.seq + doc  # [T] (sample, document) key
 
     def mask_mod(b, h, q_idx, kv_idx):
         shares = (member[q_idx] & member[kv_idx]) != 0
-        return shares & (sample[q_idx] == sample[kv_idx]) & (gpos[q_idx] >= gpos[kv_idx])
+        return shares & (unit[q_idx] == unit[kv_idx]) & (gpos[q_idx] >= gpos[kv_idx])
 
     # OR of the bitmasks in each block, through segments (a block holds few of them)
     seg_member = member[layout.cu_seqlens[:-1].long()]  # [S]
@@ -138,25 +213,22 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     block_bits = torch.cumsum(delta[:nb], dim=0) > 0  # [nb, 64]
     shares = (block_bits.to(torch.float32) @ block_bits.t().to(torch.float32)) > 0  # [nb, nb]
 
-    big = torch.iinfo(torch.int64).max
-    gpos_blocks = F.pad(gpos, (0, pad), value=big).view(nb, block)
-    gpos_min = gpos_blocks.amin(dim=1)
-    gpos_max = F.pad(gpos, (0, pad), value=-1).view(nb, block).amax(dim=1)
-    sample_first = sample[torch.arange(nb, device=device) * block]  # packed sample-major
-    sample_last = sample[torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1]
+    gpos_min, gpos_max = _block_ends(gpos, block)  # [nb] each
+    unit_min, unit_max = _block_ends(unit, block)  # a range for any sort order
     candidate = (
         shares
-        & (sample_first[:, None] <= sample_last[None, :])
-        & (sample_first[None, :] <= sample_last[:, None])
+        & _overlap(unit_min, unit_max, unit_min, unit_max)
         & (gpos_min[None, :] <= gpos_max[:, None])
     )
     seg_first = layout.segment[torch.arange(nb, device=device) * block]
     seg_last = layout.segment[
         torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1
     ]
-    pure = seg_first == seg_last  # one sample and one bitmask
+    pure = (seg_first == seg_last) & (unit_min == unit_max)  # one segment of one document
     pure[-1] &= pad == 0
-    full = candidate & pure[:, None] & pure[None, :] & (gpos_max[None, :] <= gpos_min[:, None])
+    one_unit = unit_min[:, None] == unit_min[None, :]
+    full = candidate & pure[:, None] & pure[None, :] & one_unit
+    full &= gpos_max[None, :] <= gpos_min[:, None]
     return _block_mask(candidate, full, mask_mod, total, block)
 
 
@@ -166,47 +238,72 @@ def band_block_mask(
     member: Tensor | None,
     device: torch.device,
     block: int = DEFAULT_BLOCK,
+    *,
+    sinks: int = 0,
+    documents: Tensor | None = None,
 ) -> BlockMask:
-    """Block mask of ``0 <= i - j <= window`` (and, with ``member [b, n]``, disjoint groups)."""
+    """Block mask of ``0 <= i - j <= window`` or a sink key (``j < sinks``; ``j - d_j < sinks``
+    with document starts ``documents [b, n]``, which also require one document) and, with
+    ``member [b, n]``, disjoint groups."""
     nb = -(-seq_len // block)
     first = torch.arange(nb, device=device) * block  # [nb] first position of each block
     last = first + block - 1
-    candidate = (first[None, :] <= last[:, None]) & (last[None, :] >= first[:, None] - window)
-
-    if member is None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
-
-        full = (
-            candidate
-            & (last[None, :] <= first[:, None])
-            & (last[:, None] - first[None, :] <= window)
-        )
-        return _block_mask(candidate, full, mask_mod, seq_len, block)
-
-    def cross_mask_mod(b, h, q_idx, kv_idx):
-        local = (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
-        return local & ((member[b, q_idx] & member[b, kv_idx]) == 0)
-
-    return _block_mask(candidate, None, cross_mask_mod, seq_len, block)
-
-
-def causal_block_mask(seq_len: int, device: torch.device, block: int = DEFAULT_BLOCK) -> BlockMask:
-    """Block mask of causal attention (blocks strictly below the diagonal are full)."""
-    nb = -(-seq_len // block)
-    blocks = torch.arange(nb, device=device)
+    causal = first[None, :] <= last[:, None]  # [nb, nb]
+    candidate = causal & (last[None, :] >= first[:, None] - window)
+    full = None
+    if member is None:  # every pair of these blocks is in the window
+        full = candidate & (last[None, :] <= first[:, None])
+        full &= last[:, None] - first[None, :] <= window
+    if documents is None:
+        if sinks:
+            candidate = candidate | (causal & (first[None, :] < sinks))
+    else:
+        blocks = _BlockDocuments.of(documents, block, sinks)
+        candidate = candidate & blocks.shared()  # [b, nb, nb]
+        if sinks:
+            candidate = candidate | (causal & blocks.sink_shared())
+        if full is not None:
+            full = full & blocks.one_document()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+        near = q_idx - kv_idx <= window
+        if sinks:
+            key = kv_idx if documents is None else kv_idx - documents[b, kv_idx]
+            near = near | (key < sinks)
+        allowed = (q_idx >= kv_idx) & near
+        if documents is not None:
+            allowed = allowed & (documents[b, q_idx] == documents[b, kv_idx])
+        if member is not None:
+            allowed = allowed & ((member[b, q_idx] & member[b, kv_idx]) == 0)
+        return allowed
 
-    return _block_mask(
-        blocks[None, :] <= blocks[:, None],
-        blocks[None, :] < blocks[:, None],
-        mask_mod,
-        seq_len,
-        block,
-    )
+    return _block_mask(candidate, full, mask_mod, seq_len, block)
+
+
+def causal_block_mask(
+    seq_len: int,
+    device: torch.device,
+    block: int = DEFAULT_BLOCK,
+    *,
+    documents: Tensor | None = None,
+) -> BlockMask:
+    """Block mask of causal attention (blocks strictly below the diagonal are full), inside each
+    document with document starts ``documents [b, n]``."""
+    nb = -(-seq_len // block)
+    blocks = torch.arange(nb, device=device)
+    candidate = blocks[None, :] <= blocks[:, None]  # [nb, nb]
+    full = blocks[None, :] < blocks[:, None]
+    if documents is not None:
+        spans = _BlockDocuments.of(documents, block, 0)
+        candidate = candidate & spans.shared()  # [b, nb, nb]
+        full = full & spans.one_document()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        if documents is None:
+            return q_idx >= kv_idx
+        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+
+    return _block_mask(candidate, full, mask_mod, seq_len, block)
 
 
 def _softcap_mod(softcap: float | None):
@@ -229,7 +326,8 @@ def same_group(
     softcap: float | None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
-    """Pairs sharing a group on the packed layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
+    """Pairs sharing a group (inside one document when ``layout.document`` is set) on the packed
+    layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
     mask = same_group_block_mask(layout, block)
     out, lse = _call(
         q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap)
@@ -247,10 +345,18 @@ def band(
     softcap: float | None,
     member: Tensor | None,
     block: int = DEFAULT_BLOCK,
+    sinks: int = 0,
+    documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The local band (cross-group only with ``member [b, n]``): ``[b, n, H, D]`` layout."""
+    """The local band (cross-group only with ``member [b, n]``): ``[b, n, H, D]`` layout.
+
+    With ``sinks`` also the sink keys beyond the window (cross-group only with ``member``);
+    with ``documents`` (``[b, n]`` int64 document starts) only pairs of one document, and the
+    sinks are each document's first ``sinks`` tokens."""
     n = q.shape[1]
-    mask = band_block_mask(n, min(window, n), member, q.device, block)
+    mask = band_block_mask(
+        n, min(window, n), member, q.device, block, sinks=sinks, documents=documents
+    )
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap))
 
 
@@ -265,10 +371,13 @@ def soft(
     scale: float,
     softcap: float | None,
     sinks: int = 0,
+    documents: Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``,
-    applied beyond the window to keys that are not sinks (positions ``>= sinks``)."""
+    applied beyond the window to keys that are not sinks (positions ``>= sinks``, counted from
+    the document start with ``documents [b, n]``, which also confine each query to its
+    document)."""
     g = probs.float().permute(2, 0, 1).contiguous()  # [b, n, K] -> [K, b, n]
     num_groups = g.shape[0]
 
@@ -282,10 +391,11 @@ def soft(
         gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
         gated = q_idx - kv_idx > window
         if sinks:
-            gated = gated & (kv_idx >= sinks)
+            key = kv_idx if documents is None else kv_idx - documents[b, kv_idx]
+            gated = gated & (key >= sinks)
         return score + torch.where(gated, gate, torch.zeros_like(gate))
 
-    mask = causal_block_mask(q.shape[1], q.device, block)
+    mask = causal_block_mask(q.shape[1], q.device, block, documents=documents)
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)
 
 
@@ -303,15 +413,16 @@ def flex_focus_attention(
     scale: float,
     local_only: bool,
     sinks: int = 0,
+    documents: Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
-    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): ``[b, n, H, D]``."""
-    sink_kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap)
+    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): ``[b, n, H, D]``;
+    ``documents``: ``[b, n]`` int64 document starts of packed sequences, or ``None``."""
+    band_kwargs = dict(
+        window=window, scale=scale, softcap=softcap, block=block, sinks=sinks, documents=documents
+    )
     if local_only:
-        result = band(
-            q, k, v, window=window, scale=scale, softcap=softcap, member=None, block=block
-        )
-        return with_sinks(result, q, k, v, **sink_kwargs)
+        return band(q, k, v, member=None, **band_kwargs)
     if mode == "soft":
         return soft(
             q,
@@ -323,11 +434,12 @@ def flex_focus_attention(
             scale=scale,
             softcap=softcap,
             sinks=sinks,
+            documents=documents,
             block=block,
         )
-    layout = GroupSortedLayout.build(member)
+    layout = GroupSortedLayout.build(member, documents)
     packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
-    cross = band(q, k, v, window=window, scale=scale, softcap=softcap, member=member, block=block)
-    return with_sinks(merge_by_lse(shared, cross), q, k, v, member=member, **sink_kwargs)
+    cross = band(q, k, v, member=member, **band_kwargs)  # with the sink-only pairs
+    return merge_by_lse(shared, cross)

@@ -7,9 +7,17 @@ call), because a **stable** sort keeps the causal order inside a segment. With `
 tokens of equal bitmask form the segments and two segments interact when their bitmasks
 intersect (a block-sparse pattern, :mod:`focus_pretrain.focus.flex`).
 
+**Packed documents**: given each token's document start (``[b, n]`` int64,
+:func:`~focus_pretrain.focus.pattern.document_starts`), each sample is sorted stably by the
+pair ``(document start, bitmask)``: the segments are then the runs of equal ``(sample,
+document, bitmask)``, so with ``top_k = 1`` a varlen call over the segments never crosses a
+document. (A block-sparse user must still test ``document`` for segments of different
+bitmasks, which share a document range.)
+
 Layout: the batch ``[b, n, ...]`` is flattened to ``[b * n, ...]`` (flat index ``t = sample * n
-+ position``) and packed as ``packed[p] = flat[order[p]]``: sample 0's tokens sorted by bitmask,
-then sample 1's, and so on. Nothing here loops over samples or groups in Python.
++ position``) and packed as ``packed[p] = flat[order[p]]``: sample 0's tokens sorted by
+(document and) bitmask, then sample 1's, and so on. Nothing here loops over samples, documents
+or groups in Python.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ class GroupSortedLayout:
         sample: ``[b * n]`` int64 sample of each packed token.
         position: ``[b * n]`` int64 position (within its sample) of each packed token.
         member: ``[b * n]`` int64 membership bitmask of each packed token.
-        segment: ``[b * n]`` int64 segment id: runs of equal ``(sample, member)``.
+        segment: ``[b * n]`` int64 segment id: runs of equal ``(sample, member)`` (``(sample,
+            document, member)`` with documents).
         cu_seqlens: ``[S + 1]`` int32 start of each segment, then ``b * n``.
         max_seqlen: the longest segment.
+        document: ``[b * n]`` int64 document start of each packed token, or ``None`` when
+            built without documents (one document per sample).
     """
 
     batch: int
@@ -46,18 +57,28 @@ class GroupSortedLayout:
     segment: Tensor
     cu_seqlens: Tensor
     max_seqlen: int
+    document: Tensor | None = None
 
     @classmethod
-    def build(cls, member: Tensor) -> GroupSortedLayout:
-        """Sort each sample of ``member`` ``[b, n]`` (int64 bitmasks) stably by bitmask."""
+    def build(cls, member: Tensor, documents: Tensor | None = None) -> GroupSortedLayout:
+        """Sort each sample of ``member`` ``[b, n]`` (int64 bitmasks) stably by bitmask; with
+        ``documents`` (``[b, n]`` int64 document starts) by ``(document start, bitmask)``."""
         b, n = member.shape
         device = member.device
         sorted_member, index = torch.sort(member, dim=1, stable=True)  # [b, n] each
+        if documents is not None:  # then stably by document: lexicographic (document, member)
+            sorted_doc, by_doc = torch.sort(documents.gather(1, index), dim=1, stable=True)
+            index = index.gather(1, by_doc)  # [b, n]
+            sorted_member = sorted_member.gather(1, by_doc)  # [b, n]
         sample = torch.arange(b, device=device).repeat_interleave(n)  # [b * n]
         order = (index + sample.view(b, n) * n).reshape(-1)  # [b, n] -> [b * n] flat indices
         packed_member = sorted_member.reshape(-1)  # [b, n] -> [b * n]
         starts = torch.ones_like(packed_member, dtype=torch.bool)
         starts[1:] = (packed_member[1:] != packed_member[:-1]) | (sample[1:] != sample[:-1])
+        packed_doc = None
+        if documents is not None:
+            packed_doc = sorted_doc.reshape(-1)  # [b, n] -> [b * n]
+            starts[1:] |= packed_doc[1:] != packed_doc[:-1]
         segment = torch.cumsum(starts, dim=0) - 1
         start_index = torch.nonzero(starts).squeeze(1)
         end = torch.tensor([b * n], device=device)
@@ -75,6 +96,7 @@ class GroupSortedLayout:
             segment=segment,
             cu_seqlens=cu_seqlens,
             max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+            document=packed_doc,
         )
 
     @property

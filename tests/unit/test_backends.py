@@ -16,10 +16,14 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import flex_attention
 
 from focus_pretrain.focus import Routing, focus_attention
-from focus_pretrain.focus.attention import AttentionRequest, select_backend
+from focus_pretrain.focus.attention import (
+    CPU_DECOMPOSED_MIN_SEQ,
+    AttentionRequest,
+    select_backend,
+)
 from focus_pretrain.focus.band import band_attention, merge_by_lse, sink_attention
 from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
-from focus_pretrain.focus.pattern import allowed_pairs
+from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 from tests.helpers import random_probs, random_qkv
 
@@ -155,6 +159,18 @@ def test_sink_attention_chunking_does_not_change_the_result():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_document_sinks_chunking_does_not_change_the_result():
+    q, k, v = random_qkv(2, 120, 4, 2, 8, seed=15, dtype=torch.float32)
+    member = Routing(random_probs(2, 120, 4, seed=16)).membership(1)
+    documents = document_starts(random_documents(2, 120, 0.05, seed=17))
+    kwargs = dict(window=10, sinks=5, scale=0.3, softcap=None, member=member, documents=documents)
+    whole = sink_attention(q, k, v, **kwargs)
+    chunked = sink_attention(q, k, v, max_scores=2 * 5 * (4 + 2 * 2 * 8) * 7, **kwargs)  # 7 rows
+    assert torch.isfinite(whole[1]).any()
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_sequence_shorter_than_window_and_single_token(n):
     p = problem(n=n, hkv=1, h=2, d=8, k_groups=3, window=128, skew=0.0, seed=n)
@@ -196,6 +212,95 @@ def test_sorted_layout_is_stable_and_invertible():
         assert (layout.sample[lo:hi] == layout.sample[lo]).all()
         assert (layout.position[lo:hi].diff() > 0).all()  # stable: causal order kept
     assert layout.num_segments == sum(len(row.unique()) for row in member)
+
+
+@st.composite
+def document_problems(draw):
+    """Hard top-1 or sliding-window problems on packed documents (decomposed vs reference)."""
+    n = draw(st.integers(1, 90))
+    hkv = draw(st.integers(1, 2))
+    local_only = draw(st.sampled_from([False, False, True]))
+    return dict(
+        b=draw(st.integers(1, 3)),
+        n=n,
+        hkv=hkv,
+        h=hkv * draw(st.integers(1, 3)),
+        d=draw(st.sampled_from([4, 8])),
+        k_groups=draw(st.integers(1, 9)),
+        window=draw(st.sampled_from([0, 1, 7, 16, n + 5])),
+        local_only=local_only,
+        softcap=draw(st.sampled_from([None, 2.0])) if local_only else None,
+        sinks=draw(st.sampled_from([0, 1, 3, 20])),
+        new_doc=draw(st.sampled_from([0.0, 0.05, 0.3, 0.9])),  # 0.9: mostly 1-token documents
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def random_documents(b: int, n: int, new_doc: float, *, seed: int) -> torch.Tensor:
+    """``[b, n]`` document ids: each token starts a new document with probability ``new_doc``
+    (every sample its own layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cumsum(torch.rand(b, n, generator=gen) < new_doc, dim=1)  # [b, n]
+
+
+def run_documents(p: dict, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = random_qkv(p["b"], p["n"], p["h"], p["hkv"], p["d"], seed=p["seed"],
+                         dtype=torch.float32)  # fmt: skip
+    probs = skewed_probs(p["b"], p["n"], p["k_groups"], seed=p["seed"] + 1, skew=1.0)
+    documents = random_documents(p["b"], p["n"], p["new_doc"], seed=p["seed"] + 2)
+    with torch.no_grad():
+        return focus_attention(
+            q,
+            k,
+            v,
+            Routing(probs.float()),
+            window=p["window"],
+            mode="hard",
+            top_k=1,
+            softcap=p["softcap"],
+            local_only=p["local_only"],
+            backend=backend,
+            return_lse=True,
+            sinks=p["sinks"],
+            documents=documents,
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(document_problems())
+def test_decomposed_with_documents_equals_reference(p):
+    """Packed documents (of one token, shorter than the window, different per sample), GQA,
+    per-document sinks: the decomposed output and log-sum-exp equal the reference's."""
+    want, want_lse = run_documents(p, "reference")
+    got, lse = run_documents(p, "decomposed")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_decomposed_for_long_packed_documents():
+    n = CPU_DECOMPOSED_MIN_SEQ + 76
+    assert select_backend("auto", request(seq=n, documents=True, sinks=2)).name == "decomposed"
+    p = dict(b=2, n=n, h=4, hkv=2, d=8, k_groups=6, window=24, local_only=False, softcap=None,
+             sinks=2, new_doc=0.01, seed=5)  # fmt: skip
+    want, want_lse = run_documents(p, "reference")
+    got, lse = run_documents(p, "auto")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_sorted_layout_keeps_documents_apart():
+    member = 1 << torch.randint(0, 4, (2, 60))
+    documents = document_starts(random_documents(2, 60, 0.1, seed=3))
+    layout = GroupSortedLayout.build(member, documents)
+    assert torch.equal(layout.document, layout.pack(documents))
+    for s in range(layout.num_segments):
+        lo, hi = layout.cu_seqlens[s], layout.cu_seqlens[s + 1]
+        assert (layout.member[lo:hi] == layout.member[lo]).all()
+        assert (layout.sample[lo:hi] == layout.sample[lo]).all()
+        assert (layout.document[lo:hi] == layout.document[lo]).all()
+        assert (layout.position[lo:hi].diff() > 0).all()  # stable: causal order kept
+    keys = torch.stack([documents, member], dim=-1)  # [2, 60, 2]: (document, group) per token
+    assert layout.num_segments == sum(len(row.unique(dim=0)) for row in keys)
 
 
 def test_merge_of_empty_parts():
