@@ -5,13 +5,17 @@ and blends, and a sampler that resumes exactly from a consumed-sample count.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from focus_pretrain.data.corpus import resolve_inputs
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
+from focus_pretrain.data.shards import find_manifest, manifest_shards
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.focus.config import check_int, check_positive
@@ -34,6 +38,11 @@ class DataConfig:
         split: train/valid/test split of each source's documents, e.g. ``"98,2,0"``.
         cache_dir: where token files, tokenizers and Megatron's index caches go.
         workers: tokenisation processes.
+        tokenize_in_job: let a training job tokenise raw corpora (local files, hub names) on
+            rank 0; without it only ``demo`` and ``pystdlib`` are tokenised in the job, and a
+            raw corpus is refused with the ``tools/preprocess_data.py`` command to run first.
+        prepare_timeout_s: how long the other ranks wait for rank 0 to prepare the data
+            before every rank fails with a clear error (instead of a process-group timeout).
         demo_pairs: key-value pairs each demo document defines and recalls.
         demo_values: value words (of 64) the demo documents draw from.
         demo_filler_sentences: filler between definitions and recalls in the demo corpus.
@@ -57,6 +66,8 @@ class DataConfig:
     split: str = "98,2,0"
     cache_dir: str = "data/cache"
     workers: int = 1
+    tokenize_in_job: bool = False
+    prepare_timeout_s: float = 1800.0
     demo_pairs: int = 4
     demo_values: int = 64
     demo_filler_sentences: int = 16
@@ -97,6 +108,7 @@ class DataConfig:
                 f"data.demo_pairs ({self.demo_pairs}) <= data.demo_values "
                 f"({self.demo_values}) <= {len(VALUES)} must hold"
             )
+        check_positive("data.prepare_timeout_s", self.prepare_timeout_s)
 
     @property
     def demo_spec(self) -> DemoSpec:
@@ -127,14 +139,76 @@ def tokenizer_path_for(config: DataConfig, seed: int = 0) -> Path:
     return Path(config.cache_dir) / f"{name}.model"
 
 
-def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
+def _is_tokenised(source: str) -> bool:
+    """Token files already: a shard directory (or its manifest) or a ``PREFIX`` with ``.idx``."""
+    return find_manifest(source) is not None or Path(f"{source}.idx").is_file()
+
+
+def _raw_sources(config: DataConfig) -> list[str]:
+    """Sources a job would have to tokenise itself (neither built-in nor token files); a
+    missing file or an empty glob raises ``FileNotFoundError`` naming it."""
+    raw = []
+    for source in config.sources:
+        if is_demo_source(source) or is_stdlib_source(source) or _is_tokenised(source):
+            continue
+        resolve_inputs([source])  # names a missing file
+        raw.append(source)
+    return raw
+
+
+def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | None) -> None:
+    """Raise ``ValueError`` with the ``tools/preprocess_data.py`` commands that tokenise the
+    raw sources offline, and the ``data.sources`` to train on afterwards."""
+    outputs = {s: str(Path(config.cache_dir) / "shards" / _slug(s)) for s in raw}
+    commands = []
+    for source in raw:
+        if tokenizer is not None:
+            using = f"--tokenizer {shlex.quote(str(tokenizer))}"
+        elif source == raw[0]:
+            using = f"--train-tokenizer --vocab-size {config.vocab_size}"
+        else:
+            using = f"--tokenizer {shlex.quote(outputs[raw[0]])}/tokenizer.model"
+        commands.append(
+            f"  python tools/preprocess_data.py --input {shlex.quote(source)} "
+            f"--output {shlex.quote(outputs[source])} {using} --workers $(nproc)"
+        )
+    sources = json.dumps([outputs.get(s, s) for s in config.sources])
+    then = f"--set 'data.sources={sources}'"
+    if tokenizer is None:
+        then += f" --set data.tokenizer={outputs[raw[0]]}/tokenizer.model"
+    raise ValueError(
+        f"data.sources {', '.join(raw)}: a raw corpus; a training job tokenises only the "
+        "built-in corpora (demo, pystdlib), since tokenising a large corpus on rank 0 would "
+        "keep the other ranks waiting. Tokenise it once, offline and in parallel:\n"
+        + "\n".join(commands)
+        + f"\nthen train on the shards: {then}; or set data.tokenize_in_job=true to tokenise "
+        "it inside the job (small corpora only)"
+    )
+
+
+def prepare_data(
+    config: DataConfig, seed: int = 0, *, in_job: bool = False
+) -> tuple[Path, list[str]]:
     """Make sure a tokenizer and token files exist; returns ``(tokenizer_path, prefixes)``.
 
-    Idempotent: existing tokenizers and token files in ``cache_dir`` are reused. Run it on one
-    process per machine (the trainer does it on rank 0 behind a barrier).
+    A source naming a directory written by ``tools/preprocess_data.py --output`` (or its
+    ``manifest.json``) becomes its shards' prefixes, checked against the tokenizer;
+    :func:`blend_weights` gives the blend weights that keep it one corpus. Idempotent: existing
+    tokenizers and token files in ``cache_dir`` are reused. Run it on one process (a job runs it
+    through :func:`~focus_pretrain.data.coordinate.prepare_data_in_job`: rank 0 first, the
+    others wait with a timeout).
+
+    Args:
+        in_job: called by a training or evaluation job: raw corpora (local files, hub names)
+            are refused unless ``data.tokenize_in_job``, with the commands that tokenise them.
+
+    Raises:
+        ValueError: a raw corpus in a job, token files of another tokenizer, or
+            ``data.tokenizer: null`` with already tokenised ``data.sources[0]``.
     """
     cache = Path(config.cache_dir)
     spec = config.demo_spec
+    raw = _raw_sources(config) if in_job and not config.tokenize_in_job else []
 
     def texts(source: str) -> list[str]:
         return load_texts(source, seed=seed, demo_spec=spec)["text"]
@@ -142,14 +216,23 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     tokenizer_path = tokenizer_path_for(config, seed)
     if config.tokenizer is not None:
         Tokenizer(tokenizer_path)  # fails early, naming the missing file
-    else:
-        if not tokenizer_path.is_file():
-            train_tokenizer(
-                texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size
-            )
+    elif _is_tokenised(config.sources[0]):
+        raise ValueError(
+            f"data.tokenizer is null, so a tokenizer would be trained on data.sources[0], but "
+            f"{config.sources[0]} is token files; set data.tokenizer to the tokenizer that made "
+            "them (a directory's manifest.json names it)"
+        )
+    elif not tokenizer_path.is_file() and config.sources[0] not in raw:
+        train_tokenizer(texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size)
+    if raw:
+        _refuse_raw_sources(config, raw, tokenizer_path if tokenizer_path.is_file() else None)
     prefixes = []
     tokenizer = Tokenizer(tokenizer_path)
     for source in config.sources:
+        manifest = find_manifest(source)
+        if manifest is not None:
+            prefixes += [prefix for prefix, _ in manifest_shards(manifest, tokenizer)]
+            continue
         if Path(f"{source}.idx").is_file():
             check_tokenizer(source, tokenizer)
             prefixes.append(source)
@@ -164,6 +247,47 @@ def prepare_data(config: DataConfig, seed: int = 0) -> tuple[Path, list[str]]:
     return tokenizer_path, prefixes
 
 
+def blend_weights(config: DataConfig, prefixes: list[str]) -> list[float] | None:
+    """Megatron blend weights for :func:`prepare_data`'s ``prefixes`` that keep each sharded
+    source one corpus.
+
+    ``None`` (Megatron's blend by size) when no source is sharded and ``data.weights`` is
+    ``None``, or for a single prefix. Otherwise one weight per prefix: each source's weight
+    (``data.weights[i]``, or its token count when ``data.weights`` is ``None``) split over its
+    shards in proportion to their token counts. (Megatron's blend by size builds at most one
+    epoch of a blend; weights let a sharded corpus repeat like one big dataset.)
+
+    Raises:
+        ValueError: ``prefixes`` are not what ``prepare_data(config)`` returned.
+    """
+    manifests = [find_manifest(source) for source in config.sources]
+    if len(prefixes) == 1 or (config.weights is None and not any(manifests)):
+        return None
+    weights: list[float] = []
+    for i, manifest in enumerate(manifests):
+        if manifest is not None:
+            tokens = [count for _, count in manifest_shards(manifest)]
+        elif len(weights) < len(prefixes):
+            tokens = [1 if config.weights else _token_count(prefixes[len(weights)])]
+        else:
+            tokens = []
+        share = config.weights[i] if config.weights is not None else sum(tokens)
+        weights += [share * count / max(sum(tokens), 1) for count in tokens]
+    if len(weights) != len(prefixes):
+        raise ValueError(
+            f"{len(prefixes)} prefixes for data.sources that name {len(weights)} token files; "
+            "pass the prefixes prepare_data returned for this config"
+        )
+    return weights
+
+
+def _token_count(prefix: str) -> int:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)  # alive while its memory-mapped lengths are read
+    return int(dataset.sequence_lengths.sum())
+
+
 def build_datasets(
     config: DataConfig,
     tokenizer: Tokenizer,
@@ -172,14 +296,16 @@ def build_datasets(
     valid_samples: int,
     seed: int = 0,
 ):
-    """Megatron ``GPTDataset`` train/valid splits (blended when several sources)."""
+    """Megatron ``GPTDataset`` train/valid splits (blended when several sources), with the
+    document options of ``config`` (:class:`~focus_pretrain.data.documents.DocumentGPTDataset`)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    blend = (prefixes, None if config.weights is None else list(config.weights))
-    dataset_config = GPTDatasetConfig(
+    from focus_pretrain.data.documents import DocumentDatasetConfig, DocumentGPTDataset
+
+    blend = (prefixes, blend_weights(config, prefixes))
+    dataset_config = DocumentDatasetConfig(
         random_seed=seed,
         sequence_length=config.seq_length,
         blend=blend,
@@ -190,9 +316,15 @@ def build_datasets(
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
+        document_mask=config.document_mask,
+        reset_document_positions=config.reset_position_ids,
+        mask_eod_loss=config.eod_mask_loss,
+        min_document_tokens=config.min_document_tokens,
+        long_document_tokens=config.long_document_tokens,
+        long_document_repeat=config.long_document_repeat,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
+        DocumentGPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
     ).build()
     return train, valid
 

@@ -98,6 +98,11 @@ def _encode_batch(texts: list[str]) -> list[np.ndarray]:
     return [np.array([*_WORKER_TOKENIZER.encode(t), eod], dtype=np.int64) for t in texts]
 
 
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger] | type[np.signedinteger]:
+    """The dtype of token files for a vocabulary: ``uint16`` below 65535 ids, else ``int32``."""
+    return np.uint16 if vocab_size < np.iinfo(np.uint16).max else np.int32
+
+
 def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
     """Refuse token files made by another tokenizer than ``tokenizer`` (when they say which).
 
@@ -150,7 +155,7 @@ def tokenize_to_indexed(
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tokenizer = Tokenizer(tokenizer_path)
-    dtype = np.uint16 if tokenizer.vocab_size < np.iinfo(np.uint16).max else np.int32
+    dtype = token_dtype(tokenizer.vocab_size)
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from focus_pretrain.config import Config, config_to_dict, load_config
 from focus_pretrain.convert.checkpoint_state import megatron_state_dict
 from focus_pretrain.convert.hf_export import resolve_checkpoint
-from focus_pretrain.data.datasets import build_datasets, prepare_data, tokenizer_path_for
+from focus_pretrain.data.coordinate import prepare_data_in_job
+from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.focus import FocusRouter, Routing, pattern_density
 from focus_pretrain.model import build_model
@@ -164,10 +165,7 @@ def evaluate_checkpoint(
         )
     train = replace(config.train, eval_interval=max(config.train.eval_interval, 1))
     config = replace(config, train=train)
-    if layout.is_main:
-        prepare_data(config.data, config.run.seed)
-    dist.barrier()
-    _, prefixes = prepare_data(config.data, config.run.seed)
+    _, prefixes = prepare_data_in_job(config.data, config.run.seed)
     per_step = train.micro_batch_size * layout.data_parallel_size
     _, valid_set = build_datasets(
         config.data,

@@ -20,11 +20,11 @@ from typing import Any
 import deepspeed
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.convert import check_tokenizer_matches, load_hf_weights
-from focus_pretrain.data.datasets import ResumableSampler, build_datasets, prepare_data
+from focus_pretrain.data.coordinate import prepare_data_in_job
+from focus_pretrain.data.datasets import ResumableSampler, build_datasets
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.focus import FocusRouter
 from focus_pretrain.model import build_model
@@ -112,10 +112,7 @@ class Trainer:
         config, train = self.config, self.config.train
         if train.init_from_hf:  # before any data work: the retrofit must use the model's tokens
             check_tokenizer_matches(train.init_from_hf, config.data.tokenizer)
-        if self.layout.is_main:
-            prepare_data(config.data, config.run.seed)
-        dist.barrier()
-        tokenizer_path, prefixes = prepare_data(config.data, config.run.seed)
+        tokenizer_path, prefixes = prepare_data_in_job(config.data, config.run.seed)
         tokenizer = Tokenizer(tokenizer_path)
         if tokenizer.vocab_size > config.model.vocab_size:
             raise ValueError(

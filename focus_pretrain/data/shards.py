@@ -1,0 +1,552 @@
+"""Offline tokenisation at scale: many inputs -> a directory of sharded Megatron indexed
+datasets with a manifest, in parallel, resumable, deterministic.
+
+Layout of an output directory ``OUT``::
+
+    OUT/shard-00000.bin, .idx, .json   # records [0, D) of the inputs (D = shard_documents)
+    OUT/shard-00001.bin, .idx, .json   # records [D, 2D) ...
+    OUT/manifest.json                  # written last: shards, documents and tokens per shard,
+                                       # the tokenizer's sha256, skipped records
+    OUT/stats.json                     # the last run's timing (tokens/s) and counts
+    OUT/.plan.json                     # the inputs' index and settings (for resuming)
+
+Shard ``k`` holds records ``[k D, (k + 1) D)`` of the inputs (:mod:`focus_pretrain.data.corpus`),
+whatever the number of worker processes, so runs with different ``workers`` write identical
+bytes. Every document ends with the tokenizer's EOD id. A worker writes a shard under a
+temporary name and renames ``.bin``, ``.json`` and, last, ``.idx`` into place: a shard is
+complete once its ``.idx`` exists. A rerun of the same command resumes: it removes temporary
+files, keeps complete shards and writes the others; different inputs or settings are refused
+(``overwrite=True`` starts again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from focus_pretrain.data.corpus import (
+    FILE_KINDS,
+    ReadOptions,
+    RecordCounts,
+    Unit,
+    index_inputs,
+    read_all,
+    read_unit,
+    resolve_inputs,
+)
+from focus_pretrain.data.preprocess import token_dtype
+from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
+
+FORMAT = "focus-pretrain-shards"
+MANIFEST = "manifest.json"
+PLAN = ".plan.json"
+STATS = "stats.json"
+SHARD_DOCUMENTS = 20_000
+TOKENIZER_DOCUMENTS = 100_000
+KILL_HOOK = "FOCUS_PREPROCESS_KILL_AFTER_SHARDS"  # tests: SIGKILL inside shard N + 1
+_SHARD = re.compile(r"shard-\d{5,}\.(bin|idx|json)")
+_TEMP = re.compile(r"\.(shard-\d{5,}|manifest\.json|\.plan\.json|stats\.json)\.tmp\d+(\.\w+)?")
+_BATCH_DOCUMENTS, _BATCH_CHARS = 256, 1 << 23
+
+
+def shard_name(index: int) -> str:
+    """``shard-00042``: the prefix of shard ``index`` inside an output directory."""
+    return f"shard-{index:05d}"
+
+
+def tokenizer_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a tokenizer: the ``.model`` file, or a directory's ``tokenizer.json``."""
+    path = Path(path)
+    return hashlib.sha256(
+        (path / "tokenizer.json" if path.is_dir() else path).read_bytes()
+    ).hexdigest()
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to ``path`` atomically (a temporary file renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: str, options: dict, progress: Any, parallel: bool) -> None:
+    """Set up a shard writer (a pool worker, or this process): its tokenizer, read options and
+    progress counters (a callback here, two shared ``multiprocessing.Value`` in a pool)."""
+    if parallel:  # one core per worker: the rate per core is what scales
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with warnings.catch_warnings():  # megatron-core's notes about optional GPU packages
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    tok = Tokenizer(tokenizer)
+    _WORKER.update(
+        builder=IndexedDatasetBuilder,
+        tokenizer=tok,
+        options=ReadOptions(**options),
+        progress=progress,
+        done=0,
+    )
+    _WORKER["dtype"] = token_dtype(tok.vocab_size)
+
+
+def _encode(texts: list[str]) -> list[list[int]]:
+    tok: Tokenizer = _WORKER["tokenizer"]
+    if tok.hf is not None:
+        return [e.ids for e in tok.hf.encode_batch(texts, add_special_tokens=False)]
+    return tok.processor.encode(texts, num_threads=1)
+
+
+def _report(records: int, tokens: int) -> None:
+    progress = _WORKER["progress"]
+    if progress is None:
+        return
+    if callable(progress):
+        progress(records, tokens)
+        return
+    for value, amount in zip(progress, (records, tokens), strict=True):
+        with value.get_lock():
+            value.value += amount
+
+
+def _write_shard(task: tuple[int, list[tuple[Unit, dict, int, int]], str]) -> dict[str, Any]:
+    """Tokenise one shard's records into ``OUT/shard-K.{bin,idx,json}``; returns its stats."""
+    started = time.perf_counter()
+    number, pieces, out = task
+    name = shard_name(number)
+    tmp = Path(out) / f".{name}.tmp{os.getpid()}"
+    tok: Tokenizer = _WORKER["tokenizer"]
+    builder = _WORKER["builder"](f"{tmp}.bin", dtype=_WORKER["dtype"])
+    counts = RecordCounts()
+    stats = Counter(records=0, documents=0, tokens=0, bytes=0)
+    batch: list[str] = []
+
+    def flush() -> None:
+        for ids in _encode(batch):
+            ids.append(tok.eod)
+            builder.add_document(ids, [len(ids)])
+            stats["tokens"] += len(ids)
+        stats["documents"] += len(batch)
+        stats["bytes"] += sum(len(t.encode("utf-8")) for t in batch)
+        batch.clear()
+        if _WORKER["done"] == int(os.environ.get(KILL_HOOK, -1)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    reported = Counter()
+    for unit, index, start, stop in pieces:
+        chars = 0
+        for text in read_unit(unit, index, start, stop, _WORKER["options"], counts):
+            batch.append(text)
+            chars += len(text)
+            if len(batch) >= _BATCH_DOCUMENTS or chars >= _BATCH_CHARS:
+                flush()
+                chars = 0
+                _report(0, stats["tokens"] - reported["tokens"])
+                reported["tokens"] = stats["tokens"]
+        stats["records"] += stop - start
+    if batch:
+        flush()
+    builder.finalize(f"{tmp}.idx")
+    _report(stats["records"], stats["tokens"] - reported["tokens"])
+    result = {"name": name, **stats, "blank_lines": counts.blank_lines}
+    result["seconds"] = round(time.perf_counter() - started, 3)
+    result.update(skipped=dict(counts.skipped), examples=counts.examples)
+    Path(f"{tmp}.json").write_text(json.dumps(result, indent=1))
+    for suffix in (".bin", ".json", ".idx"):  # .idx last: the shard is complete once it exists
+        os.replace(f"{tmp}{suffix}", Path(out) / f"{name}{suffix}")
+    _WORKER["done"] += 1
+    return result
+
+
+# -- planning --------------------------------------------------------------------------------
+
+
+def _cut(units: Sequence[Unit], indexes: Sequence[dict], size: int) -> list[list[tuple]]:
+    """Shard ``k``'s pieces ``(unit, index, start, stop)``: records ``[k size, (k+1) size)``."""
+    shards: list[list[tuple]] = [[]]
+    room = size
+    for unit, index in zip(units, indexes, strict=True):
+        start = 0
+        while start < index["records"]:
+            if room == 0:
+                shards.append([])
+                room = size
+            stop = min(index["records"], start + room)
+            shards[-1].append((unit, index, start, stop))
+            room -= stop - start
+            start = stop
+    return shards if shards[0] else []
+
+
+def _clear(out: Path, everything: bool) -> None:
+    """Remove temporary files (and, with ``everything``, every file a run writes) in ``out``."""
+    for path in out.iterdir():
+        if not path.is_file():
+            continue
+        ours = _SHARD.fullmatch(path.name) or path.name in (MANIFEST, PLAN, STATS)
+        if _TEMP.fullmatch(path.name) or (everything and ours):
+            path.unlink()
+
+
+def _load_plan(out: Path, units: list[Unit], overwrite: bool) -> dict | None:
+    """The stored plan of an interrupted (or finished) run with the same inputs, if any."""
+    _clear(out, everything=overwrite)
+    plan_path = out / PLAN
+    leftovers = [p.name for p in out.iterdir() if _SHARD.fullmatch(p.name) or p.name == MANIFEST]
+    if not plan_path.is_file():
+        if leftovers:
+            raise ValueError(
+                f"{out} already holds shards ({leftovers[0]}, ...) but no {PLAN}; pass "
+                "--overwrite to replace them, or choose another --output"
+            )
+        return None
+    plan = json.loads(plan_path.read_text())
+    stored = [Unit(**u) for u in plan["units"]]
+    if stored != units and not any(out.glob("shard-*.idx")):
+        _clear(out, everything=True)  # nothing finished: start again
+        return None
+    if stored != units:
+        changed = [f"{u.name}" for u in units if u not in stored] or [u.name for u in stored]
+        raise ValueError(
+            f"{out} holds a run over other inputs (changed or new: {', '.join(changed[:3])}); "
+            "rerun with the original inputs to resume it, or pass --overwrite to start again"
+        )
+    return plan
+
+
+def _index_all(units: list[Unit], options: ReadOptions, workers: int) -> list[dict]:
+    """Every input's index; large inputs (over 1 GB of files in all) in ``workers`` processes
+    (a pass over every line of a ``.jsonl`` file)."""
+    files = [u for u in units if u.kind in FILE_KINDS.values()]
+    if (
+        workers == 1
+        or len(units) == 1
+        or sum(int(u.fingerprint.split(":")[0]) for u in files) < 1 << 30
+    ):
+        return index_inputs(units, options)
+    with mp.get_context("spawn").Pool(min(workers, len(units))) as pool:
+        return index_inputs(units, options, pool)
+
+
+def _check_settings(out: Path, plan: dict, settings: dict) -> None:
+    """Refuse to resume finished shards under other settings (nothing finished: start again)."""
+    if any(out.glob("shard-*.idx")):
+        differ = sorted(k for k in settings if plan["settings"].get(k) != settings[k])
+        raise ValueError(
+            f"{out} holds a run with other settings ({', '.join(differ)} differ); rerun with "
+            "the original arguments to resume it, or pass --overwrite to start again"
+        )
+
+
+def train_corpus_tokenizer(
+    units: list[Unit], indexes: list[dict], options: ReadOptions, prefix: Path, vocab: int
+) -> Path:
+    """A SentencePiece model trained on :data:`TOKENIZER_DOCUMENTS` documents spread evenly
+    over the inputs (every ``step``-th record)."""
+    step = max(1, sum(i["records"] for i in indexes) // TOKENIZER_DOCUMENTS)
+    texts = read_all(units, indexes, options, RecordCounts(), step)
+    return train_tokenizer(texts, prefix, vocab)
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def preprocess_corpus(
+    inputs: Sequence[str],
+    output_dir: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    *,
+    vocab_size: int = 32000,
+    workers: int = 1,
+    shard_documents: int = SHARD_DOCUMENTS,
+    options: ReadOptions | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenise ``inputs`` (see :func:`~focus_pretrain.data.corpus.resolve_inputs`) into
+    sharded indexed datasets in ``output_dir`` with ``workers`` processes; resumes an
+    interrupted run of the same command.
+
+    ``tokenizer`` ``None`` trains a SentencePiece model of ``vocab_size`` pieces (Llama-style
+    options) into ``OUT/tokenizer.model`` first (reused when resuming).
+
+    Returns:
+        the run's stats (also written to ``OUT/stats.json``): documents, tokens, shards
+        written and reused, skipped records by kind, seconds and tokens/s of this run.
+
+    Raises:
+        BadRecordError: a bad record or an empty input, naming the file and line (unless
+            ``options.skip_bad_records``: then skipped and counted).
+        ValueError: ``output_dir`` holds a run over other inputs or settings.
+    """
+    started = time.perf_counter()
+    options = options or ReadOptions()
+    if workers < 1 or shard_documents < 1:
+        raise ValueError(
+            f"workers ({workers}) and shard_documents ({shard_documents}) must be >= 1"
+        )
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    units = resolve_inputs(inputs)
+    plan = _load_plan(out, units, overwrite)
+    indexes = plan["index"] if plan else _index_all(units, options, workers)
+    if tokenizer is None:
+        tokenizer = out / "tokenizer.model"
+        if overwrite or not tokenizer.is_file():
+            train_corpus_tokenizer(units, indexes, options, tokenizer.with_suffix(""), vocab_size)
+    settings = {**asdict(options), "shard_documents": shard_documents}
+    settings.update(tokenizer_sha256=tokenizer_sha256(tokenizer), format=FORMAT)
+    if plan is not None and plan["settings"] != settings:
+        _check_settings(out, plan, settings)  # refused when shards are done; else start again
+        _clear(out, everything=True)
+        indexes, plan = _index_all(units, options, workers), None
+    if plan is None:
+        plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
+        _write_json(out / PLAN, plan)
+    shards = _cut(units, indexes, shard_documents)
+    if not shards:
+        raise ValueError(f"the inputs {', '.join(inputs)} hold no records")
+    pending = [k for k in range(len(shards)) if not (out / f"{shard_name(k)}.idx").is_file()]
+    index_seconds = time.perf_counter() - started
+    written = _run_shards(
+        [(k, shards[k], str(out)) for k in pending],
+        str(tokenizer),
+        options,
+        workers,
+        sum(i["records"] for i in indexes),
+        progress,
+        out.name,
+    )
+    tokenise_seconds = time.perf_counter() - started - index_seconds
+    shard_stats = [
+        json.loads((out / f"{shard_name(k)}.json").read_text()) for k in range(len(shards))
+    ]
+    manifest = _manifest(units, indexes, shard_stats, settings, Tokenizer(tokenizer))
+    _write_json(out / MANIFEST, manifest)  # last: the directory is complete once it exists
+    tokens_written = sum(s["tokens"] for s in written)
+    busy = sum(s["seconds"] for s in written)  # inside the shard writers: per busy core
+    stats = {
+        "output": str(out),
+        "workers": workers,
+        "shards": len(shards),
+        "shards_written": len(written),
+        "shards_reused": len(shards) - len(written),
+        **{k: manifest[k] for k in ("documents", "tokens", "skipped", "skipped_total")},
+        "blank_lines": manifest["blank_lines"],
+        "documents_written": sum(s["documents"] for s in written),
+        "tokens_written": tokens_written,
+        "bytes_written": sum(s["bytes"] for s in written),
+        "index_seconds": round(index_seconds, 3),
+        "tokenise_seconds": round(tokenise_seconds, 3),
+        "tokens_per_s": round(tokens_written / max(tokenise_seconds, 1e-9), 1),
+        "busy_seconds": round(busy, 3),
+        "tokens_per_s_per_worker": round(tokens_written / max(busy, 1e-9), 1),
+        "skipped_examples": manifest["skipped_examples"],
+        "tokenizer": str(tokenizer),
+    }
+    _write_json(out / STATS, stats)
+    return stats
+
+
+def _run_shards(
+    tasks: list[tuple],
+    tokenizer: str,
+    options: ReadOptions,
+    workers: int,
+    total: int,
+    show: bool,
+    label: str,
+) -> list[dict[str, Any]]:
+    """Write ``tasks``' shards with ``workers`` processes (in this process when 1), with a
+    progress bar in documents and tokens/s."""
+    if not tasks:
+        return []
+    done_records = total - sum(stop - start for _, pieces, _ in tasks for *_, start, stop in pieces)
+    bar = tqdm(
+        total=total,
+        initial=done_records,
+        unit="doc",
+        desc=f"tokenising -> {label}",
+        disable=not show,
+    )
+    started = time.perf_counter()
+    seen = Counter()
+
+    def show_progress(records: int, tokens: int) -> None:
+        seen["records"] += records
+        seen["tokens"] += tokens
+        bar.n = done_records + seen["records"]
+        rate = seen["tokens"] / max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=True)
+
+    results: list[dict[str, Any]] = []
+    try:
+        if workers == 1 or len(tasks) <= 1:
+            _init_worker(tokenizer, asdict(options), show_progress, parallel=False)
+            results = [_write_shard(task) for task in tasks]
+        else:
+            results = _run_pool(tasks, tokenizer, options, workers, show_progress)
+    finally:
+        bar.close()
+    return results
+
+
+def _run_pool(
+    tasks: list[tuple],
+    tokenizer: str,
+    options: ReadOptions,
+    workers: int,
+    show_progress: Callable[[int, int], None],
+) -> list[dict[str, Any]]:
+    context = mp.get_context("spawn")
+    counters = (context.Value("q", 0), context.Value("q", 0))  # records, tokens done
+    args = (tokenizer, asdict(options), counters, True)
+    results: list[dict[str, Any]] = []
+    last = [0, 0]
+    pool = context.Pool(min(workers, len(tasks)), _init_worker, args)
+    try:
+        pending = pool.imap_unordered(_write_shard, tasks)
+        while len(results) < len(tasks):
+            with contextlib.suppress(mp.TimeoutError):
+                results.append(pending.next(timeout=0.5))
+            now = [counters[0].value, counters[1].value]
+            show_progress(now[0] - last[0], now[1] - last[1])
+            last = now
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+    return results
+
+
+def _manifest(
+    units: list[Unit], indexes: list[dict], shards: list[dict], settings: dict, tok: Tokenizer
+) -> dict[str, Any]:
+    skipped: Counter[str] = Counter()
+    examples: list[str] = []
+    for index in indexes:  # whole files left out (empty, unreadable)
+        if index["problem"]:
+            skipped[index["problem"][0]] += 1
+            examples.append(index["problem"][1])
+    for shard in shards:
+        skipped.update(shard["skipped"])
+        examples += shard["examples"]
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "tokenizer": {
+            "path": str(Path(tok.path).resolve()),
+            "sha256": settings["tokenizer_sha256"],
+            "vocab_size": tok.vocab_size,
+            "eod": tok.eod,
+        },
+        "dtype": token_dtype(tok.vocab_size).__name__,
+        "text_key": settings["text_key"],
+        "shard_documents": settings["shard_documents"],
+        "skip_bad_records": settings["skip_bad_records"],
+        "inputs": [
+            {**asdict(u), "records": i["records"]} for u, i in zip(units, indexes, strict=True)
+        ],
+        "records": sum(i["records"] for i in indexes),
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "blank_lines": sum(s["blank_lines"] for s in shards),
+        "skipped": dict(sorted(skipped.items())),
+        "skipped_total": sum(skipped.values()),
+        "skipped_examples": examples[:10],
+        "shards": [
+            {k: s[k] for k in ("name", "records", "documents", "tokens", "skipped")} for s in shards
+        ],
+    }
+
+
+# -- reading a manifest (training) -----------------------------------------------------------
+
+
+def find_manifest(source: str) -> Path | None:
+    """The manifest a ``data.sources`` entry names (``OUT/manifest.json`` or ``OUT``), else
+    ``None``.
+
+    Raises:
+        ValueError: ``OUT`` holds shards but no manifest (an unfinished run), with the fix.
+    """
+    path = Path(source)
+    if path.name == MANIFEST and path.is_file():
+        return path
+    if not path.is_dir():
+        return None
+    if (path / MANIFEST).is_file():
+        return path / MANIFEST
+    if any(path.glob("shard-*.idx")):
+        raise ValueError(
+            f"{path} holds shards but no {MANIFEST}: its tools/preprocess_data.py run has not "
+            "finished; rerun the same command to resume it"
+        )
+    return None
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """A manifest written by :func:`preprocess_corpus`.
+
+    Raises:
+        ValueError: not such a manifest.
+    """
+    manifest = json.loads(Path(path).read_text())
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a manifest of tools/preprocess_data.py")
+    return manifest
+
+
+def manifest_shards(
+    path: str | os.PathLike, tokenizer: Tokenizer | None = None
+) -> list[tuple[str, int]]:
+    """``(prefix, tokens)`` of each non-empty shard a manifest lists, checking that every shard
+    exists and, with ``tokenizer``, that the shards were made with it.
+
+    Raises:
+        ValueError: another tokenizer made the shards (naming both and the fix).
+        FileNotFoundError: a listed shard is missing.
+    """
+    manifest = read_manifest(path)
+    made_with = manifest["tokenizer"]
+    if tokenizer is not None and not made_with["sha256"].startswith(
+        tokenizer.unique_identifiers["sha256"]
+    ):
+        raise ValueError(
+            f"the shards of {path} were made with tokenizer {made_with['path']} (sha256 "
+            f"{made_with['sha256'][:16]}, {made_with['vocab_size']} pieces) but data.tokenizer "
+            f"is {tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "
+            f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
+            "re-tokenise with tools/preprocess_data.py --tokenizer"
+        )
+    directory = Path(path).parent
+    shards = []
+    for shard in manifest["shards"]:
+        prefix = directory / shard["name"]
+        if not Path(f"{prefix}.idx").is_file() or not Path(f"{prefix}.bin").is_file():
+            raise FileNotFoundError(
+                f"{prefix}.bin/.idx, listed in {path}, is missing; rerun tools/preprocess_data.py "
+                "with --overwrite to rebuild the directory"
+            )
+        if shard["documents"]:
+            shards.append((str(prefix), int(shard["tokens"])))
+    if not shards:
+        raise ValueError(f"{path} lists no documents (every record was skipped?)")
+    return shards
