@@ -52,7 +52,7 @@ class DataConfig:
         eod_mask_loss: no loss on predictions made *from* an EOD token (the next document's
             first token, which the previous document cannot know).
         min_document_tokens: documents shorter than this (tokens, EOD included) are left out
-            of training samples (0: keep all).
+            of training samples (0: keep all; validation keeps every document).
         long_document_tokens, long_document_repeat: documents of at least
             ``long_document_tokens`` tokens appear ``long_document_repeat`` times per epoch
             (up-sampling, so that a long-context recipe holds long documents at all).
@@ -94,6 +94,12 @@ class DataConfig:
         for name in ("min_document_tokens", "long_document_tokens"):
             check_int(f"data.{name}", getattr(self, name), low=0)
         check_int("data.long_document_repeat", self.long_document_repeat, low=1)
+        if self.long_document_tokens and self.long_document_repeat == 1:
+            raise ValueError(
+                f"data.long_document_tokens is {self.long_document_tokens} but "
+                "data.long_document_repeat is 1 (no up-sampling); set "
+                "data.long_document_repeat > 1, or data.long_document_tokens to 0"
+            )
         if self.long_document_repeat > 1 and not self.long_document_tokens:
             raise ValueError(
                 f"data.long_document_repeat is {self.long_document_repeat} but "

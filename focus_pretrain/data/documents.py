@@ -12,8 +12,9 @@ Python and build an ``s x s`` mask; here every field is a vectorised ``[s]`` ten
 * ``loss_mask``: 0 where the *input* token is EOD (the prediction of the next document's first
   token from the previous document), Megatron's ``eod_mask_loss``.
 
-:class:`DocumentGPTDataset` also drops short documents and repeats long ones
-(:func:`select_documents`) before Megatron builds its sample index.
+:class:`DocumentGPTDataset` also drops short documents and repeats long ones in the training
+split (:func:`select_documents`) before Megatron builds its sample index; validation keeps its
+documents as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import Split
 from torch import Tensor
 
 
@@ -119,13 +121,23 @@ class DocumentGPTDataset(GPTDataset):
         index_split,
         config: DocumentDatasetConfig,
     ) -> None:
-        selected = select_documents(
-            indexed_dataset.sequence_lengths,
-            indexed_indices,
-            min_tokens=config.min_document_tokens,
-            long_tokens=config.long_document_tokens,
-            long_repeat=config.long_document_repeat,
-        )
+        selected = indexed_indices  # validation measures the corpus as it is
+        if index_split == Split.train:
+            selected = select_documents(
+                indexed_dataset.sequence_lengths,
+                indexed_indices,
+                min_tokens=config.min_document_tokens,
+                long_tokens=config.long_document_tokens,
+                long_repeat=config.long_document_repeat,
+            )
+        if not len(indexed_indices) and num_samples:  # Megatron would loop forever
+            raise ValueError(
+                f"the {index_split.name} split of {dataset_path} holds no document "
+                f"({len(indexed_dataset.sequence_lengths)} documents, data.split="
+                f"{config.split!r}) but {num_samples} samples are asked of it; give that "
+                "split a larger share in data.split, or preprocess into larger shards "
+                "(tools/preprocess_data.py --shard-documents)"
+            )
         if len(indexed_indices) and not len(selected):
             longest = int(indexed_dataset.sequence_lengths[indexed_indices].max())
             raise ValueError(

@@ -276,7 +276,10 @@ class FocusSelfAttention(SelfAttention):
         if rotary_pos_emb is not None and positions is not None:
             rotary = self.local_rotary if self.local_rotary is not None else self.model_rotary
             if rotary is None:
-                raise ValueError("per-token RoPE positions need build_model's model_rotary")
+                raise ValueError(
+                    "per-token RoPE positions (DocumentParams.rope_positions) need the model's "
+                    "rotary embedding: build the model with focus_pretrain.model.build_model"
+                )
             rotary_pos_emb = rope_for_positions(rotary, positions)  # [s, b, 1, d]
         elif rotary_pos_emb is not None and self.local_rotary is not None:
             rotary_pos_emb = self._local_rotary_emb(rotary_pos_emb)

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from focus_pretrain.config import ProbesConfig
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.train.scoring import masked_means, token_scores
+from focus_pretrain.train.scoring import Packing, masked_means, token_scores
 
 PROBE_SEED_OFFSET = 2_000_003  # probe sequences never share a seed with training data
 FILLER = (
@@ -209,6 +209,7 @@ def probe_metrics(
     micro_batch_size: int,
     device: torch.device,
     cp_group=None,
+    packing: Packing | None = None,
 ) -> dict[str, float]:
     """Scores of ``model`` (see :func:`~focus_pretrain.train.scoring.token_scores`) on the
     probes, the same on every rank.
@@ -216,13 +217,15 @@ def probe_metrics(
     Returns, per kind (``passkey_...``, ``multikey_...``): ``acc``/``loss`` (answer digits),
     ``exact`` (sequences with every digit right), ``far_acc``/``near_acc`` (needle beyond
     ``window`` of the question or not; ``nan`` when there is none), and per length and depth
-    ``{kind}_L{length}_{depth_label}_acc`` and ``_loss``.
+    ``{kind}_L{length}_{depth_label}_acc`` and ``_loss``. ``packing``: score the probes
+    as the run packs documents (the leading EOD padding is then a document of its own).
     """
     per_kind: dict[str, list] = {}
     out: dict[str, float] = {}
     for batch in batches:
+        extra = {} if packing is None else packing.fields(batch.tokens)
         loss, hits = token_scores(
-            model, batch.tokens, batch.labels, micro_batch_size, device, cp_group
+            model, batch.tokens, batch.labels, micro_batch_size, device, cp_group, **extra
         )  # [n, s] each
         per_kind.setdefault(batch.kind, []).append((batch, loss, hits))
         for depth in sorted(set(batch.depths.tolist())):

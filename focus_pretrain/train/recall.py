@@ -19,7 +19,7 @@ from torch import Tensor
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.train.scoring import masked_means, token_scores
+from focus_pretrain.train.scoring import Packing, masked_means, token_scores
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
 _RECALL = re.compile(r"recall: the code of (\w+) is (\w+)\.")
@@ -98,21 +98,27 @@ def recall_batch(
 
 
 def recall_metrics(
-    model, batch: RecallBatch, micro_batch_size: int, device, cp_group=None
+    model,
+    batch: RecallBatch,
+    micro_batch_size: int,
+    device,
+    cp_group=None,
+    packing: Packing | None = None,
 ) -> dict[str, float]:
     """Loss and accuracy of ``model`` (a Megatron ``GPTModel`` or a DeepSpeed engine around
     one, in the mode it is in) on the recall lines' query tokens (key and value pieces), each
     part alone, and on all other tokens.
 
     Every tensor-parallel and data-parallel rank evaluates the whole batch (it is small), so
-    the result is the same on every rank.
+    the result is the same on every rank. ``packing``: score as the run packs documents.
 
     Returns:
         ``{"recall_loss", "recall_acc", "key_loss", "value_loss", "other_loss",
         "recall_tokens"}`` (``recall_*``: keys and values together).
     """
+    extra = {} if packing is None else packing.fields(batch.tokens)
     loss, hits = token_scores(
-        model, batch.tokens, batch.labels, micro_batch_size, device, cp_group
+        model, batch.tokens, batch.labels, micro_batch_size, device, cp_group, **extra
     )  # [n, s] each
     means = masked_means(
         loss,

@@ -9,12 +9,15 @@ logits) and :func:`masked_means` reduces.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
+from focus_pretrain.data.documents import eod_document_starts
 from focus_pretrain.parallel.sharding import gather_sequence, shard_batch
 from focus_pretrain.train.loss import packed_documents
 
@@ -83,6 +86,32 @@ def token_scores(
         losses.append(loss.double().cpu())
         hits.append(hit.cpu().bool())
     return torch.cat(losses), torch.cat(hits)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a run packs documents (its ``data:`` keys), to score other text the same way.
+
+    Attributes:
+        eod: the EOD token id (a document starts at position 0 and after every EOD).
+        document_mask: attention stays inside documents (``data.document_mask``).
+        reset_position_ids: positions restart at each document (``data.reset_position_ids``).
+    """
+
+    eod: int
+    document_mask: bool
+    reset_position_ids: bool
+
+    def fields(self, tokens: Tensor) -> dict[str, Tensor]:
+        """``documents``/``rope_positions`` ``[n, s]`` for :func:`token_scores` (``{}`` when
+        the run packs nothing)."""
+        starts = eod_document_starts(tokens, self.eod)  # [n, s]
+        out = {}
+        if self.document_mask:
+            out["documents"] = starts
+        if self.reset_position_ids:
+            out["rope_positions"] = torch.arange(tokens.shape[1], device=tokens.device) - starts
+        return out
 
 
 def masked_means(

@@ -21,7 +21,7 @@ from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.train.distance import distance_masks
 from focus_pretrain.train.probes import ProbeBatch, probe_batches, probe_metrics
 from focus_pretrain.train.recall import RecallBatch, recall_batch, recall_metrics
-from focus_pretrain.train.scoring import token_scores
+from focus_pretrain.train.scoring import Packing, token_scores
 
 RECALL_KEYS = ("recall_loss", "recall_acc", "value_loss")  # logged at each validation
 
@@ -57,6 +57,10 @@ class Validator:
         self.micro_batch_size = train.micro_batch_size
         self.valid_set, self.layout, self.device = valid_set, layout, device
         self.window, self.eod = config.model.focus.window, tokenizer.eod
+        data = config.data
+        self.packing = None  # probes and recall are scored as training packs documents
+        if data.document_mask or data.reset_position_ids:
+            self.packing = Packing(tokenizer.eod, data.document_mask, data.reset_position_ids)
         self.last_loss: float | None = None
         self.last_recall: dict[str, float] | None = None
         self.last_scalars: dict[str, float] | None = None
@@ -102,6 +106,7 @@ class Validator:
                         self.micro_batch_size,
                         self.device,
                         self.layout.context_parallel_group,
+                        self.packing,
                     )
                 )
             if self.recall is not None:
@@ -111,6 +116,7 @@ class Validator:
                     self.micro_batch_size,
                     self.device,
                     self.layout.context_parallel_group,
+                    self.packing,
                 )
                 scalars.update({k: self.last_recall[k] for k in RECALL_KEYS})
         finally:

@@ -101,6 +101,11 @@ def test_min_and_long_document_options_change_the_documents(demo_data):
                             long_repeat=2)  # fmt: skip
     assert chosen.indices.tolist() == want.tolist()
     assert (lengths[chosen.indices] >= cut).all() and len(set(chosen.indices)) < len(want)
+    valid_plain, valid_chosen = (
+        build_datasets(c, tok, prefixes, train_samples=10, valid_samples=2)[1]
+        for c in (base, config)
+    )
+    assert valid_chosen.indices.tolist() == valid_plain.indices.tolist()  # validation as is
     with pytest.raises(ValueError, match=r"data\.min_document_tokens=100000 leaves no document"):
         build_datasets(replace(base, min_document_tokens=100_000), tok, prefixes, 10, 2)
 
@@ -112,3 +117,17 @@ def test_document_keys_are_validated():
         DataConfig(long_document_repeat=4)
     with pytest.raises(ValueError, match=r"data\.min_document_tokens"):
         DataConfig(min_document_tokens=-1)
+    with pytest.raises(ValueError, match=r"data\.long_document_repeat is 1"):
+        DataConfig(long_document_tokens=1000)
+
+
+def test_probes_and_recall_are_scored_as_the_run_packs():
+    """A run with document masking scores its probes with the same document fields (the EOD
+    padding before a probe is a document of its own)."""
+    from focus_pretrain.train.scoring import Packing
+
+    tokens = torch.tensor([[EOD, EOD, 5, 6, 7, EOD, 8]])
+    fields = Packing(EOD, document_mask=True, reset_position_ids=True).fields(tokens)
+    assert fields["documents"].tolist() == [[0, 1, 2, 2, 2, 2, 6]]
+    assert fields["rope_positions"].tolist() == [[0, 0, 0, 1, 2, 3, 0]]
+    assert Packing(EOD, document_mask=False, reset_position_ids=False).fields(tokens) == {}
