@@ -13,8 +13,10 @@
 .parquet/.txt file, a glob or a directory of them (recursive), a `datasets` save_to_disk
 directory or a hub dataset name. With --output, shard k holds records [k D, (k+1) D) (D =
 --shard-documents) whatever --workers is; rerunning an interrupted command resumes it (finished
-shards are kept). Bad records (invalid JSON or UTF-8, a missing --text-key field, empty files)
-stop the run with the file and line, or with --skip-bad-records are skipped and counted. With
+shards are kept; other inputs or settings, --vocab-size included, are refused, or start again
+while no shard is finished, --overwrite always). Bad records (invalid JSON or UTF-8, a missing
+--text-key field, empty files) stop the run with the file and line, or with --skip-bad-records
+are skipped and counted; adding --skip-bad-records to a stopped command resumes it. With
 --train-tokenizer a SentencePiece model (Llama-style options) is trained first on up to 100,000
 documents spread over the inputs: OUT/tokenizer.model (or PREFIX.model). Prints tokens/s and a
 JSON line of stats last (also written to OUT/stats.json, or --stats).

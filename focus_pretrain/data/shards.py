@@ -9,6 +9,7 @@ Layout of an output directory ``OUT``::
                                        # the tokenizer's sha256, skipped records
     OUT/stats.json                     # the last run's timing (tokens/s) and counts
     OUT/.plan.json                     # the inputs' index and settings (for resuming)
+    OUT/tokenizer.model, .vocab        # with no tokenizer given: the one trained for the run
 
 Shard ``k`` holds records ``[k D, (k + 1) D)`` of the inputs (:mod:`focus_pretrain.data.corpus`),
 whatever the number of worker processes, so runs with different ``workers`` write identical
@@ -16,7 +17,9 @@ bytes. Every document ends with the tokenizer's EOD id. A worker writes a shard 
 temporary name and renames ``.bin``, ``.json`` and, last, ``.idx`` into place: a shard is
 complete once its ``.idx`` exists. A rerun of the same command resumes: it removes temporary
 files, keeps complete shards and writes the others; different inputs or settings are refused
-(``overwrite=True`` starts again).
+(``overwrite=True`` starts again) once a shard is complete, and before that start again (a
+tokenizer the run trained is trained again). Turning ``skip_bad_records`` on is not a change
+that matters: the complete shards hold no bad record (it would have raised), so they are kept.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ FORMAT = "focus-pretrain-shards"
 MANIFEST = "manifest.json"
 PLAN = ".plan.json"
 STATS = "stats.json"
+TOKENIZER = "tokenizer.model"  # trained here when no tokenizer is given
 SHARD_DOCUMENTS = 20_000
 TOKENIZER_DOCUMENTS = 100_000
 KILL_HOOK = "FOCUS_PREPROCESS_KILL_AFTER_SHARDS"  # tests: SIGKILL inside shard N + 1
@@ -195,19 +199,23 @@ def _cut(units: Sequence[Unit], indexes: Sequence[dict], size: int) -> list[list
     return shards if shards[0] else []
 
 
-def _clear(out: Path, everything: bool) -> None:
-    """Remove temporary files (and, with ``everything``, every file a run writes) in ``out``."""
+def _clear(out: Path, everything: bool, tokenizer: bool = False) -> None:
+    """Remove temporary files (and, with ``everything``, every file a run writes) in ``out``;
+    ``tokenizer``: the run trains its tokenizer, so ``everything`` includes :data:`TOKENIZER`
+    (never a tokenizer the run was given)."""
+    trained = (TOKENIZER, Path(TOKENIZER).with_suffix(".vocab").name) if tokenizer else ()
     for path in out.iterdir():
         if not path.is_file():
             continue
-        ours = _SHARD.fullmatch(path.name) or path.name in (MANIFEST, PLAN, STATS)
+        ours = _SHARD.fullmatch(path.name) or path.name in (MANIFEST, PLAN, STATS, *trained)
         if _TEMP.fullmatch(path.name) or (everything and ours):
             path.unlink()
 
 
-def _load_plan(out: Path, units: list[Unit], overwrite: bool) -> dict | None:
-    """The stored plan of an interrupted (or finished) run with the same inputs, if any."""
-    _clear(out, everything=overwrite)
+def _load_plan(out: Path, units: list[Unit], overwrite: bool, trained: bool) -> dict | None:
+    """The stored plan of an interrupted (or finished) run with the same inputs, if any
+    (``trained``: this run trains its tokenizer into ``out``)."""
+    _clear(out, everything=overwrite, tokenizer=trained)
     plan_path = out / PLAN
     leftovers = [p.name for p in out.iterdir() if _SHARD.fullmatch(p.name) or p.name == MANIFEST]
     if not plan_path.is_file():
@@ -220,7 +228,7 @@ def _load_plan(out: Path, units: list[Unit], overwrite: bool) -> dict | None:
     plan = json.loads(plan_path.read_text())
     stored = [Unit(**u) for u in plan["units"]]
     if stored != units and not any(out.glob("shard-*.idx")):
-        _clear(out, everything=True)  # nothing finished: start again
+        _clear(out, everything=True, tokenizer=trained)  # nothing finished: start again
         return None
     if stored != units:
         changed = [f"{u.name}" for u in units if u not in stored] or [u.name for u in stored]
@@ -245,10 +253,25 @@ def _index_all(units: list[Unit], options: ReadOptions, workers: int) -> list[di
         return index_inputs(units, options, pool)
 
 
+def _differ(stored: dict, settings: dict) -> list[str]:
+    return sorted(k for k in {*stored, *settings} if stored.get(k) != settings.get(k))
+
+
+def _compatible(stored: dict, settings: dict) -> bool:
+    """Whether a run with ``stored`` settings resumes under ``settings``: they differ only in
+    ``skip_bad_records`` turned on. Records are skipped only where they would have raised, so
+    the shards the stored run finished (none raised) are what the new settings write."""
+    return (
+        _differ(stored, settings) == ["skip_bad_records"]
+        and not stored["skip_bad_records"]
+        and settings["skip_bad_records"]
+    )
+
+
 def _check_settings(out: Path, plan: dict, settings: dict) -> None:
     """Refuse to resume finished shards under other settings (nothing finished: start again)."""
     if any(out.glob("shard-*.idx")):
-        differ = sorted(k for k in settings if plan["settings"].get(k) != settings[k])
+        differ = _differ(plan["settings"], settings)
         raise ValueError(
             f"{out} holds a run with other settings ({', '.join(differ)} differ); rerun with "
             "the original arguments to resume it, or pass --overwrite to start again"
@@ -285,7 +308,8 @@ def preprocess_corpus(
     interrupted run of the same command.
 
     ``tokenizer`` ``None`` trains a SentencePiece model of ``vocab_size`` pieces (Llama-style
-    options) into ``OUT/tokenizer.model`` first (reused when resuming).
+    options) into ``OUT/tokenizer.model`` first (reused when resuming; ``vocab_size`` is then
+    one of the settings a resumed run must share).
 
     Returns:
         the run's stats (also written to ``OUT/stats.json``): documents, tokens, shards
@@ -305,18 +329,26 @@ def preprocess_corpus(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     units = resolve_inputs(inputs)
-    plan = _load_plan(out, units, overwrite)
-    indexes = plan["index"] if plan else _index_all(units, options, workers)
-    if tokenizer is None:
-        tokenizer = out / "tokenizer.model"
-        if overwrite or not tokenizer.is_file():
-            train_corpus_tokenizer(units, indexes, options, tokenizer.with_suffix(""), vocab_size)
-    settings = {**asdict(options), "shard_documents": shard_documents}
-    settings.update(tokenizer_sha256=tokenizer_sha256(tokenizer), format=FORMAT)
+    trained = tokenizer is None
+    tokenizer = out / TOKENIZER if tokenizer is None else tokenizer
+    plan = _load_plan(out, units, overwrite, trained)
+    settings = {**asdict(options), "shard_documents": shard_documents, "format": FORMAT}
+    if trained:  # the run's own tokenizer: how it is trained is a setting too
+        settings.update(tokenizer_trained=True, vocab_size=vocab_size)
+    if not trained or (plan is not None and Path(tokenizer).is_file()):
+        settings["tokenizer_sha256"] = tokenizer_sha256(tokenizer)  # resuming: the one trained
     if plan is not None and plan["settings"] != settings:
-        _check_settings(out, plan, settings)  # refused when shards are done; else start again
-        _clear(out, everything=True)
-        indexes, plan = _index_all(units, options, workers), None
+        if _compatible(plan["settings"], settings):  # keep the finished shards, go on
+            plan["settings"] = settings
+            _write_json(out / PLAN, plan)
+        else:
+            _check_settings(out, plan, settings)  # refused when shards are done; else start again
+            _clear(out, everything=True, tokenizer=trained)
+            plan = None
+    indexes = plan["index"] if plan else _index_all(units, options, workers)
+    if trained and plan is None:  # a tokenizer found here without a plan is of unknown inputs
+        train_corpus_tokenizer(units, indexes, options, Path(tokenizer).with_suffix(""), vocab_size)
+        settings["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
     if plan is None:
         plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
         _write_json(out / PLAN, plan)

@@ -23,7 +23,12 @@ from focus_pretrain.data import Tokenizer, demo_documents, tokenize_to_indexed, 
 from focus_pretrain.data.coordinate import DataWaitError, prepare_data_in_job, rank0_first
 from focus_pretrain.data.corpus import BadRecordError, ReadOptions
 from focus_pretrain.data.datasets import DataConfig, blend_weights, build_datasets, prepare_data
-from focus_pretrain.data.shards import KILL_HOOK, preprocess_corpus, read_manifest
+from focus_pretrain.data.shards import (
+    KILL_HOOK,
+    preprocess_corpus,
+    read_manifest,
+    tokenizer_sha256,
+)
 
 ROOT = pathlib.Path(__file__).parents[2]
 TOOL = str(ROOT / "tools" / "preprocess_data.py")
@@ -122,6 +127,79 @@ def test_an_interrupted_run_resumes_without_redoing_shards(tokenizer_path, tmp_p
     assert again["shards_written"] == 0  # complete: nothing to do
     with pytest.raises(ValueError, match=r"other settings \(shard_documents differ\).*--overwrite"):
         preprocess_corpus([str(corpus)], out, tokenizer_path, shard_documents=4)
+
+
+def test_a_trained_tokenizer_is_part_of_the_run(tmp_path):
+    """The tokenizer the run trains follows its inputs and --vocab-size: a changed vocab_size is
+    refused once a shard is finished, and before that (as are changed inputs) trains again."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", list(demo_documents(80, seed=9)))
+    out, model = tmp_path / "out", tmp_path / "out" / "tokenizer.model"
+
+    def run(vocab_size: int, **kwargs) -> dict:
+        kwargs.setdefault("tokenizer", None)
+        return preprocess_corpus(
+            [str(corpus)], out, vocab_size=vocab_size, shard_documents=30, progress=False, **kwargs
+        )
+
+    def interrupt_before_any_shard() -> None:
+        for path in [*out.glob("shard-*"), out / "manifest.json"]:
+            path.unlink()
+
+    run(300)
+    first = tokenizer_sha256(model)
+    assert Tokenizer(model).vocab_size == 300
+    with pytest.raises(ValueError, match=r"other settings \(vocab_size differ\)"):
+        run(320)
+    assert run(300)["shards_written"] == 0 and tokenizer_sha256(model) == first
+    interrupt_before_any_shard()
+    run(320)
+    assert (
+        Tokenizer(model).vocab_size
+        == read_manifest(out / "manifest.json")["tokenizer"]["vocab_size"]
+        == 320
+    )
+    second = tokenizer_sha256(model)
+    interrupt_before_any_shard()
+    write_jsonl(corpus, [f"zebra quokka {t}" for t in demo_documents(80, seed=10)])
+    run(320)
+    third = tokenizer_sha256(model)
+    assert len({first, second, third}) == 3  # trained again on the new inputs
+    assert read_manifest(out / "manifest.json")["tokenizer"]["sha256"] == third
+    run(320, tokenizer=model, overwrite=True)  # a given tokenizer is never removed
+    assert tokenizer_sha256(model) == third
+
+
+def test_adding_skip_bad_records_resumes_the_run(tokenizer_path, tmp_path):
+    """A run stopped by a bad record resumes with --skip-bad-records, keeping the finished
+    shards; turning it off again, with shards finished under it, is refused."""
+    texts = list(demo_documents(12, seed=11))
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
+    lines = corpus.read_text().splitlines(keepends=True)
+    corpus.write_text("".join([*lines[:7], '{"text": 3}\n', *lines[7:]]))
+    out = tmp_path / "out"
+    skip = ReadOptions(skip_bad_records=True)
+
+    def run(options: ReadOptions, where=out) -> dict:
+        return preprocess_corpus(
+            [str(corpus)], where, tokenizer_path, shard_documents=5, options=options, progress=False
+        )
+
+    with pytest.raises(BadRecordError, match=r"c.jsonl:8: .*or pass --skip-bad-records"):
+        run(ReadOptions())
+    assert [p.name for p in out.glob("shard-*.idx")] == ["shard-00000.idx"]
+    done = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-00000.*")}
+    time.sleep(0.05)
+    stats = run(skip)
+    assert (stats["shards"], stats["shards_reused"], stats["shards_written"]) == (3, 1, 2)
+    assert stats["skipped"] == {"not_a_string": 1} and stats["documents"] == 12
+    assert {name: (out / name).stat().st_mtime_ns for name in done} == done
+    run(skip, tmp_path / "whole")
+    assert shard_files(out) == shard_files(tmp_path / "whole")
+    assert read_manifest(out / "manifest.json") == read_manifest(tmp_path / "whole/manifest.json")
+    assert read_manifest(out / "manifest.json")["skip_bad_records"] is True
+    assert run(skip)["shards_written"] == 0
+    with pytest.raises(ValueError, match=r"other settings \(skip_bad_records differ\)"):
+        run(ReadOptions())
 
 
 BAD_INPUTS = [  # file, content, error (file:line: what; fix), kind, good documents left
