@@ -541,6 +541,10 @@ DOCUMENT_KEYS = [
     "train.eval_interval=3",
     "train.eval_iters=1",
     "train.recall_docs=0",  # demo recall needs longer samples than the small recipe's
+    "probes.lengths=[128]",  # scored with the run's document fields
+    "probes.count=1",
+    "probes.kinds=[passkey]",
+    "probes.depths=[0.5]",
 ]
 
 
@@ -567,3 +571,4 @@ def test_packed_documents_train_alike_under_context_parallelism(tmp_path, cache,
 
     valid = [r for r in read_metrics(tmp_path / "cp2") if r.get("split") == "valid"]
     assert valid and math.isfinite(valid[-1]["loss"])
+    assert math.isfinite(valid[-1]["passkey_loss"])

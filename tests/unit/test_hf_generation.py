@@ -18,6 +18,29 @@ from focus_pretrain.convert.hf_export import load_modeling
 
 modeling = load_modeling()
 VOCAB = 50
+
+
+def register_local_modeling() -> None:
+    """Make this checkout's shipped modeling code the one behind the ``"focus"`` attention.
+
+    transformers keeps one global ``"focus"`` entry; loading an export with
+    ``trust_remote_code`` (other tests do) registers that copy's functions, and models built
+    from :data:`modeling` would then run the copy's code (so a test patching :data:`modeling`
+    would patch nothing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("focus", modeling.focus_attention_forward)
+    AttentionMaskInterface.register("focus", modeling.sdpa_mask)
+
+
+@pytest.fixture(autouse=True)
+def local_modeling():
+    register_local_modeling()
+    yield
+    register_local_modeling()  # after a test that loaded an export's copy
+
+
 # a sliding-window layer (no router) next to a Focus layer, soft-caps, per-head QK-norm, GQA 4:1
 FAMILY_EXTRAS = {
     "Gemma2": {"head_dim": 8, "sliding_window": 4, "attn_logit_softcapping": 5.0},

@@ -18,7 +18,14 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from focus_pretrain.convert.hf_export import MODELING_DIR, SHIPPED_MODELING_FILES
-from tests.unit.test_hf_generation import focus_model, greedy, modeling, padded, sequences
+from tests.unit.test_hf_generation import (  # noqa: F401 (local_modeling: an autouse fixture)
+    focus_model,
+    greedy,
+    local_modeling,
+    modeling,
+    padded,
+    sequences,
+)
 
 # window 3: a 9-token document is longer than the window, a 2-token one shorter, and a
 # 1-token one has nothing but itself; row 1 starts with a 1-token document
