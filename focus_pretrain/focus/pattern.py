@@ -256,7 +256,9 @@ def pair_bias(
     return torch.where(causal, bias, neg_inf)
 
 
-def count_allowed_pairs(member: Tensor, window: int, sinks: int = 0) -> Tensor:
+def count_allowed_pairs(
+    member: Tensor, window: int, sinks: int = 0, documents: Tensor | None = None
+) -> Tensor:
     """Number of (query, key) pairs the hard pattern allows, per sample, without ``n x n`` memory.
 
     Counts by distinct membership value: with ``M`` distinct bitmasks in a sample (at most
@@ -267,10 +269,23 @@ def count_allowed_pairs(member: Tensor, window: int, sinks: int = 0) -> Tensor:
         member: ``[b, n]`` int64 membership bitmasks.
         window: the local window ``w >= 0``.
         sinks: attention sinks ``S >= 0`` (:func:`sink_only_pairs`).
+        documents: ``[b, n]`` document starts of packed sequences: each document is counted
+            on its own (a loop over documents; the pairs across them are never allowed).
 
     Returns:
         ``[b]`` int64 counts (local pairs, same-group pairs beyond the window, sink pairs).
     """
+    if documents is not None:
+        return torch.tensor(
+            [
+                sum(
+                    int(count_allowed_pairs(member[r : r + 1, a:e], window, sinks)[0])
+                    for a, e in _document_spans(documents[r])
+                )
+                for r in range(member.shape[0])
+            ],
+            dtype=torch.int64,
+        )
     n = member.shape[1]
     pos = torch.arange(n, device=member.device)
     local = int(torch.clamp(pos + 1, max=window + 1).sum())  # keys 0..min(i, w) back
@@ -296,10 +311,23 @@ def count_allowed_pairs(member: Tensor, window: int, sinks: int = 0) -> Tensor:
     return counts
 
 
-def pattern_density(member: Tensor, window: int, sinks: int = 0) -> Tensor:
+def pattern_density(
+    member: Tensor, window: int, sinks: int = 0, documents: Tensor | None = None
+) -> Tensor:
     """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float64.
 
+    With ``documents`` (``[b, n]`` starts) the causal pairs are those inside each document.
     The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
     """
     n = member.shape[1]
-    return count_allowed_pairs(member, window, sinks).double() / (n * (n + 1) / 2)
+    kept = count_allowed_pairs(member, window, sinks, documents).double()
+    if documents is None:
+        return kept / (n * (n + 1) / 2)
+    causal = [sum((e - a) * (e - a + 1) / 2 for a, e in _document_spans(row)) for row in documents]
+    return kept / torch.tensor(causal, dtype=torch.float64)
+
+
+def _document_spans(starts: Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each document of one row of document starts ``[n]``."""
+    firsts = torch.unique_consecutive(starts).tolist()
+    return list(zip(firsts, [*firsts[1:], starts.shape[0]], strict=True))

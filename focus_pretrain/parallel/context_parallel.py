@@ -114,6 +114,10 @@ def a2a_focus_attention(
     routing = None if probs is None else Routing(_gather_probs(probs, group))
     if documents is not None:
         documents = gather_sequence(documents, 1, group)  # [b, s_loc] -> [b, S] global order
+        total = documents.shape[1]  # the whole sequence: the starts are checked exactly
+        check_document_starts(
+            documents, documents[..., None, None], torch.arange(total, device=documents.device)
+        )
     out = focus_attention(
         q_h, k_h, v_h, routing, documents=documents, **attention_kwargs
     )  # [b, S, H/CP, D]

@@ -116,7 +116,8 @@ def load_checkpoint_model(
 class DensityMeter:
     """While entered, forward hooks on every :class:`FocusRouter` of ``model`` record the hard
     pattern's kept-pair fraction (:func:`pattern_density`: ``top_k`` groups, the window's and
-    the sinks' pairs included) of every routed sequence; :meth:`mean` averages over layers and
+    the sinks' pairs included; of the pairs inside each document with packed documents) of
+    every routed sequence; :meth:`mean` averages over layers and
     sequences. Only meaningful without context parallelism (a router sees whole sequences)."""
 
     def __init__(self, model: torch.nn.Module, top_k: int, window: int, sinks: int = 0) -> None:
@@ -126,7 +127,7 @@ class DensityMeter:
 
     def __enter__(self) -> DensityMeter:
         routers = [m for m in self.model.modules() if isinstance(m, FocusRouter)]
-        self.handles = [m.register_forward_hook(self._hook) for m in routers]
+        self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in routers]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -134,9 +135,10 @@ class DensityMeter:
             handle.remove()
         self.handles = []
 
-    def _hook(self, module, args, routing: Routing) -> None:
+    def _hook(self, module, args, kwargs, routing: Routing) -> None:
         member = routing.membership(self.top_k)  # [b, s] group bits
-        self.values += pattern_density(member, self.window, self.sinks).tolist()
+        documents = kwargs.get("documents")  # [b, s] starts of packed documents, or None
+        self.values += pattern_density(member, self.window, self.sinks, documents).tolist()
 
     def mean(self) -> float | None:
         """Mean kept-pair fraction, ``None`` before any forward."""

@@ -83,6 +83,7 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
         assert "backend 'flex' cannot run inside the ring" in refusals["backend"]
         assert "v contains NaN or inf values" in refusals["nan"]
         assert "must be the document starts of the full sequence" in refusals["ids"]
+        assert "must be the document starts of the full sequence" in refusals["a2a_ids"]
         assert "documents must be an integer tensor" in refusals["float"]
 
 

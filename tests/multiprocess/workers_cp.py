@@ -143,9 +143,10 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
 
 def ring_refusals(case: dict, group) -> dict[str, str]:
     """The ring's errors for a backend it cannot run (it computes each block with the exact
-    per-block attention), for NaN inputs when ``check_finite`` is on, and for documents given
-    as per-token ids (``position // 2``: every rank holds a token that neither continues its
-    neighbour's document nor starts its own) or as floats."""
+    per-block attention), for NaN inputs when ``check_finite`` is on, and (the all-to-all too,
+    on the gathered sequence) for documents given as per-token ids (``position // 2``: every
+    rank holds a token that neither continues its neighbour's document nor starts its own) or
+    as floats."""
     q, k, v, hidden, _, router = _problem(case)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     q, k, v, hidden = (shard_sequence(t, 1, size, rank) for t in (q, k, v, hidden))
@@ -157,11 +158,13 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
         ("backend", dict(backend="flex"), (q, k, v)),
         ("nan", dict(check_finite=True), (q, k, v.clone().fill_(float("nan")))),
         ("ids", dict(documents=ids), (q, k, v)),
+        ("a2a_ids", dict(documents=ids, cp_mode="a2a"), (q, k, v)),
         ("float", dict(documents=ids.double()), (q, k, v)),
     ):
+        mode = extra.pop("cp_mode", "ring")
         try:
             context_parallel_attention(
-                *inputs, probs, group=group, cp_mode="ring", **{**kwargs, **extra}
+                *inputs, probs, group=group, cp_mode=mode, **{**kwargs, **extra}
             )
             errors[name] = ""
         except ValueError as error:

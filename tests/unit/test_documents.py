@@ -131,3 +131,22 @@ def test_documents_are_validated():
         focus_attention(q, k, v, Routing(probs), documents=torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="integer"):
         focus_attention(q, k, v, Routing(probs), documents=torch.zeros(1, 6))
+
+
+def test_pattern_density_counts_each_document_alone():
+    """Kept pairs of packed documents: the sum of each document's count alone (brute force
+    over the allowed pairs), over the causal pairs inside documents."""
+    from focus_pretrain.focus.pattern import count_allowed_pairs, pattern_density
+
+    ids = packed_documents(2, SHORT_DOCS, seed=2)
+    starts = document_starts(ids)
+    member = torch.randint(1, 16, ids.shape, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(ids.shape[1])
+    allowed = allowed_pairs(
+        pos, pos, 4, member_q=member, member_k=member, sinks=2, q_doc=starts, k_doc=starts
+    )  # [b, s, s]
+    counts = count_allowed_pairs(member, 4, 2, starts)
+    assert counts.tolist() == allowed.flatten(1).sum(1).tolist()
+    causal = (starts[:, :, None] == starts[:, None, :]) & (pos[:, None] >= pos[None, :])
+    want = allowed.flatten(1).sum(1).double() / causal.flatten(1).sum(1).double()
+    torch.testing.assert_close(pattern_density(member, 4, 2, starts), want)
