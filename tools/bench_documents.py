@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from focus_pretrain.bench.attention import DTYPES
 from focus_pretrain.bench.documents import DocumentsBenchConfig, markdown_table, run_benchmark
-from focus_pretrain.bench.report import environment, run_and_report
+from focus_pretrain.bench.report import DTYPES, environment, run_and_report
 
 
 def main(argv: list[str] | None = None) -> None:

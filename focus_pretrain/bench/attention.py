@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from focus_pretrain.bench.report import DTYPES, elapsed_ms
 from focus_pretrain.focus import flex
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.band import merge_by_lse
@@ -39,7 +39,6 @@ from focus_pretrain.focus.pattern import pattern_density
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECK_TOKENS = 4096  # prefix checked against the reference before timing
 
 
@@ -68,20 +67,7 @@ def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callabl
     def measure(fn: Callable) -> float:
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)  # milliseconds
+        return statistics.median(elapsed_ms(fn, device) for _ in range(repeats))  # ms
 
     return measure
 

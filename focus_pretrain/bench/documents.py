@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from focus_pretrain.bench.attention import DTYPES
+from focus_pretrain.bench.report import DTYPES, elapsed_ms
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.router import Routing
 
@@ -74,19 +73,6 @@ def packed_inputs(
     return q, k, v, probs, documents
 
 
-def _elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def measure_interleaved(
     calls: dict[str, Callable[[], object]], device: torch.device, warmup: int, repeats: int
 ) -> dict[str, list[float]]:
@@ -97,7 +83,7 @@ def measure_interleaved(
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
-            times[name].append(_elapsed_ms(fn, device))
+            times[name].append(elapsed_ms(fn, device))
     return times
 
 

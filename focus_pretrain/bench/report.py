@@ -8,8 +8,26 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import time
+from collections.abc import Callable
 
 import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of ``fn``: CUDA events on a GPU, the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def environment(config, device: str) -> dict:

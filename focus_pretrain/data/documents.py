@@ -27,18 +27,32 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 from torch import Tensor
 
+from focus_pretrain.focus.pattern import document_starts
+
 
 def eod_document_starts(tokens: Tensor, eod: int) -> Tensor:
     """``[..., s]`` token ids -> ``[..., s]`` int64 document starts.
 
     Position 0 and every position right after an EOD token start a document.
     """
-    s = tokens.shape[-1]
-    positions = torch.arange(s, device=tokens.device).expand(tokens.shape)  # [..., s]
-    new = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
-    new[..., 0] = True
-    new[..., 1:] = tokens[..., :-1] == eod
-    return torch.where(new, positions, 0).cummax(dim=-1).values
+    after_eod = torch.zeros(tokens.shape, dtype=torch.int64, device=tokens.device)
+    after_eod[..., 1:] = tokens[..., :-1] == eod
+    ids = after_eod.cumsum(dim=-1)  # [..., s]: a new id after every EOD
+    return document_starts(ids.reshape(-1, tokens.shape[-1])).view(tokens.shape)
+
+
+def packing_fields(
+    tokens: Tensor, eod: int, *, document_mask: bool, reset_position_ids: bool
+) -> dict[str, Tensor]:
+    """The document fields of ``tokens`` ``[..., s]`` that the flags ask for: ``documents``
+    (starts) and ``rope_positions`` (restarting positions), each ``[..., s]``."""
+    starts = eod_document_starts(tokens, eod)
+    out = {}
+    if document_mask:
+        out["documents"] = starts
+    if reset_position_ids:
+        out["rope_positions"] = torch.arange(tokens.shape[-1], device=tokens.device) - starts
+    return out
 
 
 def document_fields(
@@ -51,15 +65,14 @@ def document_fields(
 ) -> dict[str, Tensor]:
     """``sample`` (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[s]``) with
     the document fields the flags ask for (see the module docstring); a new dict."""
-    out = dict(sample)
     tokens = sample["tokens"]
-    starts = eod_document_starts(tokens, eod)  # [s]
-    if document_mask:
-        out["documents"] = starts
+    out = dict(sample)
+    fields = packing_fields(
+        tokens, eod, document_mask=document_mask, reset_position_ids=reset_position_ids
+    )
+    out.update(fields)
     if reset_position_ids:
-        positions = torch.arange(tokens.shape[-1], device=tokens.device) - starts  # [s]
-        out["position_ids"] = positions
-        out["rope_positions"] = positions
+        out["position_ids"] = out["rope_positions"]
     if eod_mask_loss:
         out["loss_mask"] = torch.where(tokens == eod, 0.0, sample["loss_mask"].float())
     return out

@@ -201,7 +201,7 @@ def focus_attention(
     )
     check_int("sinks", sinks, low=0)
     if documents is not None:
-        _check_documents(documents, q)
+        check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64
     member = None
     if local_only:
@@ -305,13 +305,16 @@ def _validate(
         raise_if_not_finite(q=q, k=k, v=v, **{"routing.probs": None if local_only else probs})
 
 
-def _check_documents(documents: Tensor, q: Tensor) -> None:
+def check_documents(
+    documents: Tensor, q: Tensor, *, seq: str = "seq", what: str = "per-token document ids"
+) -> None:
+    """Raise ``ValueError`` unless ``documents`` is an integer ``[b, s]`` tensor on ``q``'s
+    device (``q [b, s, ...]``); ``seq`` and ``what`` name the length and the content in the
+    message (the context-parallel shards pass ``seq_local`` and document starts)."""
     b, s = q.shape[:2]
     if not isinstance(documents, Tensor) or tuple(documents.shape) != (b, s):
         shape = tuple(documents.shape) if isinstance(documents, Tensor) else type(documents)
-        raise ValueError(
-            f"documents must be [batch={b}, seq={s}] per-token document ids, got {shape}"
-        )
+        raise ValueError(f"documents must be [batch={b}, {seq}={s}] {what}, got {shape}")
     if documents.is_floating_point() or documents.is_complex() or documents.dtype == torch.bool:
         raise ValueError(f"documents must be an integer tensor, got {documents.dtype}")
     if documents.device != q.device:

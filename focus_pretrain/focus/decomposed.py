@@ -105,9 +105,7 @@ def _band(
     documents: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """The (cross-group with ``member``) local band inside each document: ``[b, n, H, D]``."""
-    kwargs = dict(window=window, scale=scale, softcap=softcap, member=member)
-    if documents is not None:  # passed only when given (flex.band takes it with documents)
-        kwargs["documents"] = documents
+    kwargs = dict(window=window, scale=scale, softcap=softcap, member=member, documents=documents)
     if q.is_cuda and flex.flex_available_on(q.device.type):
         return flex.band(q, k, v, **kwargs)
     return band_attention(q, k, v, **kwargs)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from focus_pretrain.focus import Routing
-from focus_pretrain.focus.attention import check_dtypes, raise_if_not_finite
+from focus_pretrain.focus.attention import check_documents, check_dtypes, raise_if_not_finite
 from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.config import check_int
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
@@ -353,19 +353,7 @@ def check_document_starts(documents: Tensor, q: Tensor, positions: Tensor | None
     document *ids*, or starts computed per shard, usually look like). A local check: it costs
     one device sync and no communication.
     """
-    b, s_loc = q.shape[:2]
-    if not isinstance(documents, Tensor) or tuple(documents.shape) != (b, s_loc):
-        shape = tuple(documents.shape) if isinstance(documents, Tensor) else type(documents)
-        raise ValueError(
-            f"documents must be this rank's [batch={b}, seq_local={s_loc}] document starts, "
-            f"got {shape}"
-        )
-    if documents.is_floating_point() or documents.is_complex() or documents.dtype == torch.bool:
-        raise ValueError(
-            f"documents must be an integer tensor (document starts), got {documents.dtype}"
-        )
-    if documents.device != q.device:
-        raise ValueError(f"documents must be on {q.device}, got {documents.device}")
+    check_documents(documents, q, seq="seq_local", what="document starts of this rank")
     documents = documents.to(torch.int64)
     if positions is None:
         return documents

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from torch import Tensor
 
-from focus_pretrain.data.documents import eod_document_starts
+from focus_pretrain.data.documents import packing_fields
 from focus_pretrain.parallel.sharding import gather_sequence, shard_batch
 from focus_pretrain.train.loss import packed_documents
 
@@ -105,13 +105,12 @@ class Packing:
     def fields(self, tokens: Tensor) -> dict[str, Tensor]:
         """``documents``/``rope_positions`` ``[n, s]`` for :func:`token_scores` (``{}`` when
         the run packs nothing)."""
-        starts = eod_document_starts(tokens, self.eod)  # [n, s]
-        out = {}
-        if self.document_mask:
-            out["documents"] = starts
-        if self.reset_position_ids:
-            out["rope_positions"] = torch.arange(tokens.shape[1], device=tokens.device) - starts
-        return out
+        return packing_fields(
+            tokens,
+            self.eod,
+            document_mask=self.document_mask,
+            reset_position_ids=self.reset_position_ids,
+        )
 
 
 def masked_means(

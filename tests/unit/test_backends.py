@@ -467,24 +467,29 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("softcap, sinks", [(None, 0), (3.0, 0), (None, 4)])
 def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap, sinks):
     """FlexAttention's backward (GPU only): q, k, v and, in soft mode, the assignments."""
-    b, n, h, hkv, d = 2, 700, 4, 2, 64
+    assert_flex_gradients_equal_reference(mode=mode, top_k=top_k, softcap=softcap, sinks=sinks)
+
+
+def assert_flex_gradients_equal_reference(
+    n: int = 700, documents: torch.Tensor | None = None, local_only: bool = False, **kwargs
+) -> None:
+    """GPU: flex's output and gradients (q, k, v; the assignments in soft mode) equal the
+    reference's (2e-4) on random ``[2, n]`` inputs, window 64; ``kwargs``: mode, top_k,
+    softcap, sinks; ``documents``: packed document ids ``[2, n]``."""
+    b, h, hkv, d = 2, 4, 2, 64
     q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=1, dtype=torch.float32))
     probs = random_probs(b, n, 8, seed=2, sharpness=3.0).float().cuda()
+    extra = {} if documents is None else {"documents": documents.cuda()}
     grads = {}
     for name in ("reference", "flex"):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
         out = focus_attention(
-            *leaves[:3],
-            Routing(leaves[3]),
-            window=64,
-            mode=mode,
-            top_k=top_k,
-            softcap=softcap,
-            backend=name,
-            sinks=sinks,
-        )
+            *leaves[:3], Routing(leaves[3]), window=64, local_only=local_only, backend=name,
+            **kwargs, **extra,
+        )  # fmt: skip
         (out * torch.linspace(-1, 1, d, device="cuda")).sum().backward()
-        grads[name] = [out] + [t.grad for t in leaves[: 4 if mode == "soft" else 3]]
+        differentiable = 4 if kwargs["mode"] == "soft" and not local_only else 3
+        grads[name] = [out] + [t.grad for t in leaves[:differentiable]]
     for want, got in zip(grads["reference"], grads["flex"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 

@@ -21,6 +21,7 @@ from focus_pretrain.focus.band import band_attention
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 from tests.helpers import packed_documents, random_probs, random_qkv
+from tests.unit.test_backends import assert_flex_gradients_equal_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager CPU FlexAttention notice
 
@@ -305,30 +306,15 @@ GPU_DOCS = [300, 1, 50, 7, 130, 212]  # 700 tokens: long, short and single-token
 def test_flex_documents_gradients_equal_reference_on_gpu(mode, top_k, local_only, softcap, sinks):
     """FlexAttention's backward (GPU only) on packed documents: q, k, v and, in soft mode, the
     assignments."""
-    b, n, h, hkv, d = 2, sum(GPU_DOCS), 4, 2, 64
-    ids = packed_documents(b, GPU_DOCS, seed=3).cuda()
-    q, k, v = (t.cuda() for t in random_qkv(b, n, h, hkv, d, seed=1, dtype=torch.float32))
-    probs = random_probs(b, n, 8, seed=2, sharpness=3.0).float().cuda()
-    grads = {}
-    for name in ("reference", "flex"):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
-        out = focus_attention(
-            *leaves[:3],
-            Routing(leaves[3]),
-            window=64,
-            mode=mode,
-            top_k=top_k,
-            local_only=local_only,
-            softcap=softcap,
-            backend=name,
-            sinks=sinks,
-            documents=ids,
-        )
-        (out * torch.linspace(-1, 1, d, device="cuda")).sum().backward()
-        differentiable = 4 if mode == "soft" and not local_only else 3
-        grads[name] = [out] + [t.grad for t in leaves[:differentiable]]
-    for want, got in zip(grads["reference"], grads["flex"], strict=True):
-        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    assert_flex_gradients_equal_reference(
+        n=sum(GPU_DOCS),
+        documents=packed_documents(2, GPU_DOCS, seed=3),
+        local_only=local_only,
+        mode=mode,
+        top_k=top_k,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 @pytest.mark.gpu
