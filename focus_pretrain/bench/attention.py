@@ -61,6 +61,7 @@ class BenchConfig:
     train: bool = False
     device: str = "cuda"
     seed: int = 0
+    profile: str | None = None  # append torch.profiler tables of one call per backend here
 
 
 def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable], float]:
@@ -114,6 +115,29 @@ def overhead_fn(
         return merge_by_lse((out, lse), (out, lse))
 
     return run
+
+
+def profile_table(fn: Callable, title: str, rows: int = 18) -> str:
+    """One call of ``fn`` under ``torch.profiler`` (after the timing's warm-up): the ops that
+    cost the most device time and the most host time, as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return "\n".join(
+        [
+            f"## {title}",
+            events.table(sort_by=device_key, row_limit=rows),
+            events.table(sort_by="cpu_time_total", row_limit=rows // 2),
+        ]
+    )
 
 
 def _check(name: str, q, k, v, routing, kwargs) -> float:
@@ -177,6 +201,10 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> list[
                         if name != "reference":
                             fn = overhead_fn(name, q, k, v, probs, top_k, cfg.window)
                             overhead = measure(fn)
+                        if cfg.profile:
+                            title = f"{name} seq={n} K={groups} top_k={top_k}"
+                            with open(cfg.profile, "a") as f:
+                                f.write(profile_table(call, title) + "\n\n")
                     row["backends"][name] = dict(
                         ms=total,
                         speedup=dense[base_name] / total,

@@ -22,9 +22,11 @@ tokens as sinks (``S`` gathered keys per query, ``O(n S)``). Each document then 
 the attention it would get alone.
 
 The varlen call, best first: ``flash_attn_varlen_func`` (CUDA, when ``flash-attn`` is
-importable; the only path that also takes Gemma-2's soft-capping), FlexAttention with a document
-mask on the sorted layout (CUDA), or PyTorch's fused SDPA kernel on the segments right-padded
-per length bucket (CPU; it returns the log-sum-exp the merge needs). On CUDA the band is a
+importable; it also takes Gemma-2's soft-capping), PyTorch's own FlashAttention varlen kernel
+``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, no soft-capping; it returns the
+log-sum-exp), FlexAttention with a document mask on the sorted layout (CUDA), or PyTorch's
+fused SDPA kernel on the segments right-padded per length bucket (CPU; it returns the
+log-sum-exp the merge needs). On CUDA the band is a
 FlexAttention sliding-window call; elsewhere the blockwise PyTorch band.
 
 Inference only: the log-sum-exp of the fused kernels carries no gradient, so the backend
@@ -34,7 +36,10 @@ Layout: ``[batch, seq, heads, head_dim]``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import math
 
 import torch
 from torch import Tensor
@@ -47,6 +52,59 @@ from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 def flash_attn_available() -> bool:
     """Whether the optional ``flash-attn`` package is importable (CUDA only)."""
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _torch_varlen():
+    """PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``) and the names
+    of its parameters, or ``None`` where this PyTorch has none."""
+    try:
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, AuxRequest, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_available(q: Tensor, softcap: float | None) -> bool:
+    """Whether :func:`torch_varlen_causal` can take ``q`` (CUDA fp16/bf16, no soft-capping)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and softcap is None
+        and _torch_varlen() is not None
+    )
+
+
+def torch_varlen_causal(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Causal attention inside each segment through ``varlen_attn``: packed ``q [T, H, D]``,
+    ``k, v [T, Hkv, D]`` -> ``(out [T, H, D], lse [T, H] fp32)``.
+
+    Adapts to the signature of the installed PyTorch: causality as ``is_causal`` (2.10-2.11)
+    or ``window_size=(-1, 0)`` (later), GQA natively or by repeating K/V heads, the scale as an
+    argument or folded into ``q``; the log-sum-exp is returned ``[T, H]`` or ``[H, T]``."""
+    fn, aux_request, params = _torch_varlen()
+    h, hkv = q.shape[1], k.shape[1]
+    kwargs: dict = {"return_aux": aux_request(lse=True)}
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    if hkv != h:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(h // hkv, dim=1)  # [T, Hkv, D] -> [T, H, D]
+            v = v.repeat_interleave(h // hkv, dim=1)
+    if "scale" in params:
+        kwargs["scale"] = scale
+    else:  # the kernel's own scale is 1 / sqrt(D)
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    out, lse = fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if lse.shape[0] != q.shape[0]:
+        lse = lse.transpose(0, 1)  # [H, T] -> [T, H]
+    return out, lse.float()
 
 
 def decomposed_attention(
@@ -135,6 +193,8 @@ def _segments_causal(
             return_attn_probs=True,
         )
         return out, lse.transpose(0, 1).float()  # [H, T] -> [T, H]
+    if torch_varlen_available(q, softcap):
+        return torch_varlen_causal(q, k, v, layout.cu_seqlens, layout.max_seqlen, scale=scale)
     if q.is_cuda and flex.flex_available_on(q.device.type):
         return flex.same_group(q, k, v, layout, scale=scale, softcap=softcap)
     if softcap is not None:

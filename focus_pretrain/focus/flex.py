@@ -71,6 +71,13 @@ def flex_available_on(device: str) -> bool:
 
 @functools.cache
 def _compiled_flex():
+    # every (length, mask kind, GQA) is a specialisation; past dynamo's default of 8 it would
+    # fall back to eager FlexAttention, which materialises n x n scores (out of memory at 1M)
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
     return torch.compile(flex_attention)
 
 
@@ -360,6 +367,15 @@ def band(
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap))
 
 
+def gate_tables(probs: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    """The soft assignments ``probs [b, n, K]`` as ``K`` query-side and ``K`` key-side fp32
+    tables ``[b, n]``, each its own tensor (a ``score_mod`` indexes each one once)."""
+    g = probs.float()
+    g_q = [g[..., c].contiguous() for c in range(g.shape[-1])]  # K x [b, n]
+    g_k = [g[..., c].clone(memory_format=torch.contiguous_format) for c in range(g.shape[-1])]
+    return g_q, g_k
+
+
 def soft(
     q: Tensor,
     k: Tensor,
@@ -378,15 +394,17 @@ def soft(
     applied beyond the window to keys that are not sinks (positions ``>= sinks``, counted from
     the document start with ``documents [b, n]``, which also confine each query to its
     document)."""
-    g = probs.float().permute(2, 0, 1).contiguous()  # [b, n, K] -> [K, b, n]
-    num_groups = g.shape[0]
+    # one tensor per (group, side): compiled FlexAttention cannot differentiate a score_mod
+    # that indexes one tensor twice (torch 2.11: "multiple indexing operations on the same
+    # tensor that requires gradients"), so the query and key reads are distinct copies
+    g_q, g_k = gate_tables(probs)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if softcap is not None:
             score = softcap * torch.tanh(score / softcap)
-        affinity = g[0, b, q_idx] * g[0, b, kv_idx]
-        for c in range(1, num_groups):
-            affinity = affinity + g[c, b, q_idx] * g[c, b, kv_idx]
+        affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
+        for c in range(1, len(g_q)):
+            affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
         x = gate_lambda * (affinity - 0.5)
         gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
         gated = q_idx - kv_idx > window

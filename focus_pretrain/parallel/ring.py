@@ -2,10 +2,19 @@
 
 Forward: each rank keeps its queries and sends its K/V block (with the block's soft assignments
 or hard memberships and its global positions) around the context-parallel ring; at every step
-it attends the visiting block with the exact per-block Focus attention
-(:func:`focus_pretrain.focus.reference.attend_block`, which takes explicit positions) and merges
-the result by log-sum-exp. The next block's transfer is started before the current block is
-computed (overlapped communication).
+it attends the visiting block with the exact per-block Focus attention and merges the result by
+log-sum-exp. The next block's transfer is started before the current block is computed
+(overlapped communication).
+
+**Block kernels** (``block_kernel``, :mod:`focus_pretrain.parallel.ring_kernels`): ``"flex"``
+runs each step as one fused FlexAttention call whose block mask is built from the visiting
+block's positions, memberships and document starts
+(:func:`~focus_pretrain.parallel.ring_kernels.flex_attend_block`); ``"blockwise"`` runs
+:func:`focus_pretrain.focus.reference.attend_block` (explicit positions, PyTorch) in query-row
+chunks of at most :data:`SCORE_BUDGET` scores. Both give the same ``(out, lse)`` up to
+rounding. ``"auto"`` (default) takes ``"flex"`` on CUDA (compiled, fp16/bf16/fp32) and
+``"blockwise"`` elsewhere. The backward runs ``"flex"`` only on CUDA: on CPU (no FlexAttention
+backward) it recomputes every block blockwise, also after an eager ``"flex"`` forward.
 
 Backward is its own ring: the blocks travel again, now carrying accumulators for their
 ``dk, dv`` (and, in soft mode, the gradient of their soft assignments). Each rank recomputes
@@ -49,6 +58,11 @@ from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.config import check_int
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
+from focus_pretrain.parallel.ring_kernels import (
+    backward_block_kernel,
+    flex_attend_block,
+    resolve_block_kernel,
+)
 from focus_pretrain.parallel.sharding import zigzag_positions
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
@@ -225,6 +239,11 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
         return None
     if stats is not None:
         stats.computed += 1
+    if options["kernel"] == "flex":  # one fused call: no score memory to bound
+        return flex_attend_block(
+            q, k_b, v_b, probs if soft else None, probs_b, member, member_b, docs, docs_b,
+            q_pos=positions, k_pos=pos_b, **_block_options(options),
+        )  # fmt: skip
     outs, lses = [], []
     for rows in _row_chunks(q, k_b.shape[1]):  # bounded score memory, not a group loop
         out, lse = attend_block(
@@ -240,21 +259,25 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
 
 def _block_grads(q, probs, member, docs, positions, block, soft, options, out, lse, d_out):
     """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (soft: ``+
-    [dprobs_k, dprobs_q]``), at least fp32."""
+    [dprobs_k, dprobs_q]``), at least fp32; recomputed by the backward kernel
+    (:func:`~focus_pretrain.parallel.ring_kernels.backward_block_kernel`), the gradient through
+    the block's ``lse`` included."""
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
         block, soft, member is not None, docs is not None
     )
+    fused = backward_block_kernel(options["kernel"], q) == "flex"
+    attend = flex_attend_block if fused else attend_block
     d_q = torch.zeros_like(at_least_fp32(q))
     d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
     d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None
     d_pq = torch.zeros_like(at_least_fp32(probs)) if soft else None
-    for rows in _row_chunks(q, k_b.shape[1]):
+    for rows in [slice(None)] if fused else _row_chunks(q, k_b.shape[1]):
         leaves = [t.detach().requires_grad_(True) for t in (q[:, rows], k_b, v_b)]
         if soft:
             leaves += [probs_b.detach().requires_grad_(True), probs[:, rows].detach()]
             leaves[4].requires_grad_(True)
         with torch.enable_grad():
-            out_b, lse_b = attend_block(
+            out_b, lse_b = attend(
                 leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
                 leaves[3] if soft else None, None if member is None else member[:, rows],
                 member_b, None if docs is None else docs[:, rows], docs_b,
@@ -303,6 +326,7 @@ def ring_focus_attention(
     stats: RingStats | None = None,
     sinks: int = 0,
     documents: Tensor | None = None,
+    block_kernel: str = "auto",
 ) -> Tensor:
     """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
 
@@ -314,8 +338,11 @@ def ring_focus_attention(
     query (of their document): attention sinks. ``documents``: ``[b, s_loc]`` integer document
     *starts* of this rank's tokens (its shard of ``document_starts`` of the full sequence),
     checked against ``positions`` (:func:`check_document_starts`); ``None``: one document.
+    ``block_kernel``: ``"auto"``, ``"blockwise"`` or ``"flex"``, each step's kernel (see the
+    module docstring; :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
     check_int("sinks", sinks, low=0)
+    kernel = resolve_block_kernel(block_kernel, q)
     check_dtypes(q, k, v, None if local_only else probs)
     if documents is not None:
         documents = check_document_starts(documents, q)  # [b, s_loc] int64
@@ -334,7 +361,7 @@ def ring_focus_attention(
     options = dict(
         window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap,
         scale=q.shape[-1] ** -0.5 if scale is None else scale, local_only=local_only,
-        sinks=sinks,
+        sinks=sinks, kernel=kernel,
     )  # fmt: skip
     return _RingAttention.apply(
         q, k, v, probs if mode == "soft" else None, member, positions, documents, group, options,

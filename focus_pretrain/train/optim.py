@@ -76,13 +76,28 @@ def parameter_groups(model: nn.Module, config: TrainConfig) -> list[dict]:
 
 def build_optimizer(groups: list[dict], config: TrainConfig, cpu_offload: bool):
     """AdamW over ``groups``; with ZeRO-Offload DeepSpeed's vectorised CPU AdamW (compiled on
-    first use), which DeepSpeed requires for offloaded optimizer states."""
+    first use), which DeepSpeed requires for offloaded optimizer states. On a GPU, PyTorch's
+    fused AdamW (:func:`use_fused_adamw`): multi-tensor kernels, step counts on the device."""
     kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps)
     if cpu_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if use_fused_adamw(groups, cpu_offload):
+        kwargs["fused"] = True
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def use_fused_adamw(groups: list[dict], cpu_offload: bool) -> bool:
+    """Whether AdamW over ``groups`` takes ``fused=True``: on a CUDA machine, without
+    ZeRO-Offload, when every parameter is a floating-point tensor on the GPU, or on the CPU
+    when the model was initialised there (``model.cpu_initialization``), since DeepSpeed moves
+    the module to the GPU before the first step, and under ZeRO the optimizer steps fp32
+    partitions on the GPU. (The fused kernel checks devices at its first step, not here.)"""
+    if cpu_offload or not torch.cuda.is_available():
+        return False
+    params = [p for group in groups for p in group["params"]]
+    return all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params)
 
 
 def deepspeed_config(config: Config, grad_accum: int) -> dict:

@@ -217,3 +217,25 @@ def test_whole_model_with_context_parallel_equals_cp1(model_runs, name):
     for key, grad in want["grads"].items():
         assert grad.abs().sum() > 0 or "router" in key, key  # real gradients
         torch.testing.assert_close(got["grads"][key], grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+KERNEL_CASES = [  # the ring with the fused per-block kernel: hard top-2 with documents and
+    # sinks, soft-gated GQA with documents, sinks and soft-capping, local-only with sinks
+    dict(BASE, mode="hard", top_k=2, sinks=3, softcap=2.0, docs=DOCS, seed=80),
+    dict(BASE, mode="soft", hkv=1, sinks=2, softcap=2.0, docs=DOCS, seed=81),
+    dict(BASE, mode="soft", local_only=True, sinks=2, seed=82),
+]
+
+
+def test_ring_with_the_fused_block_kernel_equals_blockwise():
+    """``block_kernel="flex"`` (CPU: eager FlexAttention forward, blockwise backward) gives the
+    blockwise ring's output, gradients and skipped steps (CP = 2, float64)."""
+    per_rank = run_workers(f"{WORKERS}:ring_kernels_agree", 2, KERNEL_CASES)
+    for rank, results in enumerate(per_rank):
+        for case, result in zip(KERNEL_CASES, results, strict=True):
+            assert result["scale"] > 0.1, case  # a real output, not zeros
+            assert result["output"] < 1e-12, (rank, case)
+            assert max(result["grads"]) < 1e-12, (rank, case)
+            assert len(result["grads"]) == (4 if case["mode"] == "soft" and not case.get(
+                "local_only") else 3)  # fmt: skip
+            assert result["skipped"][0] == result["skipped"][1], (rank, case)

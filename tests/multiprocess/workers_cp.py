@@ -248,3 +248,50 @@ def model_loss_and_grads(
     if world_size > 1:
         logits = gather_sequence(logits, 1, group)
     return dict(loss=loss, logits=logits, grads=grads)
+
+
+def ring_kernels_agree(rank: int, world_size: int, cases: list) -> list[dict]:
+    """The ring with each block kernel (``block_kernel="blockwise"`` and ``"flex"``: on CPU an
+    eager FlexAttention forward, the backward blockwise): per case the largest difference of
+    the gathered outputs and of the q, k, v (soft: assignment) gradients, the output's scale and
+    the steps skipped by each."""
+    apply_cpu_shim()
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        q, k, v, hidden, upstream, router = _problem(case)
+        kwargs = _attention_kwargs(case)
+        ids = document_ids(case)
+        documents = (
+            None if ids is None else shard_sequence(document_starts(ids), 1, world_size, rank)
+        )
+        with torch.no_grad():
+            probs = router(shard_sequence(hidden, 1, world_size, rank)).probs  # [b, s_loc, K]
+        runs = {}
+        for kernel in ("blockwise", "flex"):
+            leaves = [
+                shard_sequence(t, 1, world_size, rank).requires_grad_(True) for t in (q, k, v)
+            ]
+            leaves.append(probs.clone().requires_grad_(True))
+            stats = RingStats()
+            out = context_parallel_attention(
+                *leaves, group=group, cp_mode="ring", stats=stats, documents=documents,
+                block_kernel=kernel, **kwargs,
+            )  # fmt: skip
+            out.backward(shard_sequence(upstream, 1, world_size, rank))
+            grads = [t.grad for t in leaves[:3]]
+            if case["mode"] == "soft" and not kwargs["local_only"]:
+                grads.append(leaves[3].grad)
+            runs[kernel] = (gather_sequence(out.detach(), 1, group), grads, stats.skipped)
+        (want, want_grads, want_skips), (got, got_grads, got_skips) = runs.values()
+        results.append(
+            dict(
+                output=float((got - want).abs().max()),
+                grads=[
+                    float((a - b).abs().max()) for a, b in zip(got_grads, want_grads, strict=True)
+                ],
+                scale=float(want.abs().max()),
+                skipped=(want_skips, got_skips),
+            )
+        )
+    return results

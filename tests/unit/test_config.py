@@ -74,3 +74,24 @@ def test_resolved_config_round_trips(tmp_path):
     assert "gate_lambda: 10.0" in text  # every default is written out
     assert load_config(path) == config
     assert not list(path.parent.glob(".config.yaml.*"))  # no temporary file left behind
+
+
+def test_1b_8k_recipe_and_its_dense_twin():
+    """configs/1b-8k.yaml (~1.2B Llama-style, Focus, 8K on one GPU) and configs/1b-8k-dense.yaml
+    differ only in name, directory and Focus; the size is the dry run's meta-device count."""
+    focus = load_config(ROOT / "configs" / "1b-8k.yaml")
+    dense = load_config(ROOT / "configs" / "1b-8k-dense.yaml")
+    twin = ["run.name=1b-8k-dense", "run.output_dir=runs/1b-8k-dense", "model.focus.enabled=false"]
+    assert load_config(ROOT / "configs" / "1b-8k.yaml", twin) == dense
+    m, f = focus.model, focus.model.focus
+    assert (f.enabled, f.num_groups, f.top_k, f.window, f.check_finite) == (True, 8, 1, 128, False)
+    assert focus.data.seq_length == m.max_seq_length == 8192 and m.family == "llama"
+    assert focus.data.vocab_size <= m.vocab_size and not m.tied
+    assert (focus.train.micro_batch_size, focus.parallel.gpus) == (1, 1)
+    h, d = m.hidden_size, m.kv_channels
+    layer = h * (m.num_attention_heads + 2 * m.kv_heads) * d + m.num_attention_heads * d * h
+    layer += 3 * h * m.ffn_hidden_size + 2 * h  # SwiGLU, two RMSNorms
+    routers = m.num_layers * (h * f.group_dim + f.num_groups * f.group_dim)
+    total = 2 * m.vocab_size * h + m.num_layers * layer + h + routers
+    assert total == 1_214_092_288  # launchers/pretrain.py --dry-run (meta device) counts this
+    assert 0.9e9 < total < 1.4e9

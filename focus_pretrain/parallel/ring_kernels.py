@@ -1,0 +1,500 @@
+"""The per-block attention of one ring step as one fused kernel: FlexAttention with a block mask.
+
+The ring (:mod:`focus_pretrain.parallel.ring`) attends its queries to a visiting K/V block whose
+tokens carry arbitrary increasing global positions (two zigzag chunks per rank), soft assignments
+or hard memberships, and document starts. :func:`flex_attend_block` computes exactly what
+:func:`focus_pretrain.focus.reference.attend_block` computes on the same inputs, ``(out, lse)``,
+in one FlexAttention call:
+
+* ``mask_mod`` reads the positions, memberships and document starts **by index**
+  (``q_pos[b, q_idx]``, ``k_pos[b, kv_idx]``): causal (``k_pos <= q_pos``), one document, and
+  the window, the sink keys (``k_pos - d_k < sinks``) or a shared group (hard mode);
+* ``score_mod`` soft-caps and, in soft mode, adds the gate ``log sigmoid(lambda (g_i . g_j -
+  1/2))`` to pairs beyond the window that are not sinks, reading the assignments by index;
+* the ``BlockMask`` keeps a (query block, key block) only when it may hold an allowed pair,
+  decided from per-block summaries (``O(L / B)`` per block row, never ``L x L``): minimum and
+  maximum positions, document-start ranges, the sinks' positions and documents and, in hard
+  mode, per group the last query and the first key of the group. A block is *full* (no
+  ``mask_mod``) when every pair is allowed: every key precedes every query, one document, and
+  all within the window, all sink keys or one group common to every token.
+
+Hard mode first sorts each side per sample by (document, membership), stably (positions stay
+increasing inside a run), so that blocks are group- and document-tight and the same-group pairs
+are block-sparse (as in the flex backend's group-sorted layout); positions are explicit, so the
+mask is unchanged by the permutation, and the output is put back in the caller's order. Soft
+and local-only blocks keep the positional order (the window is a band there).
+
+On CUDA the call is compiled (Triton kernels that skip the blocks the mask leaves out) and
+differentiable, the gradient through the returned ``lse`` included (FlexAttention differentiates
+its log-sum-exp since PyTorch 2.5), so the ring's backward runs the same kernel. On CPU
+FlexAttention runs eagerly, forward only (PyTorch has no CPU FlexAttention backward): the inputs
+are detached, and the ring's backward recomputes its blocks with the blockwise kernel
+(:func:`backward_block_kernel`).
+
+Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
+``h // (heads / heads_kv)``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from focus_pretrain.focus import flex
+from focus_pretrain.focus.flex import DEFAULT_BLOCK, AuxRequest, _compiled_flex
+from focus_pretrain.focus.pattern import at_least_fp32, compute_dtype, member_bits
+
+BLOCK_KERNELS = ("auto", "blockwise", "flex")
+FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
+_BIG = torch.iinfo(torch.int64).max
+
+
+def resolve_block_kernel(block_kernel: str, q: Tensor) -> str:
+    """The kernel of the ring's forward steps: ``"flex"`` or ``"blockwise"``.
+
+    ``"auto"``: the fused FlexAttention kernel when ``q`` (``[b, s, H, D]``) is on CUDA in
+    fp16/bf16/fp32 and Triton is importable (compiled), else the blockwise
+    :func:`~focus_pretrain.focus.reference.attend_block`. ``"flex"`` on CPU runs FlexAttention
+    eagerly (exact, forward only: for tests)."""
+    if block_kernel not in BLOCK_KERNELS:
+        raise ValueError(f"block_kernel must be one of {BLOCK_KERNELS}, got {block_kernel!r}")
+    if block_kernel != "auto":
+        return block_kernel
+    fused = q.is_cuda and q.dtype in FLEX_DTYPES and flex.flex_available_on("cuda")
+    return "flex" if fused else "blockwise"
+
+
+def flex_backward_on(device: torch.device) -> bool:
+    """Whether FlexAttention differentiates on ``device``: on CUDA. PyTorch refuses CPU inputs
+    that require grad (tests that lift the refusal, to run its exact dense backward eagerly,
+    patch this function too)."""
+    return device.type == "cuda"
+
+
+def backward_block_kernel(kernel: str, q: Tensor) -> str:
+    """The kernel of the ring's backward steps: ``"flex"`` only where FlexAttention has a
+    backward (CUDA, :func:`flex_backward_on`); the blockwise recomputation otherwise, also when
+    the forward ran ``"flex"`` eagerly on CPU (the same attention up to rounding, so the merged
+    ``out, lse`` it uses agree)."""
+    return "flex" if kernel == "flex" and flex_backward_on(q.device) else "blockwise"
+
+
+class _Side(NamedTuple):
+    """One side (queries or keys) of a block in the kernel's token order.
+
+    ``pos``: ``[L]`` (shared by the samples) or ``[b, L]`` global positions; ``member``,
+    ``doc``: ``[b, L]`` or ``None``; ``order``: ``[b, L]``, the caller's index of each token
+    (``None``: the caller's order)."""
+
+    pos: Tensor
+    member: Tensor | None
+    doc: Tensor | None
+    order: Tensor | None
+
+
+class _Summary(NamedTuple):
+    """Per-block summaries of a side: ``[B, nb]`` (``B`` is 1 when shared by the samples);
+    ``group_*``: ``[b, nb, G]`` over the groups in use. Empty sets give ``_BIG`` minima and
+    ``-1`` maxima."""
+
+    pos_lo: Tensor
+    pos_hi: Tensor
+    doc_lo: Tensor | None
+    doc_hi: Tensor | None
+    sink_pos_lo: Tensor | None  # the first sink token's position
+    sink_doc_lo: Tensor | None  # the sink tokens' document range
+    sink_doc_hi: Tensor | None
+    offset_hi: Tensor | None  # the largest position inside its document (all sinks: < sinks)
+    group_lo: Tensor | None  # the first position of each group
+    group_hi: Tensor | None  # the last position of each group
+    group_all: Tensor | None  # every token of the block is in the group
+
+
+class BlockPlan(NamedTuple):
+    """The two sides in kernel order and the block predicates ``[B, nq, nk]`` bool: ``candidate``
+    (may hold an allowed pair: kept) and ``full`` (every pair allowed: no ``mask_mod``)."""
+
+    q: _Side
+    k: _Side
+    candidate: Tensor
+    full: Tensor
+
+
+def _take(t: Tensor, order: Tensor) -> Tensor:
+    """``t [b, L, ...]`` in the token order ``order [b, L]`` (differentiable)."""
+    index = order.reshape(*order.shape, *[1] * (t.dim() - 2))  # [b, L, 1, ...]
+    return torch.take_along_dim(t, index, dim=1)
+
+
+def _arrange(pos: Tensor, member: Tensor | None, doc: Tensor | None, sort: bool) -> _Side:
+    """A side in kernel order: sorted per sample by (document, membership), stably, when
+    ``sort`` (hard mode), else as given."""
+    if not sort or member is None:
+        return _Side(pos, member, doc, None)
+    order = torch.sort(member, dim=1, stable=True).indices  # [b, L]
+    if doc is not None:
+        by_doc = torch.sort(doc.gather(1, order), dim=1, stable=True).indices
+        order = order.gather(1, by_doc)  # [b, L]: by document, then membership, then position
+    return _Side(
+        pos[order],  # [b, L]
+        member.gather(1, order),
+        None if doc is None else doc.gather(1, order),
+        order,
+    )
+
+
+def _per_block(values: Tensor, block: int, fill) -> Tensor:
+    """``[B, L, ...] -> [B, nb, block, ...]``, the last block padded with ``fill``."""
+    b, length = values.shape[:2]
+    nb = -(-length // block)
+    pad = nb * block - length
+    if pad:
+        filler = values.new_full((b, pad, *values.shape[2:]), fill)
+        values = torch.cat([values, filler], dim=1)  # [B, nb * block, ...]
+    return values.reshape(b, nb, block, *values.shape[2:])  # [B, nb, block, ...]
+
+
+def _lo(values: Tensor, block: int) -> Tensor:
+    return _per_block(values, block, _BIG).amin(dim=2)  # [B, nb, ...]
+
+
+def _hi(values: Tensor, block: int) -> Tensor:
+    return _per_block(values, block, -_BIG).amax(dim=2)  # [B, nb, ...]
+
+
+def _summarise(side: _Side, block: int, sinks: int, groups: Tensor | None) -> _Summary:
+    """Block summaries of ``side``; ``groups``: ``[G]`` the group bits in use (hard mode)."""
+    pos = side.pos if side.pos.dim() == 2 else side.pos[None]  # [B, L]
+    doc = side.doc
+    doc_lo = doc_hi = sink_pos_lo = sink_doc_lo = sink_doc_hi = offset_hi = None
+    if doc is not None:
+        doc_lo, doc_hi = _lo(doc, block), _hi(doc, block)
+    if sinks:
+        offset = pos if doc is None else pos - doc  # [B, L]: position inside the document
+        is_sink = offset < sinks
+        sink_pos_lo = _lo(torch.where(is_sink, pos, _BIG), block)
+        offset_hi = _hi(offset, block)
+        if doc is not None:
+            sink_doc_lo = _lo(torch.where(is_sink, doc, _BIG), block)
+            sink_doc_hi = _hi(torch.where(is_sink, doc, -1), block)
+    group_lo = group_hi = group_all = None
+    if groups is not None and side.member is not None:
+        in_group = member_bits(side.member)[..., groups]  # [b, L, G]
+        at = pos[..., None]  # [B, L, 1]
+        group_lo = _lo(torch.where(in_group, at, _BIG), block)  # [b, nb, G]
+        group_hi = _hi(torch.where(in_group, at, -1), block)
+        group_all = _per_block(in_group, block, True).all(dim=2)
+    return _Summary(
+        _lo(pos, block), _hi(pos, block), doc_lo, doc_hi, sink_pos_lo, sink_doc_lo,
+        sink_doc_hi, offset_hi, group_lo, group_hi, group_all,
+    )  # fmt: skip
+
+
+def _overlap(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor) -> Tensor:
+    """``[B, nq, nk]``: do the ranges ``[q_lo, q_hi]`` ``[B, nq]`` and ``[k_lo, k_hi]``
+    ``[B, nk]`` intersect?"""
+    return (k_lo[:, None, :] <= q_hi[:, :, None]) & (q_lo[:, :, None] <= k_hi[:, None, :])
+
+
+def _predicates(
+    qs: _Summary, ks: _Summary, *, kind: str, window: int, sinks: int
+) -> tuple[Tensor, Tensor]:
+    """``(candidate, full)`` ``[B, nq, nk]`` from the summaries (see :class:`BlockPlan`)."""
+    q_lo, q_hi = qs.pos_lo[:, :, None], qs.pos_hi[:, :, None]  # [B, nq, 1]
+    k_lo, k_hi = ks.pos_lo[:, None, :], ks.pos_hi[:, None, :]  # [B, 1, nk]
+    causal = k_lo <= q_hi  # some key precedes some query
+    all_causal = k_hi <= q_lo
+    if qs.doc_lo is not None:
+        causal = causal & _overlap(qs.doc_lo, qs.doc_hi, ks.doc_lo, ks.doc_hi)
+        single_q, single_k = qs.doc_lo == qs.doc_hi, ks.doc_lo == ks.doc_hi  # [B, n]
+        same = qs.doc_lo[:, :, None] == ks.doc_lo[:, None, :]
+        all_causal = all_causal & same & single_q[:, :, None] & single_k[:, None, :]
+    if kind == "causal":
+        return causal, all_causal
+    reach = k_hi >= q_lo - window  # some pair within the window
+    all_reach = q_hi - k_lo <= window
+    if sinks:
+        all_reach = all_reach | (ks.offset_hi < sinks)[:, None, :]  # every key a sink
+    if kind == "hard":
+        shares = ks.group_lo[:, None, :, :] <= qs.group_hi[:, :, None, :]  # [b, nq, nk, G]
+        reach = reach | shares.any(dim=-1)
+        common = qs.group_all[:, :, None, :] & ks.group_all[:, None, :, :]  # [b, nq, nk, G]
+        all_reach = all_reach | common.any(dim=-1)
+    candidate = causal & reach
+    if sinks:  # a sink key of a query's document, not after it
+        sink = ks.sink_pos_lo[:, None, :] <= q_hi
+        if qs.doc_lo is not None:
+            sink = sink & _overlap(qs.doc_lo, qs.doc_hi, ks.sink_doc_lo, ks.sink_doc_hi)
+        candidate = candidate | sink
+    return candidate, all_causal & all_reach
+
+
+def plan_block(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    doc_q: Tensor | None,
+    doc_k: Tensor | None,
+    *,
+    kind: str,
+    window: int,
+    sinks: int,
+    block: int = DEFAULT_BLOCK,
+) -> BlockPlan:
+    """The token order and block predicates of one block.
+
+    Args:
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions.
+        member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (``kind="hard"``) or ``None``.
+        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts or ``None``.
+        kind: ``"hard"`` (window, sinks or a shared group), ``"local"`` (window or sinks) or
+            ``"causal"`` (every causal pair: soft mode).
+    """
+    sort = kind == "hard"
+    q_side = _arrange(q_pos, member_q, doc_q, sort)
+    k_side = _arrange(k_pos, member_k, doc_k, sort)
+    groups = None
+    if kind == "hard":
+        used = member_bits(member_q).flatten(0, 1).any(0)  # [b, Lq, 64] -> [b * Lq, 64] -> [64]
+        used = used | member_bits(member_k).flatten(0, 1).any(0)
+        groups = used.nonzero().squeeze(1)  # [G] the group bits in use
+    qs = _summarise(q_side, block, sinks, groups)
+    ks = _summarise(k_side, block, sinks, groups)
+    candidate, full = _predicates(qs, ks, kind=kind, window=window, sinks=sinks)
+    full = full & candidate
+    if k_pos.shape[0] % block:  # never a padded key block without mask_mod
+        full[..., -1] = False
+    return BlockPlan(q_side, k_side, candidate, full)
+
+
+def _from_predicates(plan: BlockPlan, mask_mod, lq: int, lk: int, block: int) -> BlockMask:
+    """A ``BlockMask`` (``[B, 1, nq, nk]``) of the plan; partial blocks are
+    ``candidate & ~full``."""
+
+    def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:  # [B, nq, nk]
+        num = dense.sum(dim=-1, dtype=torch.int32)  # [B, nq]
+        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+        return num[:, None], idx.to(torch.int32)[:, None]  # [B, 1, nq], [B, 1, nq, nk]
+
+    kv_num, kv_idx = ordered(plan.candidate & ~plan.full)
+    full_num, full_idx = ordered(plan.full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+        seq_lengths=(lq, lk),
+    )  # fmt: skip
+
+
+def _at(t: Tensor, b: Tensor, idx: Tensor) -> Tensor:
+    """``t[idx]`` of a shared ``[L]`` tensor, ``t[b, idx]`` of a per-sample ``[b, L]`` one."""
+    return t[idx] if t.dim() == 1 else t[b, idx]
+
+
+def _mask_mod(q: _Side, k: _Side, kind: str, window: int, sinks: int):
+    """The allowed pairs of :func:`~focus_pretrain.focus.pattern.allowed_pairs`, by index."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_pos, k_pos = _at(q.pos, b, q_idx), _at(k.pos, b, kv_idx)
+        allowed = k_pos <= q_pos
+        offset = k_pos
+        if q.doc is not None:
+            k_doc = k.doc[b, kv_idx]
+            allowed = allowed & (q.doc[b, q_idx] == k_doc)
+            offset = k_pos - k_doc
+        if kind == "causal":
+            return allowed
+        near = q_pos - k_pos <= window
+        if sinks:
+            near = near | (offset < sinks)
+        if kind == "hard":
+            near = near | ((q.member[b, q_idx] & k.member[b, kv_idx]) != 0)
+        return allowed & near
+
+    return mask_mod
+
+
+def _constant(value: float | None, like: Tensor) -> Tensor | None:
+    """A float for a ``score_mod`` as a captured 0-dim tensor (``like``'s compute dtype and
+    device). A Python float in the closure would become a symbolic float for dynamo once it
+    changes between calls (floats are not specialised), which FlexAttention's tracing refuses."""
+    if value is None:
+        return None
+    return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)  # no copy
+
+
+def _softcap_mod(softcap: float | None, like: Tensor):
+    """Soft-capping ``cap * tanh(score / cap)`` as a ``score_mod`` (``None`` without)."""
+    cap = _constant(softcap, like)
+    if cap is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
+def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lambda: float,
+              softcap: float | None, window: int, sinks: int):  # fmt: skip
+    """Soft mode's ``score_mod``: soft-capping, then the gate beyond the window (sinks
+    excepted), reading the assignments ``[b, L, K]`` by index."""
+    g_q = at_least_fp32(probs_q).permute(2, 0, 1).contiguous()  # [b, Lq, K] -> [K, b, Lq]
+    g_k = at_least_fp32(probs_k).permute(2, 0, 1).contiguous()  # [b, Lk, K] -> [K, b, Lk]
+    num_groups = g_q.shape[0]
+    cap, lam = _constant(softcap, g_q), _constant(gate_lambda, g_q)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
+        affinity = g_q[0, b, q_idx] * g_k[0, b, kv_idx]
+        for c in range(1, num_groups):
+            affinity = affinity + g_q[c, b, q_idx] * g_k[c, b, kv_idx]
+        x = lam * (affinity - 0.5)
+        gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
+        k_pos = _at(k.pos, b, kv_idx)
+        gated = _at(q.pos, b, q_idx) - k_pos > window
+        if sinks:
+            offset = k_pos if k.doc is None else k_pos - k.doc[b, kv_idx]
+            gated = gated & (offset >= sinks)
+        return score + torch.where(gated, gate, torch.zeros_like(gate))
+
+    return score_mod
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float, score_mod):
+    """``q [b, Lq, H, D]``, ``k/v [b, Lk, Hkv, D]`` -> ``(out [b, Lq, H, D], lse [b, Lq, H])``
+    with ``lse`` in at least fp32 (fp64 for fp64 inputs, as the blockwise kernel)."""
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [b, L, H, D] -> [b, H, L, D]
+    lse_request = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
+    with warnings.catch_warnings():  # CPU runs eagerly on purpose (exact; tests, not speed)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        out, aux = fn(
+            q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
+            enable_gqa=k.shape[2] != q.shape[2], **lse_request,
+        )  # fmt: skip  # [b, H, Lq, D], [b, H, Lq]
+    lse = aux.lse if AuxRequest else aux
+    lse = lse.to(compute_dtype(q.dtype)).transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
+    return out.transpose(1, 2), lse  # [b, Lq, H, D], [b, Lq, H]
+
+
+class FusedCall(NamedTuple):
+    """What one fused call runs: ``q [b, Lq, H, D]``, ``k, v [b, Lk, Hkv, D]`` in kernel order,
+    the block mask (with its ``mask_mod``), the ``score_mod``, ``q_order [b, Lq]`` (the caller's
+    index of each query; ``None``: the caller's order) and the :class:`BlockPlan`."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    block_mask: BlockMask
+    score_mod: object
+    q_order: Tensor | None
+    plan: BlockPlan
+
+
+def fused_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    doc_q: Tensor | None = None,
+    doc_k: Tensor | None = None,
+    *,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    local_only: bool,
+    sinks: int = 0,
+    block: int = DEFAULT_BLOCK,
+) -> FusedCall:
+    """The FlexAttention call of :func:`flex_attend_block` (same arguments, less ``scale``):
+    inputs in kernel order, block mask and ``score_mod``."""
+    if mode not in ("soft", "hard"):
+        raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
+    routed = mode == "hard" and member_q is not None and member_k is not None
+    kind = "local" if local_only else "hard" if routed else "causal"
+    gated = mode == "soft" and not local_only
+    if gated and (probs_q is None or probs_k is None):
+        raise ValueError("soft mode needs the soft assignments of queries and keys")
+    if doc_q is None or doc_k is None:
+        doc_q = doc_k = None
+    if not flex_backward_on(q.device):  # CPU FlexAttention refuses inputs that require grad
+        q, k, v = q.detach(), k.detach(), v.detach()
+        if gated:
+            probs_q, probs_k = probs_q.detach(), probs_k.detach()
+    plan = plan_block(
+        q_pos, k_pos, member_q if routed else None, member_k if routed else None, doc_q, doc_k,
+        kind=kind, window=window, sinks=sinks, block=block,
+    )  # fmt: skip
+    if plan.q.order is not None:
+        q = _take(q, plan.q.order)  # [b, Lq, H, D] in kernel order
+    if plan.k.order is not None:
+        k, v = _take(k, plan.k.order), _take(v, plan.k.order)  # [b, Lk, Hkv, D]
+    mask_mod = _mask_mod(plan.q, plan.k, kind, window, sinks)
+    score_mod = _softcap_mod(softcap, q)
+    if gated:  # soft mode keeps the caller's order: the assignments are read as given
+        score_mod = _gate_mod(
+            plan.q, plan.k, probs_q, probs_k, gate_lambda=gate_lambda, softcap=softcap,
+            window=window, sinks=sinks,
+        )  # fmt: skip
+    block_mask = _from_predicates(plan, mask_mod, q.shape[1], k.shape[1], block)
+    return FusedCall(q, k, v, block_mask, score_mod, plan.q.order, plan)
+
+
+def flex_attend_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    doc_q: Tensor | None = None,
+    doc_k: Tensor | None = None,
+    *,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+    sinks: int = 0,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[Tensor, Tensor]:
+    """:func:`~focus_pretrain.focus.reference.attend_block` (same arguments, same result up to
+    rounding) in one FlexAttention call; ``block``: the block mask's block size.
+
+    Args:
+        q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
+        probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
+        member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
+        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts or ``None``.
+        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions (any increasing positions).
+
+    Returns:
+        ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a query with no
+        allowed key gets ``out = 0``, ``lse = -inf``. Differentiable on CUDA (``lse``
+        included); on CPU the inputs are detached (eager FlexAttention is forward only).
+    """
+    call = fused_call(
+        q, k, v, probs_q, probs_k, member_q, member_k, doc_q, doc_k, q_pos=q_pos, k_pos=k_pos,
+        window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap, local_only=local_only,
+        sinks=sinks, block=block,
+    )  # fmt: skip
+    out, lse = _flex(call.q, call.k, call.v, call.block_mask, scale, call.score_mod)
+    if call.q_order is not None:  # back to the caller's order
+        inverse = torch.argsort(call.q_order, dim=1)  # [b, Lq]
+        out, lse = _take(out, inverse), _take(lse, inverse)
+    return out, lse

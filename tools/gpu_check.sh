@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# GPU bring-up: on a bare CUDA machine, install what is missing, then run in order
+#   env     the GPU, driver and package versions, a matmul and copy ceiling
+#   tests   pytest -m gpu (fast paths vs the reference, the model on CUDA + NCCL)
+#   e2e     the end-to-end tests that run in one process (train, resume, bf16, retrofit,
+#           export) on CUDA
+#   recipe  the tiny recipe for a few hundred steps in bf16 on the GPU
+#   bench   the attention benchmark (tools/bench_attention.py)
+#   train   the soft-gate training step vs dense (tools/bench_attention.py --train)
+#   ring    one ring step, fused vs blockwise (tools/bench_ring_step.py)
+#   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
+# and writes every log and JSON to $OUT (default runs/gpu-check). Stages are chosen by name:
+#   bash tools/gpu_check.sh                      # all of them
+#   bash tools/gpu_check.sh env tests recipe     # some
+# Each stage gets a time limit (TIMEOUT_<stage>, else STAGE_TIMEOUT seconds, default 600); a failed stage is
+# recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
+# from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
+# Sizes are overridable: BENCH_SEQ, BENCH_ARGS, TRAIN_SEQ, RING_ARGS, MFU_ARGS, RECIPE_STEPS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-check}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if ! $PY -c "import megatron.core, deepspeed, datasets, pydantic" 2>/dev/null \
+    && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    > "$LOGS/install.log" 2>&1 || { echo "wheel install failed (see $LOGS/install.log)"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch-extensions}
+export OUT LOGS PY
+WORK=${WORK:-/tmp/gpu-check}  # run directories (checkpoints): not brought back
+export WORK
+
+stage_env() {
+  nvidia-smi
+  $PY - <<'EOF'
+import importlib, json, platform, torch, triton
+from triton.testing import do_bench
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+        "sm": torch.cuda.get_device_properties(0).multi_processor_count}
+for name in ("megatron.core", "deepspeed", "transformers", "datasets", "flash_attn"):
+    try:
+        info[name] = importlib.import_module(name).__version__
+    except Exception as exc:  # noqa: BLE001 - a report, not a check
+        info[name] = f"missing ({type(exc).__name__})"
+a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+info["matmul_bf16_tflops"] = round(2 * 8192**3 / ms / 1e9, 1)
+x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+y = torch.empty_like(x)
+ms = do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+info["copy_tb_s"] = round(2 * x.numel() * 2 / ms / 1e9, 2)
+print(json.dumps(info, indent=1))
+EOF
+}
+
+stage_tests() {
+  local parallel=()  # pytest-xdist when present: each worker compiles its own kernels
+  $PY -c "import xdist" 2>/dev/null && parallel=(-n "${PYTEST_WORKERS:-8}")
+  # one compile thread per worker: inductor's compile pools kept xdist from exiting
+  TORCHINDUCTOR_COMPILE_THREADS=1 $PY -m pytest -m gpu -p no:cacheprovider -q -rA "${parallel[@]}" \
+    --junitxml="$OUT/gpu-tests.xml" tests
+}
+
+stage_e2e() {
+  $PY -m pytest -p no:cacheprovider -q -rA \
+    "tests/e2e/test_train.py::test_trains_checkpoints_and_resumes_exactly" \
+    "tests/e2e/test_train.py::test_bf16_trains_like_fp32" \
+    "tests/e2e/test_train.py::test_retrofit_trains_only_routers" \
+    "tests/e2e/test_train.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly" \
+    tests/e2e/test_export.py
+}
+
+stage_recipe() {
+  local run="$WORK/tiny-bf16"
+  local rc=0
+  $PY launchers/pretrain.py --config configs/tiny.yaml --set train.precision=bf16 \
+    --set "train.steps=${RECIPE_STEPS:-300}" --set train.eval_interval=100 \
+    --set train.save_interval=0 --set "run.output_dir=$run" \
+    --set "data.cache_dir=$WORK/data-cache" || rc=$?
+  cp "$run/metrics.jsonl" "$LOGS/tiny-bf16-metrics.jsonl" 2>/dev/null
+  return $rc
+}
+
+stage_bench() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${BENCH_SEQ:-4096 16384 65536 262144 1048576} \
+    --groups 4 8 --top-k 1 2 --heads 16 --head-dim 128 --dtype bf16 \
+    --json "$OUT/bench_attention.json" --markdown "$LOGS/bench_attention.md" ${BENCH_ARGS:-}
+}
+
+stage_train() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${TRAIN_SEQ:-8192 16384 32768} --groups 8 --top-k 1 \
+    --heads 16 --head-dim 128 --dtype bf16 --train --json "$OUT/bench_train.json" \
+    --markdown "$LOGS/bench_train.md" ${TRAIN_ARGS:-}
+}
+
+stage_ring() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_ring_step.py --json "$OUT/bench_ring.json" --markdown "$LOGS/bench_ring.md" \
+    ${RING_ARGS:-}
+}
+
+stage_mfu() {
+  # shellcheck disable=SC2086
+  $PY tools/measure_mfu.py --json "$OUT/mfu.json" --markdown "$LOGS/mfu.md" ${MFU_ARGS:-}
+}
+
+ALL=(env tests e2e recipe bench train ring mfu)
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
+printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"
+for stage in "${STAGES[@]}"; do
+  if ! declare -F "stage_$stage" >/dev/null; then
+    echo "unknown stage '$stage'; stages: ${ALL[*]}" >&2
+    exit 2
+  fi
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  start=$(date +%s)
+  # a stage runs in its own process group under timeout: a hang cannot eat the whole lease
+  limit_var="TIMEOUT_$stage"  # e.g. TIMEOUT_bench=300 overrides STAGE_TIMEOUT for one stage
+  timeout -k 10 "${!limit_var:-${STAGE_TIMEOUT:-600}}" bash -c "$(declare -f "stage_$stage"); stage_$stage" \
+    > "$LOGS/$stage.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/summary.tsv"
+  tail -n 15 "$LOGS/$stage.log"
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+echo "=== summary"
+column -t "$OUT/summary.tsv" 2>/dev/null || cat "$OUT/summary.tsv"
