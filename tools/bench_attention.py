@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", action="store_true", help="also time soft-gate fwd+bwd")
     parser.add_argument("--device", default=defaults.device, help="cuda (figures) or cpu (smoke)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--no-hard", action="store_true", help="only the --train rows")
     parser.add_argument("--profile", help="append profiler tables (one call per backend) here")
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         seed=args.seed,
         profile=args.profile,
+        hard=not args.no_hard,
     )
     env = environment(cfg, cfg.device)
     run_and_report(env, lambda: run_benchmark(cfg), markdown_table, args.json, args.markdown)

@@ -59,6 +59,7 @@ class BenchConfig:
     warmup: int = 3
     repeats: int = 10
     train: bool = False
+    hard: bool = True  # False: only the soft-gate training rows (with train=True)
     device: str = "cuda"
     seed: int = 0
     profile: str | None = None  # append torch.profiler tables of one call per backend here
@@ -164,15 +165,18 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> list[
             return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
         q, k, v = randn(cfg.heads), randn(cfg.heads_kv), randn(cfg.heads_kv)
-        with torch.no_grad():
-            dense = {name: measure(fn) for name, fn in dense_baselines(q, k, v, scale).items()}
-        base_name = min(dense, key=dense.get)
+        dense = {}
+        if cfg.hard:
+            with torch.no_grad():
+                baselines = dense_baselines(q, k, v, scale)
+                dense = {name: measure(fn) for name, fn in baselines.items()}
+        base_name = min(dense, key=dense.get) if dense else None
         for groups in cfg.groups:
             probs = torch.softmax(
                 torch.randn(cfg.batch, n, groups, generator=gen, device=device) * 3, dim=-1
             )  # [b, n, K] random, balanced in expectation
             routing = Routing(probs)
-            for top_k in (t for t in cfg.top_k if t <= groups):
+            for top_k in (t for t in cfg.top_k if t <= groups and cfg.hard):
                 member = routing.membership(top_k)
                 density = float(pattern_density(member.cpu(), cfg.window).mean())
                 row = dict(

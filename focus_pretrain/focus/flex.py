@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
 from focus_pretrain.focus.band import merge_by_lse
-from focus_pretrain.focus.pattern import member_bits
+from focus_pretrain.focus.pattern import at_least_fp32, compute_dtype, member_bits
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 DEFAULT_BLOCK = 128  # FlexAttention's sparse block size
@@ -313,12 +313,22 @@ def causal_block_mask(
     return _block_mask(candidate, full, mask_mod, seq_len, block)
 
 
-def _softcap_mod(softcap: float | None):
-    if softcap is None:
+def score_constant(value: float | None, like: Tensor) -> Tensor | None:
+    """A float for a ``score_mod`` as a captured 0-dim tensor (``like``'s compute dtype and
+    device). A Python float in the closure would become a symbolic float for dynamo once it
+    changes between calls (floats are not specialised), which FlexAttention's tracing refuses."""
+    if value is None:
+        return None
+    return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)
+
+
+def _softcap_mod(softcap: float | None, like: Tensor):
+    cap = score_constant(softcap, like)
+    if cap is None:
         return None
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+        return cap * torch.tanh(score / cap)
 
     return score_mod
 
@@ -337,7 +347,7 @@ def same_group(
     layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
     mask = same_group_block_mask(layout, block)
     out, lse = _call(
-        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap)
+        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap, q)
     )  # [1, T, H, D], [1, T, H]
     return out[0], lse[0]
 
@@ -364,16 +374,21 @@ def band(
     mask = band_block_mask(
         n, min(window, n), member, q.device, block, sinks=sinks, documents=documents
     )
-    return _call(q, k, v, block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap))
+    return _call(q, k, v, block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap, q))
 
 
-def gate_tables(probs: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-    """The soft assignments ``probs [b, n, K]`` as ``K`` query-side and ``K`` key-side fp32
-    tables ``[b, n]``, each its own tensor (a ``score_mod`` indexes each one once)."""
-    g = probs.float()
-    g_q = [g[..., c].contiguous() for c in range(g.shape[-1])]  # K x [b, n]
-    g_k = [g[..., c].clone(memory_format=torch.contiguous_format) for c in range(g.shape[-1])]
-    return g_q, g_k
+def gate_tables(probs_q: Tensor, probs_k: Tensor | None = None) -> tuple[list, list]:
+    """The soft assignments of the queries ``probs_q [b, Lq, K]`` and of the keys ``probs_k
+    [b, Lk, K]`` (default: the same) as ``K`` query-side and ``K`` key-side tables ``[b, L]``
+    (at least fp32), each its own tensor: compiled FlexAttention cannot differentiate a
+    ``score_mod`` that indexes one tensor twice (torch 2.11: "multiple indexing operations on
+    the same tensor that requires gradients"), so every table is read once."""
+    g_q = at_least_fp32(probs_q)
+    g_k = g_q if probs_k is None else at_least_fp32(probs_k)
+    num_groups = g_q.shape[-1]
+    tables_q = [g_q[..., c].contiguous() for c in range(num_groups)]  # K x [b, Lq]
+    tables_k = [g_k[..., c].clone(memory_format=torch.contiguous_format) for c in range(num_groups)]
+    return tables_q, tables_k
 
 
 def soft(
@@ -394,18 +409,16 @@ def soft(
     applied beyond the window to keys that are not sinks (positions ``>= sinks``, counted from
     the document start with ``documents [b, n]``, which also confine each query to its
     document)."""
-    # one tensor per (group, side): compiled FlexAttention cannot differentiate a score_mod
-    # that indexes one tensor twice (torch 2.11: "multiple indexing operations on the same
-    # tensor that requires gradients"), so the query and key reads are distinct copies
-    g_q, g_k = gate_tables(probs)
+    g_q, g_k = gate_tables(probs)  # K x [b, n] each: one table per group and side
+    cap, lam = score_constant(softcap, q), score_constant(gate_lambda, q)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if softcap is not None:
-            score = softcap * torch.tanh(score / softcap)
+        if cap is not None:
+            score = cap * torch.tanh(score / cap)
         affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
         for c in range(1, len(g_q)):
             affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
-        x = gate_lambda * (affinity - 0.5)
+        x = lam * (affinity - 0.5)
         gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
         gated = q_idx - kv_idx > window
         if sinks:

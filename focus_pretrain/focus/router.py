@@ -309,9 +309,10 @@ class FocusRouter(nn.Module):
     @torch.no_grad()
     def _count_load(self, probs: Tensor) -> None:
         top1 = probs.reshape(-1, self.num_groups).argmax(dim=-1)  # [b*s]
-        self._load_counts += torch.bincount(top1, minlength=self.num_groups).to(
-            self._load_counts.dtype
-        )
+        # index_add_ rather than bincount: bincount syncs with the host on CUDA (twice per
+        # layer and micro-batch)
+        ones = torch.ones_like(top1, dtype=self._load_counts.dtype)
+        self._load_counts.index_add_(0, top1, ones)
 
     @torch.no_grad()
     def pop_load(self) -> Tensor:

@@ -165,6 +165,7 @@ def context_parallel_attention(
     if documents is not None:
         documents = check_document_starts(documents, q)  # [b, s_loc] int64
     if cp_mode == "a2a":
+        attention_kwargs.pop("block_kernel", None)  # the ring's per-block kernel: no ring here
         return a2a_focus_attention(
             q, k, v, probs, group=group, documents=documents, **attention_kwargs
         )

@@ -45,8 +45,14 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from focus_pretrain.focus import flex
-from focus_pretrain.focus.flex import DEFAULT_BLOCK, AuxRequest, _compiled_flex
-from focus_pretrain.focus.pattern import at_least_fp32, compute_dtype, member_bits
+from focus_pretrain.focus.flex import (
+    DEFAULT_BLOCK,
+    AuxRequest,
+    _compiled_flex,
+    gate_tables,
+    score_constant,
+)
+from focus_pretrain.focus.pattern import compute_dtype, member_bits
 
 BLOCK_KERNELS = ("auto", "blockwise", "flex")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
@@ -317,18 +323,9 @@ def _mask_mod(q: _Side, k: _Side, kind: str, window: int, sinks: int):
     return mask_mod
 
 
-def _constant(value: float | None, like: Tensor) -> Tensor | None:
-    """A float for a ``score_mod`` as a captured 0-dim tensor (``like``'s compute dtype and
-    device). A Python float in the closure would become a symbolic float for dynamo once it
-    changes between calls (floats are not specialised), which FlexAttention's tracing refuses."""
-    if value is None:
-        return None
-    return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)  # no copy
-
-
 def _softcap_mod(softcap: float | None, like: Tensor):
     """Soft-capping ``cap * tanh(score / cap)`` as a ``score_mod`` (``None`` without)."""
-    cap = _constant(softcap, like)
+    cap = score_constant(softcap, like)
     if cap is None:
         return None
 
@@ -342,17 +339,15 @@ def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lamb
               softcap: float | None, window: int, sinks: int):  # fmt: skip
     """Soft mode's ``score_mod``: soft-capping, then the gate beyond the window (sinks
     excepted), reading the assignments ``[b, L, K]`` by index."""
-    g_q = at_least_fp32(probs_q).permute(2, 0, 1).contiguous()  # [b, Lq, K] -> [K, b, Lq]
-    g_k = at_least_fp32(probs_k).permute(2, 0, 1).contiguous()  # [b, Lk, K] -> [K, b, Lk]
-    num_groups = g_q.shape[0]
-    cap, lam = _constant(softcap, g_q), _constant(gate_lambda, g_q)
+    g_q, g_k = gate_tables(probs_q, probs_k)  # K x [b, Lq], K x [b, Lk]: each read once
+    cap, lam = score_constant(softcap, g_q[0]), score_constant(gate_lambda, g_q[0])
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap is not None:
             score = cap * torch.tanh(score / cap)
-        affinity = g_q[0, b, q_idx] * g_k[0, b, kv_idx]
-        for c in range(1, num_groups):
-            affinity = affinity + g_q[c, b, q_idx] * g_k[c, b, kv_idx]
+        affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
+        for c in range(1, len(g_q)):
+            affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
         x = lam * (affinity - 0.5)
         gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
         k_pos = _at(k.pos, b, kv_idx)
