@@ -64,7 +64,7 @@ stage_tests() {
   local parallel=()  # pytest-xdist when present: each worker compiles its own kernels
   $PY -c "import xdist" 2>/dev/null && parallel=(-n "${PYTEST_WORKERS:-8}")
   # one compile thread per worker: inductor's compile pools kept xdist from exiting
-  TORCHINDUCTOR_COMPILE_THREADS=1 $PY -m pytest -m gpu -p no:cacheprovider -q -rA "${parallel[@]}" \
+  TORCHINDUCTOR_COMPILE_THREADS=1 $PY -m pytest -m gpu -p no:cacheprovider -v -rA "${parallel[@]}" \
     --junitxml="$OUT/gpu-tests.xml" tests
 }
 

@@ -24,7 +24,9 @@ one for the request (:func:`select_backend`). Backends:
 * ``flex`` (:mod:`~focus_pretrain.focus.flex`): FlexAttention, hard any ``top_k`` (block-sparse on
   the group-sorted layout), soft gate as ``score_mod`` (training), sliding window.
 
-``auto`` on CUDA: ``decomposed`` with flash-attn for hard top-1 fp16/bf16, else ``flex``. On CPU:
+``auto`` on CUDA: ``decomposed`` for hard top-1 fp16/bf16 when a FlashAttention varlen kernel
+is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measured faster than
+``flex`` on an H100, docs/benchmarks.md), else ``flex``. On CPU:
 ``decomposed`` for hard top-1 from :data:`CPU_DECOMPOSED_MIN_SEQ` tokens, else ``reference``
 (CPU FlexAttention is eager and forward-only: exact, selectable, never automatic).
 """
@@ -39,7 +41,11 @@ from torch import Tensor
 
 from focus_pretrain.focus import flex
 from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
-from focus_pretrain.focus.decomposed import decomposed_attention, flash_attn_available
+from focus_pretrain.focus.decomposed import (
+    decomposed_attention,
+    flash_attn_available,
+    torch_varlen_installed,
+)
 from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
@@ -365,7 +371,10 @@ def _decomposed_priority(r: AttentionRequest) -> int | None:
     if r.needs_grad or not (r.local_only or (r.mode == "hard" and r.top_k == 1)):
         return None
     if r.device == "cuda":
-        if flash_attn_available() and r.dtype in (torch.float16, torch.bfloat16):
+        # a FlashAttention varlen kernel (flash-attn, or PyTorch's without soft-capping) beats
+        # flex for hard top-1 at 4K-64K and ties at 256K (H100, docs/benchmarks.md)
+        varlen = flash_attn_available() or (torch_varlen_installed() and not r.softcap)
+        if varlen and r.dtype in (torch.float16, torch.bfloat16):
             return 30
         return 15 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
     if r.device != "cpu" or (r.softcap and not r.local_only):

@@ -65,6 +65,11 @@ def _torch_varlen():
     return varlen_attn, AuxRequest, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def torch_varlen_installed() -> bool:
+    """Whether this PyTorch has ``torch.nn.attention.varlen.varlen_attn`` and CUDA is there."""
+    return torch.cuda.is_available() and _torch_varlen() is not None
+
+
 def torch_varlen_available(q: Tensor, softcap: float | None) -> bool:
     """Whether :func:`torch_varlen_causal` can take ``q`` (CUDA fp16/bf16, no soft-capping)."""
     return (
