@@ -14,6 +14,8 @@ against the reference. Writes JSON and a markdown table. On CPU it is a smoke te
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 
 from focus_pretrain.bench.attention import (
     DTYPES,
@@ -68,7 +70,14 @@ def main(argv: list[str] | None = None) -> None:
         hard=not args.no_hard,
     )
     env = environment(cfg, cfg.device)
-    run_and_report(env, lambda: run_benchmark(cfg), markdown_table, args.json, args.markdown)
+
+    def save_partial(rows: list[dict]) -> None:  # kept if a time limit stops the run
+        if args.json:
+            partial = {"environment": env, "rows": rows, "partial": True}
+            pathlib.Path(args.json).write_text(json.dumps(partial, indent=1))
+
+    run = lambda: run_benchmark(cfg, on_row=save_partial)  # noqa: E731
+    run_and_report(env, run, markdown_table, args.json, args.markdown)
 
 
 if __name__ == "__main__":

@@ -150,8 +150,14 @@ def _check(name: str, q, k, v, routing, kwargs) -> float:
     return float((got - want).abs().max())
 
 
-def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> list[dict]:
-    """Measure every configuration; returns one row (dict) per (seq, K, top_k[, train])."""
+def run_benchmark(
+    cfg: BenchConfig,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Measure every configuration; returns one row (dict) per (seq, K, top_k[, train]).
+    ``on_row(rows)`` runs after each row (e.g. to save partial results: a run stopped by a
+    time limit keeps what it measured)."""
     device = torch.device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     measure = _timer(device, cfg.warmup, cfg.repeats)
@@ -218,11 +224,15 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = print) -> list[
                     )
                 rows.append(row)
                 log(format_row(row))
+                if on_row:
+                    on_row(rows)
             if cfg.train and "flex" in cfg.backends and device.type != "cuda":
                 log("soft-gate training step skipped: FlexAttention's backward needs CUDA")
             elif cfg.train and "flex" in cfg.backends:
                 rows.append(train_row(cfg, n, groups, q, k, v, probs, measure, scale))
                 log(format_row(rows[-1]))
+                if on_row:
+                    on_row(rows)
     return rows
 
 
