@@ -24,7 +24,9 @@ ALLOWED = {
     "convert": {"focus", "model", "data", "config"},
     "train": {"focus", "model", "parallel", "data", "config", "convert"},
     "experiments": {"config", "train", "data"},
-    "bench": {"focus", "convert"},  # attention kernels; the export's decode
+    # benchmarks sit outside, like analysis: attention kernels, the export's decode, the ring
+    # step (parallel), training throughput (train, config)
+    "bench": {"focus", "model", "parallel", "data", "config", "convert", "train"},
     "analysis": {"focus", "model", "parallel", "data", "config", "convert", "train"},
 }
 
