@@ -98,6 +98,9 @@ class TrainConfig:
         keep_last: checkpoints kept (older ones are deleted after a new one is complete).
         peak_tflops: per-device peak for MFU; ``None`` looks the GPU up (CPU: MFU not shown).
         tensorboard: write TensorBoard events under ``run.output_dir/tensorboard``.
+        allow_changes: resume even when the recipe differs from the checkpoint's in keys that
+            change the model or the data order (refused otherwise, naming them;
+            :mod:`focus_pretrain.train.resume`).
     """
 
     steps: int = 100
@@ -123,6 +126,7 @@ class TrainConfig:
     keep_last: int = 2
     peak_tflops: float | None = None
     tensorboard: bool = True
+    allow_changes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "keep_last"):

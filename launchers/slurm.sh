@@ -1,7 +1,9 @@
 #!/bin/bash
 # Multi-node training under SLURM: one task per GPU started by srun (no torchrun in between), so
-# SLURM's pre-timeout SIGTERM reaches every rank and the run saves a final checkpoint and exits 0;
-# --requeue then restarts the job, which resumes from `latest`.
+# SLURM's pre-timeout SIGTERM reaches every rank and the run saves a final checkpoint and exits 0.
+# The run then says how it ended (FOCUS_EXIT_STATUS_FILE): after a stop by signal this script
+# requeues the job (`scontrol requeue`), which resumes from `latest`; when training is done, or
+# after a crash (non-zero exit), it does not.
 #
 #   sbatch launchers/slurm.sh configs/7b.yaml
 #   sbatch --nodes 2 launchers/slurm.sh configs/7b.yaml --set run.output_dir=runs/7b-a
@@ -30,5 +32,19 @@ export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}
 PYTHON=${PYTHON:-python}
 
+# on the shared file system: rank 0 writes it, this script (first node) reads it
+export FOCUS_EXIT_STATUS_FILE=${FOCUS_EXIT_STATUS_FILE:-$PWD/.focus-exit-$SLURM_JOB_ID}
+rm -f "$FOCUS_EXIT_STATUS_FILE"
+
 srun --kill-on-bad-exit=1 --cpu-bind=none \
     "$PYTHON" launchers/pretrain.py --config "$CONFIG" "$@"
+
+status=$(cat "$FOCUS_EXIT_STATUS_FILE" 2>/dev/null || echo "missing")
+rm -f "$FOCUS_EXIT_STATUS_FILE"
+case "$status" in
+  stopped_by_signal*)
+    echo "focus-pretrain: $status; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" ;;
+  done*) echo "focus-pretrain: training done ($status); not requeued" ;;
+  *) echo "focus-pretrain: no exit status ($status); not requeued" >&2; exit 1 ;;
+esac

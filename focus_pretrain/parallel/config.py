@@ -33,6 +33,9 @@ class ParallelConfig:
             ``None``: one tensor x context-parallel group). Training uses whatever the launcher
             starts.
         gpu_memory_gb: memory per device the plan must fit.
+        timeout_minutes: how long a collective may wait for the other ranks before the job
+            fails (the process-group timeout; raise it when a rank can be slow, e.g. rank 0
+            preparing data or writing a large checkpoint).
     """
 
     tensor_parallel_size: int = 1
@@ -42,6 +45,7 @@ class ParallelConfig:
     cpu_offload: bool = False
     gpus: int | None = None
     gpu_memory_gb: float = 80.0
+    timeout_minutes: float = 30.0
 
     def __post_init__(self) -> None:
         check_int("parallel.tensor_parallel_size", self.tensor_parallel_size, low=1)
@@ -51,6 +55,7 @@ class ParallelConfig:
         if self.gpus is not None:
             check_int("parallel.gpus", self.gpus, low=1)
         check_positive("parallel.gpu_memory_gb", self.gpu_memory_gb)
+        check_positive("parallel.timeout_minutes", self.timeout_minutes)
         if self.cpu_offload and self.zero_stage == 0:
             raise ValueError("parallel.cpu_offload needs parallel.zero_stage >= 1")
         if self.gpus is not None and self.gpus % self.model_parallel_size:

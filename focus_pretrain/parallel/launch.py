@@ -11,6 +11,7 @@ and its properties hand out the groups the trainer reduces over.
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import socket
@@ -67,18 +68,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_minutes: float = 30.0) -> None:
     """Start ``torch.distributed`` (NCCL with CUDA, else gloo) and DeepSpeed's communication
-    layer, with ranks from :func:`launch_environment`. A lone process rendezvouses in memory
+    layer, with ranks from :func:`launch_environment` and a collective timeout of
+    ``timeout_minutes`` (``parallel.timeout_minutes``). A lone process rendezvouses in memory
     (no port to collide with other jobs on the machine). Idempotent."""
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         os.environ.update(launch_environment(os.environ))
         if os.environ["WORLD_SIZE"] == "1":
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend)  # joins an existing group
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # joins an existing group
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -115,7 +120,7 @@ class ParallelLayout:
         """Start ``torch.distributed`` if needed, build Megatron's process groups for
         ``parallel`` (CPU shim without CUDA) and seed Python, NumPy, torch and Megatron's
         tensor-parallel generators with ``seed``."""
-        init_distributed()
+        init_distributed(parallel.timeout_minutes)
         apply_cpu_shim()
         layout = cls(
             dist.get_world_size(), parallel.tensor_parallel_size, parallel.context_parallel_size

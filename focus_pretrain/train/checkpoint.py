@@ -38,6 +38,12 @@ def latest_tag(root: Path) -> str | None:
     return tag if (root / tag).is_dir() else None
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint directory ``latest`` names under ``root``, if it exists."""
+    tag = latest_tag(Path(root))
+    return None if tag is None else Path(root) / tag
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
@@ -110,8 +116,7 @@ class Checkpointer:
     @property
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names."""
-        tag = latest_tag(self.root)
-        return None if tag is None else self.root / tag
+        return latest_checkpoint(self.root)
 
     def _write(self, step: int) -> Path:
         """Every rank writes its shards under a temporary tag; rank 0 renames the directory,

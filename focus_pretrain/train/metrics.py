@@ -3,11 +3,13 @@ TensorBoard scalars and ``metrics.jsonl``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,16 +103,30 @@ class IntervalMeter:
         tokens_per_sample: int,
         devices: int,
         peak: float | None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.flops_per_sample = flops_per_sample
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
         self.devices = devices
         self.peak = peak
+        self.clock = clock
         self._reset()
 
     def _reset(self) -> None:
-        self.loss, self.steps, self.tic = 0.0, 0, time.perf_counter()
+        self.loss, self.steps, self.tic = 0.0, 0, self.clock()
+        self.outside: dict[str, float] = {}  # seconds spent in excluded work, by name
+
+    @contextlib.contextmanager
+    def excluded(self, name: str) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpointing) is left out of the interval's
+        throughput and reported as ``<name>_s`` instead."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            spent = self.clock() - start
+            self.outside[name] = self.outside.get(name, 0.0) + spent
 
     def add(self, loss: float) -> None:
         """One optimizer step's mean loss."""
@@ -119,8 +135,10 @@ class IntervalMeter:
 
     def scalars(self) -> dict[str, float | None]:
         """``loss`` (mean over the interval), ``tokens_per_s``, ``tflops`` (per device),
-        ``mfu``; starts the next interval."""
-        elapsed = time.perf_counter() - self.tic
+        ``mfu`` over the training time of the interval, and ``<name>_s`` for the time spent
+        in each :meth:`excluded` part (evaluation, checkpointing); starts the next interval."""
+        elapsed = self.clock() - self.tic - sum(self.outside.values())
+        elapsed = max(elapsed, 1e-9)
         samples = self.steps * self.samples_per_step
         tflops = self.flops_per_sample * samples / elapsed / (self.devices * 1e12)
         out = {
@@ -128,6 +146,7 @@ class IntervalMeter:
             "tokens_per_s": samples * self.tokens_per_sample / elapsed,
             "tflops": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,
+            **{f"{name}_s": spent for name, spent in self.outside.items()},
         }
         self._reset()
         return out

@@ -13,6 +13,7 @@ under ``deepspeed``, ``torchrun``, ``srun`` or plain ``python``.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from focus_pretrain.model import build_model
 from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
-from focus_pretrain.train.checkpoint import Checkpointer, latest_tag
+from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint, latest_tag
 from focus_pretrain.train.focus_stats import max_group_share, ring_skipped_share, update_balance
 from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
 from focus_pretrain.train.metrics import (
@@ -49,6 +50,7 @@ from focus_pretrain.train.optim import (
     lr_lambda,
     parameter_groups,
 )
+from focus_pretrain.train.resume import check_resume
 from focus_pretrain.train.stop import StopSignal
 from focus_pretrain.train.validate import Validator
 
@@ -74,6 +76,11 @@ class Trainer:
         self.layout = ParallelLayout.initialize(config.parallel, config.run.seed)
         self.output_dir = Path(config.run.output_dir)
         self.grad_accum = self._gradient_accumulation()
+        # before anything is built or written: a resume with another model or data order
+        # is refused, naming the keys (train.allow_changes continues anyway)
+        self.recipe_changes = check_resume(
+            latest_checkpoint(self.output_dir / "checkpoints"), config
+        )
         if self.layout.is_main:
             save_config(config, self.output_dir / "config.yaml")
         self.device = torch.device("cpu")
@@ -265,8 +272,11 @@ class Trainer:
         if self.step % train.log_interval == 0 or self.step == train.steps:
             self.logger.log(self.step, self._train_scalars(meter))
         if self.validator.due(self.step):
-            self.logger.log(self.step, self.validator.run(self.engine), prefix="valid")
-        self.checkpointer.save(self.step)
+            with meter.excluded("eval"):  # throughput counts training time only
+                scalars = self.validator.run(self.engine)
+            self.logger.log(self.step, scalars, prefix="valid")
+        with meter.excluded("save"):
+            self.checkpointer.save(self.step)
 
     def _train_scalars(self, meter: IntervalMeter) -> dict[str, float | None]:
         interval = meter.scalars()
@@ -282,6 +292,8 @@ class Trainer:
             "peak_mem_gb": peak_memory_gb(),
             "max_group_share": max_group_share(self.routers, self.layout.data_context_group),
             "ring_skipped": ring_skipped_share(self.ring_stats),
+            "eval_s": interval.get("eval_s", 0.0),  # left out of tokens_per_s, tflops, mfu
+            "save_s": interval.get("save_s", 0.0),
         }
 
     def _announce(self) -> None:
@@ -296,6 +308,8 @@ class Trainer:
             "grad_accum": self.grad_accum,
             **counts,
         }
+        if self.recipe_changes:
+            start["recipe_changes"] = {k: [old, new] for k, old, new in self.recipe_changes}
         self.logger.event("start", **start)
         if layout.is_main:
             where = f"resuming at step {self.step}" if self.resumed_step is not None else "starting"
@@ -307,6 +321,8 @@ class Trainer:
                 f"grad_accum={self.grad_accum}; {where}",
                 flush=True,
             )
+            for key, old, new in self.recipe_changes:  # allowed by train.allow_changes
+                print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
 
     def _finish(self) -> dict[str, Any]:
         """The end line, the ``end`` record, and the result."""
@@ -324,6 +340,7 @@ class Trainer:
                 )
             else:
                 print(f"focus-pretrain: done at step {self.step}; {where}", flush=True)
+            write_exit_status(stopped, self.step)
         return {
             "step": self.step,
             "train_loss": self.last_train_loss,
@@ -332,6 +349,23 @@ class Trainer:
             "output_dir": str(self.output_dir),
             "stopped_by_signal": stopped,
         }
+
+
+EXIT_STATUS_ENV = "FOCUS_EXIT_STATUS_FILE"
+
+
+def write_exit_status(stopped: int | None, step: int) -> None:
+    """If ``$FOCUS_EXIT_STATUS_FILE`` names a file, write (atomically) how the run ended:
+    ``stopped_by_signal N STEP`` or ``done STEP``. Cluster scripts read it, e.g.
+    ``launchers/slurm.sh`` requeues the job only after a stop by signal (its pre-timeout
+    SIGTERM), not when training is done (both exit with status 0)."""
+    path = os.environ.get(EXIT_STATUS_ENV)
+    if not path:
+        return
+    text = f"stopped_by_signal {int(stopped)} {step}\n" if stopped is not None else f"done {step}\n"
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def pretrain(config: Config) -> dict[str, Any]:

@@ -89,6 +89,30 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path, cache):
     assert "| loss " in line and "| max_group_share " in line  # the console shows the same
 
 
+def test_resume_with_another_model_is_refused_unless_allowed(tmp_path, cache, one_process):
+    """A resume whose recipe changes a ``model`` key is refused before anything is built,
+    naming the key and both values; with ``train.allow_changes`` it continues, and the run
+    records what changed."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(one_process[1], run)
+    sets = overrides(run, cache, "train.steps=4", "model.focus.gate_lambda=5.0")
+    refused = launch(sets)
+    assert refused.returncode != 0
+    assert "model.focus.gate_lambda: 10.0 in the checkpoint, 5.0 now" in refused.stderr
+    assert [e["step"] for e in events(run, "start")] == [0]  # nothing ran
+    status = tmp_path / "exit-status"
+    env = {**os.environ, "FOCUS_EXIT_STATUS_FILE": str(status)}
+    allowed = launch([*sets, "train.allow_changes=true"], env=env)
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert status.read_text() == "done 4\n"  # launchers/slurm.sh does not requeue this
+    start = events(run, "start")[-1]
+    assert start["resumed"] and start["step"] == 3
+    assert start["recipe_changes"] == {"model.focus.gate_lambda": [10.0, 5.0]}
+    assert events(run, "end")[-1]["step"] == 4
+
+
 def _records(run: pathlib.Path) -> list[dict]:
     from focus_pretrain.train import read_metrics
 
@@ -107,7 +131,11 @@ def _wait_for_step(run: pathlib.Path, step: int, proc: subprocess.Popen) -> None
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache):
     out = tmp_path / "run"
     args = [sys.executable, *script_args(overrides(out, cache, "train.steps=400"))]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    status = tmp_path / "exit-status"  # what launchers/slurm.sh reads to decide a requeue
+    env = {**os.environ, "FOCUS_EXIT_STATUS_FILE": str(status)}
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
     try:
         _wait_for_step(out, 2, proc)
         proc.send_signal(signal.SIGTERM)
@@ -123,6 +151,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, cache):
     stopped_at = int(tag.split("_")[1])
     assert 2 <= stopped_at < 400 and end["step"] == stopped_at
     assert not list((out / "checkpoints").glob(".tmp-*"))  # nothing half-written remains
+    assert status.read_text() == f"stopped_by_signal {int(signal.SIGTERM)} {stopped_at}\n"
 
 
 @pytest.mark.multiprocess
