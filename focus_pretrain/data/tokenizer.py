@@ -45,9 +45,20 @@ def train_tokenizer(
     prefix.parent.mkdir(parents=True, exist_ok=True)
     settings = {**LLAMA_STYLE_OPTIONS, "minloglevel": 2, **options}  # minloglevel: quiet
     lines = (line for text in texts for line in text.split("\n") if line)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines, model_prefix=str(prefix), vocab_size=vocab_size, **settings
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines, model_prefix=str(prefix), vocab_size=vocab_size, **settings
+        )
+    except RuntimeError as err:
+        if "Vocabulary size too high" not in str(err):
+            raise
+        # SentencePiece says "... Please set it to a value <= N": the corpus is too small
+        raise ValueError(
+            f"data.vocab_size={vocab_size} is more than a tokenizer can learn from this corpus "
+            f"(SentencePiece: {str(err).strip().splitlines()[-1]}); lower data.vocab_size "
+            "(model.vocab_size may stay larger) or point data.sources at a larger corpus "
+            "(the embedded demo corpus supports a few thousand pieces)"
+        ) from err
     return prefix.with_suffix(".model")
 
 

@@ -193,3 +193,12 @@ def test_defaults_yaml_loads_into_the_config():
     assert from_mapping(FocusConfig, section, "focus") == FocusConfig()
     with pytest.raises(ValueError, match=r"unknown key\(s\) focus.groups; allowed keys: enabled"):
         from_mapping(FocusConfig, {**section, "groups": 4}, "focus")
+
+
+def test_a_vocabulary_too_large_for_the_corpus_names_the_key(tmp_path):
+    """SentencePiece's refusal becomes an error naming ``data.vocab_size`` and the fix."""
+    from focus_pretrain.data.tokenizer import train_tokenizer
+
+    texts = ["a tiny corpus of a few words, repeated"] * 20
+    with pytest.raises(ValueError, match=r"data\.vocab_size=3000 .* lower data\.vocab_size"):
+        train_tokenizer(texts, tmp_path / "tok", 3000)
