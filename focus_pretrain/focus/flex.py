@@ -90,7 +90,8 @@ def _call(
     scale: float,
     score_mod=None,
 ) -> tuple[Tensor, Tensor]:
-    """``q [B, L, H, D]``, ``k/v [B, L, Hkv, D]`` -> ``(out [B, L, H, D], lse [B, L, H] fp32)``."""
+    """``q [B, Lq, H, D]``, ``k/v [B, Lk, Hkv, D]`` -> ``(out [B, Lq, H, D], lse [B, Lq, H])``
+    with ``lse`` in at least fp32 (fp64 for fp64 inputs)."""
     fn = _compiled_flex() if q.is_cuda else flex_attention
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [B, L, H, D] -> [B, H, L, D]
     lse_request = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
@@ -107,7 +108,8 @@ def _call(
             **lse_request,
         )  # [B, H, L, D], [B, H, L]
     lse = aux.lse if AuxRequest else aux
-    return out.transpose(1, 2), lse.transpose(1, 2).float()  # [B, L, H, D], [B, L, H]
+    lse = lse.to(compute_dtype(q.dtype)).transpose(1, 2)  # [B, H, L] -> [B, L, H], >= fp32
+    return out.transpose(1, 2), lse  # [B, L, H, D], [B, L, H]
 
 
 def _block_mask(
@@ -322,7 +324,8 @@ def score_constant(value: float | None, like: Tensor) -> Tensor | None:
     return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)
 
 
-def _softcap_mod(softcap: float | None, like: Tensor):
+def softcap_mod(softcap: float | None, like: Tensor):
+    """Soft-capping ``cap * tanh(score / cap)`` as a ``score_mod`` (``None`` without)."""
     cap = score_constant(softcap, like)
     if cap is None:
         return None
@@ -347,7 +350,7 @@ def same_group(
     layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
     mask = same_group_block_mask(layout, block)
     out, lse = _call(
-        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap, q)
+        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=softcap_mod(softcap, q)
     )  # [1, T, H, D], [1, T, H]
     return out[0], lse[0]
 
@@ -374,7 +377,7 @@ def band(
     mask = band_block_mask(
         n, min(window, n), member, q.device, block, sinks=sinks, documents=documents
     )
-    return _call(q, k, v, block_mask=mask, scale=scale, score_mod=_softcap_mod(softcap, q))
+    return _call(q, k, v, block_mask=mask, scale=scale, score_mod=softcap_mod(softcap, q))
 
 
 def gate_tables(probs_q: Tensor, probs_k: Tensor | None = None) -> tuple[list, list]:
@@ -389,6 +392,16 @@ def gate_tables(probs_q: Tensor, probs_k: Tensor | None = None) -> tuple[list, l
     tables_q = [g_q[..., c].contiguous() for c in range(num_groups)]  # K x [b, Lq]
     tables_k = [g_k[..., c].clone(memory_format=torch.contiguous_format) for c in range(num_groups)]
     return tables_q, tables_k
+
+
+def log_sigmoid_gate(g_q: list, g_k: list, lam: Tensor, b, q_idx, kv_idx) -> Tensor:
+    """Inside a ``score_mod``: the gate ``log sigmoid(lam (g_i . g_j - 1/2))`` of the pair
+    ``(q_idx, kv_idx)`` of sample ``b``, from :func:`gate_tables`' per-group tables."""
+    affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
+    for c in range(1, len(g_q)):
+        affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
+    x = lam * (affinity - 0.5)
+    return torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
 
 
 def soft(
@@ -415,11 +428,7 @@ def soft(
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap is not None:
             score = cap * torch.tanh(score / cap)
-        affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
-        for c in range(1, len(g_q)):
-            affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
-        x = lam * (affinity - 0.5)
-        gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
+        gate = log_sigmoid_gate(g_q, g_k, lam, b, q_idx, kv_idx)
         gated = q_idx - kv_idx > window
         if sinks:
             key = kv_idx if documents is None else kv_idx - documents[b, kv_idx]

@@ -37,22 +37,21 @@ Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from focus_pretrain.focus import flex
 from focus_pretrain.focus.flex import (
     DEFAULT_BLOCK,
-    AuxRequest,
-    _compiled_flex,
     gate_tables,
+    log_sigmoid_gate,
     score_constant,
+    softcap_mod,
 )
-from focus_pretrain.focus.pattern import compute_dtype, member_bits
+from focus_pretrain.focus.pattern import member_bits
 
 BLOCK_KERNELS = ("auto", "blockwise", "flex")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
@@ -323,18 +322,6 @@ def _mask_mod(q: _Side, k: _Side, kind: str, window: int, sinks: int):
     return mask_mod
 
 
-def _softcap_mod(softcap: float | None, like: Tensor):
-    """Soft-capping ``cap * tanh(score / cap)`` as a ``score_mod`` (``None`` without)."""
-    cap = score_constant(softcap, like)
-    if cap is None:
-        return None
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
-
-    return score_mod
-
-
 def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lambda: float,
               softcap: float | None, window: int, sinks: int):  # fmt: skip
     """Soft mode's ``score_mod``: soft-capping, then the gate beyond the window (sinks
@@ -345,11 +332,7 @@ def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lamb
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap is not None:
             score = cap * torch.tanh(score / cap)
-        affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
-        for c in range(1, len(g_q)):
-            affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
-        x = lam * (affinity - 0.5)
-        gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
+        gate = log_sigmoid_gate(g_q, g_k, lam, b, q_idx, kv_idx)
         k_pos = _at(k.pos, b, kv_idx)
         gated = _at(q.pos, b, q_idx) - k_pos > window
         if sinks:
@@ -358,23 +341,6 @@ def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lamb
         return score + torch.where(gated, gate, torch.zeros_like(gate))
 
     return score_mod
-
-
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float, score_mod):
-    """``q [b, Lq, H, D]``, ``k/v [b, Lk, Hkv, D]`` -> ``(out [b, Lq, H, D], lse [b, Lq, H])``
-    with ``lse`` in at least fp32 (fp64 for fp64 inputs, as the blockwise kernel)."""
-    fn = _compiled_flex() if q.is_cuda else flex_attention
-    q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [b, L, H, D] -> [b, H, L, D]
-    lse_request = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
-    with warnings.catch_warnings():  # CPU runs eagerly on purpose (exact; tests, not speed)
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        out, aux = fn(
-            q4, k4, v4, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=k.shape[2] != q.shape[2], **lse_request,
-        )  # fmt: skip  # [b, H, Lq, D], [b, H, Lq]
-    lse = aux.lse if AuxRequest else aux
-    lse = lse.to(compute_dtype(q.dtype)).transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
-    return out.transpose(1, 2), lse  # [b, Lq, H, D], [b, Lq, H]
 
 
 class FusedCall(NamedTuple):
@@ -436,7 +402,7 @@ def fused_call(
     if plan.k.order is not None:
         k, v = _take(k, plan.k.order), _take(v, plan.k.order)  # [b, Lk, Hkv, D]
     mask_mod = _mask_mod(plan.q, plan.k, kind, window, sinks)
-    score_mod = _softcap_mod(softcap, q)
+    score_mod = softcap_mod(softcap, q)
     if gated:  # soft mode keeps the caller's order: the assignments are read as given
         score_mod = _gate_mod(
             plan.q, plan.k, probs_q, probs_k, gate_lambda=gate_lambda, softcap=softcap,
@@ -488,7 +454,9 @@ def flex_attend_block(
         window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap, local_only=local_only,
         sinks=sinks, block=block,
     )  # fmt: skip
-    out, lse = _flex(call.q, call.k, call.v, call.block_mask, scale, call.score_mod)
+    out, lse = flex._call(
+        call.q, call.k, call.v, block_mask=call.block_mask, scale=scale, score_mod=call.score_mod
+    )  # [b, Lq, H, D], [b, Lq, H] (lse fp64 for fp64 inputs, as the blockwise kernel)
     if call.q_order is not None:  # back to the caller's order
         inverse = torch.argsort(call.q_order, dim=1)  # [b, Lq]
         out, lse = _take(out, inverse), _take(lse, inverse)
