@@ -38,7 +38,7 @@ import yaml
 from focus_pretrain.data.datasets import DataConfig
 from focus_pretrain.focus.config import check_choice, check_int, check_positive
 from focus_pretrain.model.config import ModelConfig
-from focus_pretrain.parallel.config import ParallelConfig, check_cp_seq_length
+from focus_pretrain.parallel.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,15 @@ class TrainConfig:
         allow_changes: resume even when the recipe differs from the checkpoint's in keys that
             change the model or the data order (refused otherwise, naming them;
             :mod:`focus_pretrain.train.resume`).
+        load_universal: resume the latest checkpoint at another parallel layout (data-parallel
+            size, tensor-parallel size, context-parallel size, ZeRO stage 1-3) with the optimizer
+            state kept: it is converted once to DeepSpeed's universal checkpoint
+            (``step_N/universal``) and loaded from that; at the saved layout the resume stays
+            plain. Off, another layout is refused (:mod:`focus_pretrain.train.reshard`).
+        max_consecutive_bad_steps: a step whose loss or gradient norm is not finite is skipped
+            (weights and optimizer state untouched, the batch consumed, ``skipped_steps``
+            logged); this many in a row stop the run with a checkpoint and a non-zero exit
+            (:mod:`focus_pretrain.train.bad_steps`).
     """
 
     steps: int = 100
@@ -127,9 +136,18 @@ class TrainConfig:
     peak_tflops: float | None = None
     tensorboard: bool = True
     allow_changes: bool = False
+    load_universal: bool = False
+    max_consecutive_bad_steps: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "keep_last"):
+        for name in (
+            "steps",
+            "micro_batch_size",
+            "global_batch_size",
+            "log_interval",
+            "keep_last",
+            "max_consecutive_bad_steps",
+        ):
             check_int(f"train.{name}", getattr(self, name), low=1)
         for name in (
             "warmup_steps",
@@ -224,7 +242,7 @@ class Config:
 
     def __post_init__(self) -> None:
         self.parallel.check_model(self.model)
-        check_cp_seq_length(self.data.seq_length, self.parallel.context_parallel_size)
+        self.parallel.check_seq_length(self.data.seq_length)
         if self.model.max_seq_length < self.data.seq_length:
             raise ValueError(
                 f"model.max_seq_length ({self.model.max_seq_length}) must be >= "
@@ -236,7 +254,7 @@ class Config:
                     f"probes.lengths has {length}, beyond model.max_seq_length "
                     f"({self.model.max_seq_length}); lower it or raise model.max_seq_length"
                 )
-            check_cp_seq_length(length, self.parallel.context_parallel_size, "probes.lengths[]")
+            self.parallel.check_seq_length(length, "probes.lengths[]")
 
 
 # Recipes and checkpoints written before the parallel section became the only home of these.
@@ -326,7 +344,8 @@ _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
-    """``value`` as type ``tp`` (dataclass, Optional/Union, bool, int, float, str, list)."""
+    """``value`` as type ``tp`` (dataclass, Optional/Union, bool, int, float, str, list,
+    ``dict[str, Any]``: a mapping kept as YAML data)."""
     if dataclasses.is_dataclass(tp):
         return from_mapping(tp, value, key)
     origin = typing.get_origin(tp)
@@ -346,6 +365,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ValueError(f"{key} must be a list, got {value!r}")
         (item,) = typing.get_args(tp)
         return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is Any or tp is object:
+        return value
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+        return {str(k): v for k, v in value.items()}
     if tp is bool and isinstance(value, bool):
         return value
     if tp is int and isinstance(value, int) and not isinstance(value, bool):

@@ -7,14 +7,17 @@
 
 Repeatable ``--set section.key=value`` overrides any recipe value, e.g.
 ``--set run.output_dir=runs/x --set train.steps=10``.
+``--universal-checkpoint`` resumes at another parallel layout (docs/training.md, Resharding).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from focus_pretrain.config import load_config
 from focus_pretrain.train import pretrain
+from focus_pretrain.train.bad_steps import TooManyBadSteps
 from focus_pretrain.train.plan import print_plan
 
 
@@ -30,6 +33,12 @@ def main() -> None:
         help="override a recipe value (repeatable)",
     )
     parser.add_argument(
+        "--universal-checkpoint",
+        action="store_true",
+        help="resume a checkpoint saved at another parallel layout (data/tensor-parallel size, "
+        "ZeRO stage) through DeepSpeed's universal checkpoint: --set train.load_universal=true",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="build on the meta device and print parameters and memory per GPU",
@@ -38,11 +47,16 @@ def main() -> None:
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # passed by the deepspeed launcher
     args = parser.parse_args()
+    if args.universal_checkpoint:
+        args.overrides.append("train.load_universal=true")
     config = load_config(args.config, args.overrides)
     if args.dry_run:
         print_plan(config)
         return
-    pretrain(config)
+    try:
+        pretrain(config)
+    except TooManyBadSteps as err:  # a checkpoint was saved; the reason, not a traceback
+        sys.exit(f"focus-pretrain: error: {err}")
 
 
 if __name__ == "__main__":

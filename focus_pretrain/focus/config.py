@@ -44,7 +44,11 @@ class FocusConfig:
             lie in ``[-1/tau, 1/tau]``); ``False`` uses the plain dot product. **Decision**: cosine
             by default; with plain dot products 10 Sinkhorn iterations at ``tau = 0.1`` leave
             the worst column 18-36% off balance, with cosine 0.1% (docs/benchmarks.md).
-        check_finite: reject NaN/inf inputs with a ``ValueError`` (costs a device sync on GPU).
+        check_finite: a debugging knob, off by default: each router and attention call raises
+            a ``ValueError`` naming the first NaN/inf input it sees (a blocking device sync
+            per call on GPU: about 160 per micro-batch for a 7B model). Training does not need
+            it: a step with a non-finite loss or gradient is skipped
+            (:mod:`focus_pretrain.train.bad_steps`); turn it on to find where a NaN starts.
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
         backend: attention backend of the soft (training) pattern: ``"auto"`` (an exact one
@@ -70,7 +74,7 @@ class FocusConfig:
     inference_mode: str = "hard"
     gate_lambda: float = 10.0
     normalize: bool = True
-    check_finite: bool = True
+    check_finite: bool = False
     window_only: bool = False
     backend: str = "auto"
     inference_backend: str = "auto"

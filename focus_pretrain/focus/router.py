@@ -53,6 +53,7 @@ from focus_pretrain.focus.config import (
 from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
 
 ColumnLogSumExp = Callable[[Tensor], Tensor]
+GatherTokens = Callable[[Tensor], Tensor]
 
 
 class Routing(NamedTuple):
@@ -252,17 +253,26 @@ class FocusRouter(nn.Module):
             f"tau={self.tau}, balance={self.balance!r}"
         )
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Routing logits ``<W_g h_i, c_k> / tau``: ``[b, s, d] -> [b, s, K]``, at least fp32."""
+    def logits(self, hidden: Tensor, gather_tokens: GatherTokens | None = None) -> Tensor:
+        """Routing logits ``<W_g h_i, c_k> / tau``: ``[b, s, d] -> [b, s, K]``, at least fp32.
+
+        ``gather_tokens`` (``[b, s_part, d_g] -> [b, s, d_g]``): ``hidden`` is one part of the
+        sequence; its projection is gathered into the whole sequence before the rest.
+        """
         if hidden.dim() != 3 or hidden.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden must be [batch, seq, hidden_size={self.hidden_size}], "
                 f"got shape {tuple(hidden.shape)}"
             )
-        if self.check_finite and not torch.isfinite(hidden).all():
+        if self.check_finite and gather_tokens is None and not torch.isfinite(hidden).all():
             raise ValueError("hidden (router input) contains NaN or inf values")
         dtype = compute_dtype(hidden.dtype, self.proj.weight.dtype)
         projected = F.linear(hidden.to(dtype), self.proj.weight.to(dtype))  # [b, s, d_g]
+        if gather_tokens is not None:
+            projected = gather_tokens(projected)  # [b, s_part, d_g] -> [b, s, d_g]
+            # checked after the gather, so that every rank of the sequence raises together
+            if self.check_finite and not torch.isfinite(projected).all():
+                raise ValueError("hidden (router input) contains NaN or inf values")
         centroids = self.centroids.to(dtype)
         if self.normalize:
             projected = F.normalize(projected, dim=-1)
@@ -276,12 +286,18 @@ class FocusRouter(nn.Module):
         column_logsumexp: ColumnLogSumExp | None = None,
         num_tokens: int | None = None,
         documents: Tensor | None = None,
+        gather_tokens: GatherTokens | None = None,
     ) -> Routing:
         """Route ``hidden`` ``[b, s, d]``. ``column_logsumexp``/``num_tokens`` (see
         :func:`sinkhorn_log`) make Sinkhorn see a sequence split over ranks: the routing in
         ``sinkhorn`` mode, the balance statistic in ``causal`` mode. ``documents`` (``[b, s]``
-        int64 document starts of packed sequences) makes ``sinkhorn`` routing per document."""
-        logits = self.logits(hidden)
+        int64 document starts of packed sequences) makes ``sinkhorn`` routing per document.
+        ``gather_tokens`` (``[b, s_part, d_g] -> [b, s, d_g]``): ``hidden`` is ``[b, s_part,
+        d]``, one part of the sequence (Megatron sequence parallelism); the per-token
+        projection ``W_g h`` runs on it and is gathered, everything after on the whole
+        sequence, which the returned routing ``[b, s, K]`` covers. ``proj.weight``'s gradient
+        is then this part's share only: the caller sums it over the parts' ranks."""
+        logits = self.logits(hidden, gather_tokens)
         if self.balance == "sinkhorn" and documents is not None:
             if column_logsumexp is not None:
                 raise ValueError(
@@ -347,6 +363,13 @@ class FocusRouter(nn.Module):
         return self._target_sum / self._target_count
 
     @torch.no_grad()
+    def discard_balance_target(self) -> None:
+        """Forget what was accumulated since the last update without moving the offsets (the
+        trainer's skipped bad step: its batch must leave no trace)."""
+        self._target_sum.zero_()
+        self._target_count.zero_()
+
+    @torch.no_grad()
     def update_balance(self, target: Tensor | None = None) -> None:
         """Move ``balance_offsets`` toward equal load; call after each optimizer step.
 
@@ -358,8 +381,7 @@ class FocusRouter(nn.Module):
         target = self.balance_target() if target is None else target
         if target is not None:
             self.balance_offsets += self.balance_rate * (target - self.balance_offsets)
-        self._target_sum.zero_()
-        self._target_count.zero_()
+        self.discard_balance_target()
 
 
 def router_parameter_count(num_layers: int, hidden_size: int, group_dim: int, k: int) -> int:

@@ -9,6 +9,12 @@ The routing is computed from the layer's normalised input (the tensor that feeds
 and passed to core attention as an explicit argument, also through selective activation
 recompute, never stashed on a module.
 
+Under Megatron sequence parallelism a layer's normalised input is ``[s / tp, b, hidden]``
+(this rank's slice of the tokens): the router projects those tokens and all-gathers the
+``d_g``-wide projection over the tensor-parallel group (:func:`_gather_tokens`), so routing,
+Sinkhorn and the balance statistics see the whole sequence as without it; ``linear_qkv``
+all-gathers the sequence for the attention itself.
+
 Packed documents arrive as ``packed_seq_params``, a
 :class:`~focus_pretrain.model.packing.DocumentParams` (document starts for the attention and
 the router, per-token RoPE positions); Megatron's own ``thd`` packing is refused.
@@ -46,6 +52,20 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         return grad.contiguous()
+
+
+def _gather_tokens(projected: Tensor) -> Tensor:
+    """All tensor-parallel ranks' token slices of the routers' projection, in sequence order:
+    ``[b, s / tp, d_g] -> [b, s, d_g]`` (sequence parallelism).
+
+    The backward keeps this rank's slice of the gradient without summing: the routing after
+    the gather is computed alike on every rank and its gradient arrives already summed over
+    the tensor-parallel group (the copy in :meth:`FocusSelfAttention.route`).
+    """
+    gathered = tensor_parallel.gather_from_sequence_parallel_region(
+        projected.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False
+    )  # [b, s / tp, d_g] -> [s / tp, b, d_g] -> [s, b, d_g]
+    return gathered.transpose(0, 1)  # [s, b, d_g] -> [b, s, d_g]
 
 
 class FocusCoreAttention(MegatronModule):
@@ -211,6 +231,10 @@ class FocusSelfAttention(SelfAttention):
                 )
             for p in self.router.parameters():  # replicated over TP ranks
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            # sequence parallelism: the projection sees this rank's tokens only (a partial
+            # gradient, summed over TP by focus_pretrain.parallel.sequence_parallel); the
+            # centroids see the gathered sequence and get the whole gradient on every rank
+            self.router.proj.weight.sequence_parallel = config.sequence_parallel
         self.focus = focus
         # Context parallelism sets this from outside: ``fn(local_seq_len) -> router kwargs``
         # (Sinkhorn's column reduction over the whole sequence).
@@ -220,11 +244,18 @@ class FocusSelfAttention(SelfAttention):
         self.__dict__["model_rotary"] = None
 
     def route(self, hidden_states: Tensor, documents: Tensor | None = None) -> Routing | None:
-        """Route the normalised layer input ``[s, b, hidden]``; ``None`` without a router.
-        ``documents`` (``[b, s]`` document starts) keeps Sinkhorn routing inside documents."""
+        """Route the normalised layer input ``[s, b, hidden]`` (``[s / tp, b, hidden]`` under
+        sequence parallelism) into a routing ``[b, s, K]`` of the whole sequence; ``None``
+        without a router. ``documents`` (``[b, s]`` document starts) keeps Sinkhorn routing
+        inside documents."""
         if self.router is None:
             return None
-        options = {} if self.route_options is None else self.route_options(hidden_states.shape[0])
+        seq_len, options = hidden_states.shape[0], {}
+        if self.config.sequence_parallel:
+            seq_len *= self.config.tensor_model_parallel_size
+            options["gather_tokens"] = _gather_tokens
+        if self.route_options is not None:
+            options.update(self.route_options(seq_len))
         if documents is not None:
             options["documents"] = documents
         routing = self.router(hidden_states.transpose(0, 1), **options)  # [s, b, h] -> [b, s, h]

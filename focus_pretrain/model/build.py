@@ -2,8 +2,17 @@
 
 Megatron's parallel state must be initialised by the caller (without CUDA, after
 :func:`focus_pretrain.parallel.apply_cpu_shim`): the model takes its tensor- and
-context-parallel sizes from it. Build under ``torch.device("meta")`` to count parameters of a
-large config without allocating memory (:func:`count_parameters`).
+context-parallel sizes from it, and whether to run Megatron sequence parallelism from
+:func:`set_sequence_parallel` (both set by ``ParallelLayout.initialize`` from the recipe's
+``parallel:`` section), unless ``build_model(..., sequence_parallel=)`` says otherwise. Build
+under ``torch.device("meta")`` to count parameters of a large config without allocating memory
+(:func:`count_parameters`).
+
+Sequence parallelism: the embedding scatters its output over the tensor-parallel ranks, so
+that norms, dropout and residual adds run on ``[s / tp, b, h]``; ``linear_qkv``/``linear_fc1``
+all-gather the sequence, ``linear_proj``/``linear_fc2`` reduce-scatter it, the output layer
+gathers it back. The Focus routers project their rank's tokens and gather the projection
+(:meth:`~focus_pretrain.model.attention.FocusSelfAttention.route`).
 """
 
 from __future__ import annotations
@@ -24,10 +33,23 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.model.config import GEMMA, QK_NORM_PER_HEAD, ModelConfig
-from focus_pretrain.model.layers import FullWidthQKNorm, PerHeadQKNorm, PostNormMLP
+from focus_pretrain.model.layers import FullWidthQKNorm, PerHeadQKNorm, PostNormMLP, TorchNorm
 from focus_pretrain.model.rope import set_rope_frequencies
 
 _RMS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", *GEMMA)
+# the layout's sequence-parallel switch, beside Megatron's parallel state (set_sequence_parallel)
+_SEQUENCE_PARALLEL = {"enabled": False}
+
+
+def set_sequence_parallel(enabled: bool) -> None:
+    """Build models with Megatron sequence parallelism from now on (``parallel.sequence_parallel``;
+    ``ParallelLayout.initialize`` sets it when it builds the tensor-parallel groups)."""
+    _SEQUENCE_PARALLEL["enabled"] = bool(enabled)
+
+
+def sequence_parallel_enabled() -> bool:
+    """The switch :func:`set_sequence_parallel` set (``False`` until then)."""
+    return _SEQUENCE_PARALLEL["enabled"]
 
 
 def parallel_sizes() -> tuple[int, int]:
@@ -41,12 +63,25 @@ def parallel_sizes() -> tuple[int, int]:
     )
 
 
-def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.float32):
+def transformer_config(
+    config: ModelConfig,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool | None = None,
+):
     """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels) at
-    the parallel state's tensor- and context-parallel sizes."""
+    the parallel state's tensor- and context-parallel sizes; ``sequence_parallel``: ``None``
+    takes :func:`sequence_parallel_enabled`."""
     family = config.family
     tp, cp = parallel_sizes()
     config.check_tensor_parallel(tp)
+    if sequence_parallel is None:
+        sequence_parallel = sequence_parallel_enabled()
+    if sequence_parallel and tp == 1:
+        raise ValueError(
+            "sequence parallelism needs tensor parallelism: the parallel state has "
+            "tensor_model_parallel_size 1 (set parallel.tensor_parallel_size > 1 or "
+            "parallel.sequence_parallel=false)"
+        )
     recompute = {}
     if config.recompute == "full":
         recompute = dict(
@@ -66,6 +101,7 @@ def transformer_config(config: ModelConfig, params_dtype: torch.dtype = torch.fl
         ffn_hidden_size=config.ffn_hidden_size,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
         normalization=_normalization(config),
         layernorm_epsilon=config.norm_epsilon,
         gated_linear_unit=family != "gpt2",
@@ -96,7 +132,8 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     """Megatron's local GPT layer spec with Focus self-attention and the family's norms."""
     family = config.family
     spec = get_gpt_layer_local_spec(normalization=_normalization(config))
-    norm = spec.submodules.input_layernorm
+    norm = TorchNorm  # Megatron's torch norm, usable under sequence parallelism
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
     local_window = None
     if config.is_local_layer(layer_number):
         local_window = config.sliding_window - 1
@@ -153,21 +190,28 @@ def _qk_norm(family: str, which: str) -> ModuleSpec | type:
 def block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
     """One layer spec per layer (Gemma interleaves local and global layers)."""
     specs = [layer_spec(config, n) for n in range(1, config.num_layers + 1)]
-    # the final norm is the family's norm class (OLMo-2's layers have no input norm to copy)
-    final_norm = get_gpt_layer_local_spec(normalization=_normalization(config))
-    return TransformerBlockSubmodules(
-        layer_specs=specs, layer_norm=final_norm.submodules.input_layernorm
-    )
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
 
 
 def _normalization(config: ModelConfig) -> str:
     return "RMSNorm" if config.family in _RMS else "LayerNorm"
 
 
-def build_model(config: ModelConfig, params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """Build the ``GPTModel`` for ``config`` (parallel state must already be initialised)."""
+def build_model(
+    config: ModelConfig,
+    params_dtype: torch.dtype = torch.float32,
+    *,
+    sequence_parallel: bool | None = None,
+) -> GPTModel:
+    """Build the ``GPTModel`` for ``config`` (parallel state must already be initialised).
+
+    ``sequence_parallel``: Megatron sequence parallelism (needs tensor parallelism); ``None``
+    takes :func:`sequence_parallel_enabled`. Its parameters tagged ``sequence_parallel`` need
+    their gradients summed over the tensor-parallel group
+    (:func:`focus_pretrain.parallel.sequence_parallel.reduce_sequence_parallel_grads`).
+    """
     model = GPTModel(
-        config=transformer_config(config, params_dtype),
+        config=transformer_config(config, params_dtype, sequence_parallel),
         transformer_layer_spec=block_spec(config),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_seq_length,

@@ -1,5 +1,10 @@
-"""Layer pieces megatron-core lacks for some attention families.
+"""Layer pieces megatron-core lacks for some attention families, and the norm of every family.
 
+* :class:`TorchNorm`: PyTorch's ``RMSNorm``/``LayerNorm`` as Megatron's local spec builds them
+  (``WrappedTorchNorm``), which also works under sequence parallelism: it tags its parameters
+  ``sequence_parallel`` (each tensor-parallel rank normalises only its slice of the tokens, so
+  their gradients are partial sums; :mod:`focus_pretrain.parallel.sequence_parallel` sums
+  them). Megatron's wrapper refuses sequence parallelism without apex.
 * :class:`PostNormMLP`: an MLP whose output is normalised before the residual add (OLMo-2's
   ``post_feedforward_layernorm``, Gemma-2's sandwich norm).
 * :class:`FullWidthQKNorm`: OLMo-2 normalises the *whole* query (key) projection, all heads
@@ -45,6 +50,32 @@ class _AllReduceSum(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
         return grad
+
+
+class TorchNorm:
+    """``torch.nn.RMSNorm`` or ``torch.nn.LayerNorm`` (``config.normalization``) over
+    ``hidden_size`` (the last dim of ``[s, b, h]`` or ``[s / tp, b, h]``), built like
+    Megatron's ``WrappedTorchNorm`` (fp32 weights whatever ``params_dtype``: the same numbers),
+    with its parameters tagged ``sequence_parallel = config.sequence_parallel``.
+
+    Only used for norms between the tensor-parallel regions (a layer's input, pre-MLP and
+    post norms, the final norm), which run on the sequence-parallel region under sequence
+    parallelism. A class whose ``__new__`` returns the PyTorch module, as Megatron's wrapper,
+    so that ``build_module`` calls it with ``(config, hidden_size, eps)``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused) -> nn.Module:
+        if config.normalization == "RMSNorm":
+            norm: nn.Module = nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(
+                f"normalization must be RMSNorm or LayerNorm, got {config.normalization!r}"
+            )
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 class FullWidthQKNorm(MegatronModule):

@@ -1,5 +1,6 @@
-"""Process groups and the parallel layout, context parallelism for Focus, the CPU shim for
-megatron-core, and the ``parallel:`` section of a recipe."""
+"""Process groups and the parallel layout, context parallelism for Focus, the gradient sums of
+sequence parallelism, the CPU shim for megatron-core, and the ``parallel:`` section of a
+recipe."""
 
 from focus_pretrain.parallel.config import ParallelConfig
 from focus_pretrain.parallel.context_parallel import (
@@ -13,6 +14,7 @@ from focus_pretrain.parallel.launch import (
     init_distributed,
     launch_environment,
 )
+from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
 from focus_pretrain.parallel.sharding import gather_sequence, shard_batch, shard_sequence
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "gather_sequence",
     "init_distributed",
     "launch_environment",
+    "reduce_sequence_parallel_grads",
     "shard_batch",
     "shard_sequence",
 ]

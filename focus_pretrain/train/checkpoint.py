@@ -6,6 +6,11 @@ DeepSpeed's files, the resolved ``config.yaml`` and ``client_state`` (the traine
 complete one. A checkpoint is written under a temporary name, renamed when every rank has
 finished, and only then does ``latest`` move (by an atomic rename), so a crash or SIGTERM
 mid-save leaves the previous checkpoint in charge.
+
+Every checkpoint also declares how its tensors merge over tensor-parallel ranks (DeepSpeed's
+``UNIVERSAL_CHECKPOINT_INFO``), so that it can resume at another parallel layout: with
+``train.load_universal`` a checkpoint saved at another one is converted to DeepSpeed's universal
+form (``step_N/universal``) and loaded from it (:mod:`focus_pretrain.train.reshard`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from focus_pretrain.config import Config, save_config
+from focus_pretrain.train import reshard
+from focus_pretrain.train.resume import check_layout
 
 _TAG = re.compile(r"^step_(\d+)$")
 
@@ -68,6 +75,9 @@ class Checkpointer:
         config: the resolved recipe, written into every checkpoint; ``train.save_interval``
             (0: only the last step) and ``train.keep_last`` set the cadence and retention.
         client_state: returns what the trainer needs to resume (called at each save).
+        layout: this run's parallel layout (:func:`~focus_pretrain.train.reshard.run_layout`);
+            a checkpoint saved at another one is loaded through its universal form (allowed
+            by ``train.load_universal``, refused otherwise). ``None``: never resharded.
     """
 
     def __init__(
@@ -76,6 +86,7 @@ class Checkpointer:
         engine,
         config: Config,
         client_state: Callable[[], dict[str, Any]],
+        layout: dict[str, int] | None = None,
     ) -> None:
         self.root = Path(root)
         self.engine = engine
@@ -84,6 +95,8 @@ class Checkpointer:
         self.interval = config.train.save_interval
         self.keep_last = config.train.keep_last
         self.saved_step: int | None = None  # never rewrite the checkpoint `latest` names
+        self.layout = layout
+        reshard.declare_universal_info(engine, config.model)
 
     def save(self, step: int, *, last: bool = False) -> Path | None:
         """Save step ``step`` if it is due: every ``interval`` steps, or ``last`` (the end of
@@ -107,9 +120,24 @@ class Checkpointer:
         tag = latest_tag(self.root)
         if tag is None:
             return None
+        if self.layout is not None and check_layout(self.root / tag, self.config, self.layout):
+            return self._load_resharded(self.root / tag)
         path, client_state = self.engine.load_checkpoint(str(self.root), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
+        self.saved_step = client_state["step"]
+        return client_state
+
+    def _load_resharded(self, checkpoint: Path) -> dict[str, Any]:
+        """Convert ``checkpoint`` to its universal form (rank 0, once) and load that."""
+        if _is_main():
+            print(
+                f"focus-pretrain: resharding {checkpoint} to this run's layout "
+                f"{self.layout} through DeepSpeed's universal checkpoint",
+                flush=True,
+            )
+        folder = reshard.ensure_universal(checkpoint, _is_main())
+        client_state = reshard.load_universal(self.engine, folder, self.config)
         self.saved_step = client_state["step"]
         return client_state
 

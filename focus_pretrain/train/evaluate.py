@@ -81,7 +81,12 @@ def load_checkpoint_model(
     trained = load_config(ckpt / "config.yaml", [])
     extra = list(overrides)
     if _world_size() == 1 and not any(o.strip().startswith("parallel.") for o in extra):
-        extra = ["parallel.tensor_parallel_size=1", "parallel.context_parallel_size=1", *extra]
+        extra = [
+            "parallel.tensor_parallel_size=1",
+            "parallel.context_parallel_size=1",
+            "parallel.sequence_parallel=false",  # needs tensor parallelism
+            *extra,
+        ]
     if not any(o.strip().startswith("data.tokenizer=") for o in extra):
         token_file = tokenizer_path_for(trained.data, trained.run.seed)
         extra.append(f"data.tokenizer={token_file}")

@@ -23,6 +23,12 @@ def update_balance(routers: list[FocusRouter], group: dist.ProcessGroup) -> None
         router.update_balance(target / size)
 
 
+def discard_balance(routers: list[FocusRouter]) -> None:
+    """After a skipped bad step: drop what its batch accumulated; the offsets stay put."""
+    for router in routers:
+        router.discard_balance_target()
+
+
 def max_group_share(routers: list[FocusRouter], group: dist.ProcessGroup) -> float | None:
     """Largest top-1 group share over the interval, worst layer (counts summed over
     ``group``); 1/K is perfect balance, 1 a collapsed router."""

@@ -114,7 +114,7 @@ class IntervalMeter:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss, self.steps, self.tic = 0.0, 0, self.clock()
+        self.loss, self.losses, self.steps, self.tic = 0.0, 0, 0, self.clock()
         self.outside: dict[str, float] = {}  # seconds spent in excluded work, by name
 
     @contextlib.contextmanager
@@ -128,21 +128,25 @@ class IntervalMeter:
             spent = self.clock() - start
             self.outside[name] = self.outside.get(name, 0.0) + spent
 
-    def add(self, loss: float) -> None:
-        """One optimizer step's mean loss."""
-        self.loss += loss
+    def add(self, loss: float | None) -> None:
+        """One optimizer step's mean loss (``None``: a skipped bad step, counted in the
+        throughput but not in the loss)."""
+        if loss is not None:
+            self.loss += loss
+            self.losses += 1
         self.steps += 1
 
     def scalars(self) -> dict[str, float | None]:
-        """``loss`` (mean over the interval), ``tokens_per_s``, ``tflops`` (per device),
-        ``mfu`` over the training time of the interval, and ``<name>_s`` for the time spent
-        in each :meth:`excluded` part (evaluation, checkpointing); starts the next interval."""
+        """``loss`` (mean over the interval's good steps; ``None`` if none), ``tokens_per_s``,
+        ``tflops`` (per device), ``mfu`` over the training time of the interval, and
+        ``<name>_s`` for the time spent in each :meth:`excluded` part (evaluation,
+        checkpointing); starts the next interval."""
         elapsed = self.clock() - self.tic - sum(self.outside.values())
         elapsed = max(elapsed, 1e-9)
         samples = self.steps * self.samples_per_step
         tflops = self.flops_per_sample * samples / elapsed / (self.devices * 1e12)
         out = {
-            "loss": self.loss / max(self.steps, 1),
+            "loss": self.loss / self.losses if self.losses else None,
             "tokens_per_s": samples * self.tokens_per_sample / elapsed,
             "tflops": tflops,
             "mfu": None if self.peak is None else tflops / self.peak,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from focus_pretrain.config import Config, TrainConfig
+from focus_pretrain.parallel.deepspeed_overrides import merge_deepspeed_config
 
 
 def is_router_parameter(name: str) -> bool:
@@ -102,12 +103,14 @@ def use_fused_adamw(groups: list[dict], cpu_offload: bool) -> bool:
 
 def deepspeed_config(config: Config, grad_accum: int) -> dict:
     """The DeepSpeed config dict of a recipe (micro-batch, accumulation, clipping, ZeRO stage
-    and offload, precision); logging and the schedule stay ours."""
+    and offload, precision), with ``parallel.deepspeed`` merged over it (monitors, profilers,
+    bucket sizes: :mod:`focus_pretrain.parallel.deepspeed_overrides`); the optimizer and the
+    schedule stay ours."""
     train, parallel = config.train, config.parallel
     zero: dict = {"stage": parallel.zero_stage}
     if parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {
+    generated = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": train.clip_grad,
@@ -118,6 +121,7 @@ def deepspeed_config(config: Config, grad_accum: int) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    return merge_deepspeed_config(generated, parallel.deepspeed)
 
 
 def lr_lambda(config: TrainConfig) -> Callable[[int], float]:

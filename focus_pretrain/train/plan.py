@@ -3,9 +3,22 @@
 Model states follow the ZeRO paper's accounting (bf16/fp16 weights and gradients, fp32 master
 weights and two Adam moments: 2 + 2 + 12 bytes per trainable parameter, 2 per frozen one; fp32
 training keeps 4 + 4 + 12) divided over data-parallel ranks by stage. Activations follow
-Korthikanti et al. (2022) without the ``s^2`` term (attention is computed blockwise), with full
-recompute keeping one layer input per layer plus one layer's working set, and the fp32 logits
-with their gradient. A 10% margin is kept for workspace and fragmentation.
+Korthikanti et al. (2022), Table 2, without the ``5 a s^2 b`` term (attention is computed
+blockwise), per layer of ``s`` tokens, micro-batch ``b``, hidden ``h``, tensor parallelism
+``t`` (:func:`layer_activations`):
+
+* tensor parallelism alone: ``s b h (10 + 24 / t)`` bytes: the norms' inputs, the dropout masks
+  and the inputs of the attention's and the MLP's first linears (``10 s b h``) are replicated
+  on every tensor-parallel rank;
+* with sequence parallelism (``parallel.sequence_parallel``): ``34 s b h / t``, those are split
+  over the ranks' slices of the sequence too.
+
+The constants count 2-byte activations (doubled for fp32 training). A Focus layer adds its
+router's fp32 copy of the layer's normalised input (``4 s b h`` in 16-bit training, divided by
+``t`` under sequence parallelism). Full recompute keeps each layer's input (``[s / t, b, h]``
+under sequence parallelism, ``[s, b, h]`` without) plus one layer's working set. Then the fp32
+logits with their gradient (vocabulary split over ``t``). A 10% margin is kept for workspace
+and fragmentation.
 
 Context parallelism (``CP`` ranks per sequence) divides every activation term by ``CP`` (each
 rank holds ``s / CP`` tokens), ZeRO partitions over data x context-parallel ranks (DeepSpeed's
@@ -25,6 +38,7 @@ from megatron.core import parallel_state
 
 from focus_pretrain.config import Config
 from focus_pretrain.model import build_model
+from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.cpu_shim import apply_cpu_shim
 from focus_pretrain.parallel.launch import init_distributed
 from focus_pretrain.parallel.ring import SCORE_BUDGET
@@ -32,6 +46,39 @@ from focus_pretrain.train.optim import apply_freeze_policy
 
 GB = 1e9
 MARGIN = 0.9
+
+
+def layer_activations(s: int, b: int, h: int, tp: int, sequence_parallel: bool) -> float:
+    """Bytes one transformer layer keeps for its backward (2-byte activations, no attention
+    scores): ``s b h (10 + 24 / t)`` under tensor parallelism alone, ``34 s b h / t`` with
+    sequence parallelism (Korthikanti et al. 2022, Table 2; ``t = 1``: ``34 s b h``)."""
+    if sequence_parallel:
+        return s * b * h * 34 / tp
+    return s * b * h * (10 + 24 / tp)
+
+
+def focus_layers(model: ModelConfig) -> int:
+    """Layers with a router (none for a dense or window-only model; Gemma's local layers have
+    none)."""
+    if not model.focus.enabled or model.focus.window_only:
+        return 0
+    return sum(not model.is_local_layer(n) for n in range(1, model.num_layers + 1))
+
+
+def activation_memory(config: Config, s: int) -> float:
+    """Bytes of activations per GPU for ``s`` tokens per sequence on this rank (see the module
+    docstring)."""
+    par, model = config.parallel, config.model
+    tp, sp = par.tensor_parallel_size, par.sequence_parallel
+    b, h = config.train.micro_batch_size, model.hidden_size
+    half = config.train.precision != "fp32"
+    scale = 1 if half else 2  # the paper's constants count 2-byte activations
+    working = layer_activations(s, b, h, tp, sp) * scale
+    router = (4 if half else 0) * s * b * h / (tp if sp else 1)  # fp32 copy of the input
+    if model.recompute == "full":
+        layer_input = s * b * h * (2 if half else 4) / (tp if sp else 1)
+        return model.num_layers * layer_input + working + (router if focus_layers(model) else 0)
+    return model.num_layers * working + focus_layers(model) * router
 
 
 def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int | bool]:
@@ -59,17 +106,8 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
         grads /= shards
     if par.zero_stage >= 3:
         weights /= shards
-    s, b, h, layers = (
-        config.data.seq_length // cp,  # tokens per rank
-        train.micro_batch_size,
-        model.hidden_size,
-        model.num_layers,
-    )
-    layer_working = s * b * h * 34 / tp
-    if model.recompute == "full":
-        activations = layers * s * b * h * w_bytes + layer_working
-    else:
-        activations = layers * layer_working
+    s, b = config.data.seq_length // cp, train.micro_batch_size  # tokens per rank
+    activations = activation_memory(config, s)
     logits = 2 * s * b * model.vocab_size / tp * 4
     context = 0.0
     if cp > 1:
@@ -83,6 +121,7 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
     return {
         "gpus": gpus,
         "tensor_parallel": tp,
+        "sequence_parallel": par.sequence_parallel,
         "context_parallel": cp,
         "cp_mode": par.cp_mode,
         "data_parallel": dp,
@@ -111,7 +150,7 @@ def count_split(config: Config) -> dict[str, int]:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     with torch.device("meta"):
-        model = build_model(config.model)
+        model = build_model(config.model, sequence_parallel=False)  # SP changes no parameter
     apply_freeze_policy(model, config.train)
     sharded = replicated = trainable = 0
     for param in model.parameters():
@@ -145,7 +184,9 @@ def print_plan(config: Config) -> dict:
             print(f"| {key[:-3]} | {plan[key]:.2f} |")
         verdict = "fits" if plan["fits"] else "does NOT fit"
         print(
-            f"{plan['gpus']} GPUs (TP {plan['tensor_parallel']} x CP {plan['context_parallel']} "
+            f"{plan['gpus']} GPUs (TP {plan['tensor_parallel']}"
+            f"{' (sequence parallel)' if plan['sequence_parallel'] else ''} x "
+            f"CP {plan['context_parallel']} "
             f"({plan['cp_mode']}) x DP {plan['data_parallel']}, ZeRO-{plan['zero_stage']}; "
             f"{plan['tokens_per_gpu']:,} tokens per GPU): {plan['total_gb']:.1f} GB of "
             f"{plan['gpu_memory_gb']:.0f} GB per GPU -> {verdict}"

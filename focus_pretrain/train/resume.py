@@ -15,7 +15,13 @@ changes the model or the order of the data:
 Everything else may change on resume: learning rate and schedule, ``train.steps`` (continue
 longer), the logging, evaluation and checkpoint cadences. ``train.allow_changes: true``
 continues anyway (the differences are then printed and recorded in the run's ``start`` event).
-Another parallel layout is resharding, which this check does not cover.
+
+The parallel layout (data-parallel size, ``parallel.tensor_parallel_size``,
+``parallel.context_parallel_size``, ``parallel.zero_stage``) may change only through resharding:
+:func:`check_layout` refuses a plain resume at another layout (DeepSpeed would restore ZeRO
+partitions and tensor-parallel shards cut for the old one) and names ``train.load_universal``,
+which converts the checkpoint to DeepSpeed's universal form and loads that
+(:mod:`focus_pretrain.train.reshard`).
 """
 
 from __future__ import annotations
@@ -68,10 +74,14 @@ def recipe_changes(saved: Config, current: Config) -> list[tuple[str, Any, Any]]
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
 
-def check_resume(checkpoint: Path | None, config: Config) -> list[tuple[str, Any, Any]]:
+def check_resume(
+    checkpoint: Path | None, config: Config, layout: dict[str, int] | None = None
+) -> list[tuple[str, Any, Any]]:
     """Compare ``config`` with the recipe saved in ``checkpoint`` (a checkpoint directory, or
     ``None`` for a fresh run). Returns the guarded differences (empty when there are none or
-    nothing to compare); raises ``ValueError`` naming them unless ``train.allow_changes``."""
+    nothing to compare); raises ``ValueError`` naming them unless ``train.allow_changes``.
+    With ``layout`` (this run's, :func:`~focus_pretrain.train.reshard.run_layout`), another
+    saved layout is refused unless ``train.load_universal`` (:func:`check_layout`)."""
     saved_path = None if checkpoint is None else Path(checkpoint) / "config.yaml"
     if saved_path is None or not saved_path.is_file():
         return []
@@ -94,4 +104,65 @@ def check_resume(checkpoint: Path | None, config: Config) -> list[tuple[str, Any
             "them, train into a new run.output_dir, or set train.allow_changes=true to resume "
             "anyway"
         )
+    if layout is not None:
+        check_layout(Path(checkpoint), config, layout)
     return changes
+
+
+LAYOUT_KEYS = {
+    "data_parallel_size": "data-parallel size",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "context_parallel_size": "parallel.context_parallel_size",
+    "zero_stage": "parallel.zero_stage",
+}
+
+
+# ZeRO-1 and ZeRO-2 partition the optimizer state alike (one checkpoint format): a change
+# between them alone resumes plainly (verified: the same losses as an uninterrupted run)
+_ZERO_FAMILY = {0: 0, 1: 1, 2: 1, 3: 3}
+
+
+def layout_changes(saved: dict[str, Any] | None, now: dict[str, int]) -> list[tuple[str, Any, Any]]:
+    """``(what, saved value, current value)`` for every part of the parallel layout that
+    differs in a way a plain resume cannot load (a saved ``None``: unknown, not compared;
+    ZeRO stages 1 and 2 count as one)."""
+    if saved is None:
+        return []
+    changes = [
+        (label, saved[key], now[key])
+        for key, label in LAYOUT_KEYS.items()
+        if saved.get(key) is not None and saved[key] != now[key]
+    ]
+    if _ZERO_FAMILY[saved["zero_stage"]] == _ZERO_FAMILY[now["zero_stage"]]:
+        changes = [c for c in changes if c[0] != LAYOUT_KEYS["zero_stage"]]
+    return changes
+
+
+def check_layout(checkpoint: Path, config: Config, layout: dict[str, int]) -> bool:
+    """Whether resuming ``checkpoint`` under ``layout`` reshards it. Raises ``ValueError``
+    when the layouts differ and ``train.load_universal`` is off (naming it), or when either
+    side has no ZeRO (``parallel.zero_stage=0``: nothing the universal converter reads)."""
+    from focus_pretrain.train.reshard import saved_layout
+
+    saved = saved_layout(Path(checkpoint))
+    changes = layout_changes(saved, layout)
+    if not changes:
+        return False
+    listed = "; ".join(f"{k}: {a} in the checkpoint, {b} now" for k, a, b in changes)
+    if not config.train.load_universal:
+        raise ValueError(
+            f"refusing to resume from {checkpoint}: it was saved at another parallel layout "
+            f"({listed}), and a plain resume restores ZeRO's optimizer partitions and the "
+            "tensor-parallel shards as they were cut for that layout. Set "
+            "train.load_universal=true (or pass --universal-checkpoint) to reshard it through "
+            "DeepSpeed's universal checkpoint (weights, Adam moments and the data position "
+            "kept), or resume at the saved layout"
+        )
+    stages = (saved["zero_stage"], layout["zero_stage"])
+    if 0 in stages:
+        raise ValueError(
+            f"cannot reshard {checkpoint} ({listed}): train.load_universal needs ZeRO on both "
+            f"sides (parallel.zero_stage 1-3), got {stages[0]} in the checkpoint and "
+            f"{stages[1]} now"
+        )
+    return True

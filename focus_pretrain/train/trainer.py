@@ -32,8 +32,15 @@ from focus_pretrain.model import build_model
 from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
+from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
+from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
 from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint, latest_tag
-from focus_pretrain.train.focus_stats import max_group_share, ring_skipped_share, update_balance
+from focus_pretrain.train.focus_stats import (
+    discard_balance,
+    max_group_share,
+    ring_skipped_share,
+    update_balance,
+)
 from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
 from focus_pretrain.train.metrics import (
     IntervalMeter,
@@ -50,6 +57,7 @@ from focus_pretrain.train.optim import (
     lr_lambda,
     parameter_groups,
 )
+from focus_pretrain.train.reshard import run_layout
 from focus_pretrain.train.resume import check_resume
 from focus_pretrain.train.stop import StopSignal
 from focus_pretrain.train.validate import Validator
@@ -63,7 +71,8 @@ class Trainer:
         layout: the process grid (:class:`~focus_pretrain.parallel.launch.ParallelLayout`).
         engine, optimizer: DeepSpeed's engine around the Megatron model, and its optimizer.
         step, consumed_samples: optimizer steps done and samples drawn (the resume point).
-        checkpointer, validator, logger, stop: the run's components.
+        skipped_steps: steps skipped as bad since the run began (resumes included).
+        checkpointer, validator, logger, stop, bad_steps: the run's components.
     """
 
     def __init__(self, config: Config) -> None:
@@ -78,8 +87,11 @@ class Trainer:
         self.grad_accum = self._gradient_accumulation()
         # before anything is built or written: a resume with another model or data order
         # is refused, naming the keys (train.allow_changes continues anyway)
+        # ... and one at another parallel layout unless train.load_universal (resharding)
         self.recipe_changes = check_resume(
-            latest_checkpoint(self.output_dir / "checkpoints"), config
+            latest_checkpoint(self.output_dir / "checkpoints"),
+            config,
+            run_layout(self.layout, config.parallel),
         )
         if self.layout.is_main:
             save_config(config, self.output_dir / "config.yaml")
@@ -93,7 +105,11 @@ class Trainer:
         self.engine, self.optimizer, self.gate = self._build_engine()
         self.schedule = lr_lambda(config.train)
         self.checkpointer = Checkpointer(
-            self.output_dir / "checkpoints", self.engine, config, self.state_dict
+            self.output_dir / "checkpoints",
+            self.engine,
+            config,
+            self.state_dict,
+            run_layout(self.layout, config.parallel),
         )
         state = self.checkpointer.load()
         self.resumed_step = None if state is None else state["step"]
@@ -143,6 +159,7 @@ class Trainer:
         fresh retrofit run, and the freezing policy applied; its parameter counts."""
         config = self.config
         model = build_model(config.model)
+        reduce_sequence_parallel_grads(model)  # DeepSpeed does not sum them over TP
         ring_stats = None
         cp_group = self.layout.context_parallel_group
         if cp_group is not None:
@@ -170,6 +187,12 @@ class Trainer:
         self.counts["optimized"] = sum(p.numel() for g in groups for p in g["params"])
         optimizer = build_optimizer(groups, config.train, config.parallel.cpu_offload)
         gate = PhaseGate(self.model) if config.train.freeze == "two_phase" else None
+        # a bad step (non-finite loss or gradient) is skipped: train/bad_steps.py
+        self.step_switch = skippable(optimizer)
+        watch = None
+        if config.train.precision != "fp16":  # fp16: DeepSpeed's loss scaler owns overflows
+            watch = GradientWatch(self.model.parameters(), self.device)
+        self.bad_steps = BadStepPolicy(config.train.max_consecutive_bad_steps, watch)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=self.model,
             optimizer=optimizer,
@@ -195,6 +218,7 @@ class Trainer:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
+            "skipped_steps": self.skipped_steps,
             "rng": {
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
@@ -205,6 +229,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`): the data stream resumes exactly."""
         self.step, self.consumed_samples = state["step"], state["consumed_samples"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         if "rng" in state:
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
@@ -215,9 +240,11 @@ class Trainer:
 
     # -- training -----------------------------------------------------------------------------
 
-    def train_step(self) -> float:
+    def train_step(self) -> float | None:
         """One optimizer step over ``grad_accum`` micro-batches, then the routers' balance
-        update. Returns the step's loss (mean over tokens, averaged over data-parallel ranks)."""
+        update. Returns the step's loss (mean over tokens, averaged over data-parallel ranks),
+        or ``None`` when the step was skipped as bad (a non-finite loss or gradient on any
+        rank: weights, optimizer state and router balance untouched, the batch consumed)."""
         train = self.config.train
         if self.gate is not None and self.gate.closed and self.step >= train.router_only_steps:
             self.gate.open()
@@ -227,14 +254,23 @@ class Trainer:
         self.engine.train()
         loss = torch.zeros((), device=self.device)
         cp_group = self.layout.context_parallel_group
-        for _ in range(self.grad_accum):
+        skipped = False
+        for micro in range(self.grad_accum):
             batch = batch_to(next(self.loader), self.device)
             backward, mean = micro_batch_loss(self.engine, batch, cp_group)
             self.engine.backward(backward)
-            self.engine.step()
             loss += mean / self.grad_accum
+            if micro == self.grad_accum - 1:  # before DeepSpeed's update: one check per step
+                skipped = self.bad_steps.is_bad(loss, self.step + 1)
+                self.step_switch.skip = skipped
+            self.engine.step()
+        self.step_switch.skip = False
         self.step += 1
         self.consumed_samples += train.global_batch_size
+        if skipped:
+            self.skipped_steps += 1
+            discard_balance(self.routers)
+            return None
         update_balance(self.routers, self.layout.data_context_group)
         return group_mean(loss, self.layout.data_parallel_group)
 
@@ -246,6 +282,10 @@ class Trainer:
             ``{"step", "train_loss", "valid_loss", "recall", "output_dir",
             "stopped_by_signal"}``; ``recall`` holds the last long-range recall scores (demo
             corpus, else ``None``).
+
+        Raises:
+            TooManyBadSteps: ``train.max_consecutive_bad_steps`` steps in a row were bad; a
+                checkpoint of the last good weights was saved first.
         """
         config = self.config
         meter = IntervalMeter(
@@ -260,11 +300,30 @@ class Trainer:
             with self.stop:
                 while self.step < config.train.steps and not self.stop.should_stop():
                     meter.add(self.train_step())
+                    if self.bad_steps.exhausted:
+                        self._stop_after_bad_steps(meter)
                     self._after_step(meter)
                 self.checkpointer.save(self.step, last=True)
             return self._finish()
         finally:
             self.logger.close()
+
+    def _stop_after_bad_steps(self, meter: IntervalMeter) -> None:
+        """Log, save a checkpoint (the last good weights, the data position past the bad
+        batches), record why, and raise :class:`TooManyBadSteps`."""
+        self.logger.log(self.step, self._train_scalars(meter))
+        path = self.checkpointer.save(self.step, last=True) or self.checkpointer.latest
+        message = self.bad_steps.message(self.step, path)
+        self.logger.event(
+            "end",
+            step=self.step,
+            bad_steps=self.bad_steps.consecutive,
+            checkpoint=str(path),
+            error=message,
+        )
+        if self.layout.is_main:
+            write_exit_status(None, self.step, failed="bad_steps")
+        raise TooManyBadSteps(message)
 
     def _after_step(self, meter: IntervalMeter) -> None:
         """Log, validate and checkpoint when each is due."""
@@ -292,6 +351,7 @@ class Trainer:
             "peak_mem_gb": peak_memory_gb(),
             "max_group_share": max_group_share(self.routers, self.layout.data_context_group),
             "ring_skipped": ring_skipped_share(self.ring_stats),
+            "skipped_steps": self.skipped_steps,  # bad steps so far (not in loss)
             "eval_s": interval.get("eval_s", 0.0),  # left out of tokens_per_s, tflops, mfu
             "save_s": interval.get("save_s", 0.0),
         }
@@ -354,15 +414,21 @@ class Trainer:
 EXIT_STATUS_ENV = "FOCUS_EXIT_STATUS_FILE"
 
 
-def write_exit_status(stopped: int | None, step: int) -> None:
+def write_exit_status(stopped: int | None, step: int, failed: str | None = None) -> None:
     """If ``$FOCUS_EXIT_STATUS_FILE`` names a file, write (atomically) how the run ended:
-    ``stopped_by_signal N STEP`` or ``done STEP``. Cluster scripts read it, e.g.
-    ``launchers/slurm.sh`` requeues the job only after a stop by signal (its pre-timeout
-    SIGTERM), not when training is done (both exit with status 0)."""
+    ``stopped_by_signal N STEP``, ``done STEP`` or ``failed REASON STEP`` (``bad_steps``).
+    Cluster scripts read it, e.g. ``launchers/slurm.sh`` requeues the job only after a stop by
+    signal (its pre-timeout SIGTERM), not when training is done (both exit with status 0) nor
+    after a failure."""
     path = os.environ.get(EXIT_STATUS_ENV)
     if not path:
         return
-    text = f"stopped_by_signal {int(stopped)} {step}\n" if stopped is not None else f"done {step}\n"
+    if failed is not None:
+        text = f"failed {failed} {step}\n"
+    elif stopped is not None:
+        text = f"stopped_by_signal {int(stopped)} {step}\n"
+    else:
+        text = f"done {step}\n"
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -21,10 +21,11 @@ LAYOUTS = {
         2,
         ["parallel.context_parallel_size=2", "parallel.cp_mode=ring", "parallel.zero_stage=3"],
     ),
-    "tp2-cp2-ring": (
+    "tp2-sp-cp2-ring": (  # the layout of configs/7b-1m.yaml: sequence parallel, CP ring
         4,
         [
             "parallel.tensor_parallel_size=2",
+            "parallel.sequence_parallel=true",
             "parallel.context_parallel_size=2",
             "parallel.cp_mode=ring",
         ],

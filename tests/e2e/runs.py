@@ -27,6 +27,7 @@ SMALL = [
     "model.vocab_size=320",
     "model.max_seq_length=128",
     "model.focus.window=16",
+    "model.focus.check_finite=true",  # the debugging knob is on in tests
     "data.seq_length=128",
     'data.sources=["demo:80"]',
     "data.vocab_size=300",
@@ -79,7 +80,8 @@ def launch(sets: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def train_losses(run: pathlib.Path) -> dict[int, float]:
     """Step -> training loss, from the run's ``metrics.jsonl`` (the last record of a step)."""
-    return {r["step"]: r["loss"] for r in read_metrics(run) if r.get("split") == "train"}
+    records = read_metrics(run)  # a skipped bad step's record has no loss
+    return {r["step"]: r["loss"] for r in records if r.get("split") == "train" and "loss" in r}
 
 
 def train_steps_logged(run: pathlib.Path) -> list[int]:

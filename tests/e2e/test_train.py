@@ -335,17 +335,17 @@ def test_dry_run_plans_the_million_token_recipe():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "layout",
-    ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-cp2-ring"],
+    ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-sp-cp2-ring"],
 )
 def test_parallel_layouts_match_one_process(tmp_path, one_process, layout_run, layout):
     """TP=2 (through DeepSpeed's mpu adapter), DP=2 with ZeRO-2, ZeRO-3 or ZeRO-2 with the
     optimizer offloaded to CPU (DeepSpeedCPUAdam), and context parallelism (CP=2 ring under
-    ZeRO-3; TP=2 x CP=2 ring; all-to-all in the torchrun test below) train like one process
-    (same global batch: DP=1 accumulates two micro-batches; TP=2 x CP=2 runs four processes;
-    the layouts are in ``tests/e2e/conftest.py``)."""
+    ZeRO-3; TP=2 with sequence parallelism x CP=2 ring; all-to-all in the torchrun test below)
+    train like one process (same global batch: DP=1 accumulates two micro-batches; TP=2 x CP=2
+    runs four processes; the layouts are in ``tests/e2e/conftest.py``)."""
     single, single_run = one_process
     results, run = layout_run(layout)
-    assert len(results) == (4 if layout == "tp2-cp2-ring" else 2)
+    assert len(results) == (4 if layout == "tp2-sp-cp2-ring" else 2)
     for result in results:
         assert result["step"] == 3
         assert result["train_loss"] == pytest.approx(single["train_loss"], rel=2e-4)

@@ -38,7 +38,10 @@ def _build(
     from focus_pretrain.focus import FocusConfig
     from focus_pretrain.model import ModelConfig, build_model
 
-    config = ModelConfig(focus=FocusConfig(**focus_kwargs), **model_kwargs)
+    # check_finite: the debugging knob is on in tests
+    config = ModelConfig(
+        focus=FocusConfig(**{"check_finite": True, **focus_kwargs}), **model_kwargs
+    )
     model_parallel_cuda_manual_seed(42 + seed)
     torch.manual_seed(seed)
     return config, build_model(config, params_dtype)

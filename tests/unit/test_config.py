@@ -95,3 +95,15 @@ def test_1b_8k_recipe_and_its_dense_twin():
     total = 2 * m.vocab_size * h + m.num_layers * layer + h + routers
     assert total == 1_214_092_288  # launchers/pretrain.py --dry-run (meta device) counts this
     assert 0.9e9 < total < 1.4e9
+
+
+def test_training_recipes_leave_the_nan_debugging_knob_off():
+    """``model.focus.check_finite`` costs a device sync per router and attention call on GPU;
+    training skips bad steps instead (train/bad_steps.py), so every shipped recipe leaves it
+    off and keeps the bad-step limit."""
+    recipes = [p for p in sorted(ROOT.glob("configs/*.yaml")) if p.name != "focus-defaults.yaml"]
+    assert len(recipes) >= 7
+    for path in recipes:
+        config = load_config(path)
+        assert not config.model.focus.check_finite, path.name
+        assert config.train.max_consecutive_bad_steps >= 1, path.name

@@ -39,3 +39,16 @@ def test_evaluation_and_saving_are_left_out_of_throughput():
     meter.add(1.0)
     nxt = meter.scalars()
     assert "eval_s" not in nxt and nxt["tokens_per_s"] == pytest.approx(8 * 128 / 2.0)
+
+
+def test_a_skipped_step_counts_in_throughput_not_in_the_loss():
+    clock = Clock()
+    meter = IntervalMeter(6e9, 8, 128, devices=1, peak=None, clock=clock)
+    for loss in (3.0, None, 1.0):
+        clock.now += 1.0
+        meter.add(loss)
+    out = meter.scalars()
+    assert out["loss"] == 2.0 and out["tokens_per_s"] == pytest.approx(3 * 8 * 128 / 3.0)
+    clock.now += 1.0
+    meter.add(None)
+    assert meter.scalars()["loss"] is None  # an interval of bad steps only: no loss
