@@ -7,8 +7,9 @@ overlap settings (``zero_optimization.reduce_bucket_size`` ...), fp16 loss-scali
 activation-checkpointing options. Mappings merge key by key; any other value replaces.
 
 Keys the recipe owns are refused with the key to use instead (:data:`OWNED`): batch sizes,
-gradient accumulation and clipping, the ZeRO stage and optimizer offload, the precision, and
-the optimizer and schedule (the trainer builds AdamW and steps the learning rate itself).
+gradient accumulation and clipping, the ZeRO stage and optimizer offload, the precision,
+the optimizer and schedule (the trainer builds AdamW and steps the learning rate itself), and
+universal checkpoint loading (resharding decides it per resume).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ OWNED = {
     "amp.enabled": "train.precision",
     "optimizer": "train.lr, train.betas, train.eps and train.weight_decay (AdamW)",
     "scheduler": "train.schedule, train.warmup_steps and train.min_lr",
+    "checkpoint.load_universal": "train.load_universal (launcher flag --universal-checkpoint)",
 }
 
 

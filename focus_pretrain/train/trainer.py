@@ -13,6 +13,7 @@ under ``deepspeed``, ``torchrun``, ``srun`` or plain ``python``.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from pathlib import Path
@@ -341,10 +342,13 @@ class Trainer:
         interval = meter.scalars()
         self.last_train_loss = interval["loss"]
         norm = self.engine.get_global_grad_norm()
+        norm = None if norm is None else float(norm)
+        if norm is not None and not math.isfinite(norm):  # a skipped bad step: not JSON
+            norm = None
         return {
             "loss": interval["loss"],
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": None if norm is None else float(norm),
+            "grad_norm": norm,
             "tokens_per_s": interval["tokens_per_s"],
             "tflops": interval["tflops"],
             "mfu": interval["mfu"],

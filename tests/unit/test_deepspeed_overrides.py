@@ -49,6 +49,7 @@ def test_entries_merge_over_the_generated_config(tmp_path):
         ("bf16=true", "train.precision"),  # a value replacing the owned section
         ("optimizer.params.lr=0.1", "train.lr"),
         ("scheduler.type=WarmupLR", "train.schedule"),
+        ("checkpoint.load_universal=true", "train.load_universal"),
     ],
 )
 def test_keys_the_recipe_owns_are_refused_naming_ours(override, ours):
