@@ -35,12 +35,12 @@ PYTHON=${PYTHON:-python}
 # on the shared file system: rank 0 writes it, this script (first node) reads it
 export FOCUS_EXIT_STATUS_FILE=${FOCUS_EXIT_STATUS_FILE:-$PWD/.focus-exit-$SLURM_JOB_ID}
 rm -f "$FOCUS_EXIT_STATUS_FILE"
+trap 'rm -f "$FOCUS_EXIT_STATUS_FILE"' EXIT  # also when srun fails (set -e)
 
 srun --kill-on-bad-exit=1 --cpu-bind=none \
     "$PYTHON" launchers/pretrain.py --config "$CONFIG" "$@"
 
 status=$(cat "$FOCUS_EXIT_STATUS_FILE" 2>/dev/null || echo "missing")
-rm -f "$FOCUS_EXIT_STATUS_FILE"
 case "$status" in
   stopped_by_signal*)
     echo "focus-pretrain: $status; requeueing job $SLURM_JOB_ID"

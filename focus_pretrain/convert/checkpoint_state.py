@@ -14,8 +14,8 @@ import os
 from torch import Tensor
 
 from focus_pretrain.config import Config, load_config
-from focus_pretrain.convert.families import rules_for, shard
-from focus_pretrain.convert.hf_export import _load_shards, _unshard, resolve_checkpoint
+from focus_pretrain.convert.families import rules_for, shard, unshard
+from focus_pretrain.convert.hf_export import _load_shards, resolve_checkpoint
 
 
 def megatron_state_dict(
@@ -44,6 +44,6 @@ def megatron_state_dict(
     for rule in rules_for(model.family, model.num_layers, model.tied):
         if rule.ours not in shards[0]:
             raise ValueError(f"the checkpoint {ckpt} lacks {rule.ours}")
-        full = _unshard([s[rule.ours] for s in shards], rule.shard)
+        full = unshard([s[rule.ours] for s in shards], rule.shard)
         state[rule.ours] = shard(full, rule.shard, tp_rank, tp_size)
     return state, config

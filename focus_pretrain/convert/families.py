@@ -289,3 +289,16 @@ def shard(tensor: Tensor, kind: str, rank: int, size: int) -> Tensor:
         gate, up = tensor.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]]).contiguous()
     raise ValueError(f"unknown shard kind {kind!r}")
+
+
+def unshard(shards: list[Tensor], kind: str) -> Tensor:
+    """The full tensor from its tensor-parallel ranks' slices, in rank order (inverse of
+    :func:`shard`; a replicated tensor is rank 0's)."""
+    if len(shards) == 1 or kind not in (COLUMN, ROW, GLU):
+        return shards[0]
+    if kind == COLUMN:
+        return torch.cat(shards, dim=0)
+    if kind == ROW:
+        return torch.cat(shards, dim=1)
+    halves = [s.chunk(2, dim=0) for s in shards]  # GLU: per rank [gate_r; up_r]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

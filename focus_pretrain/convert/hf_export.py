@@ -23,14 +23,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.config import Config, load_config
-from focus_pretrain.convert.families import (
-    COLUMN,
-    GLU,
-    HF_MODEL_TYPES,
-    ROW,
-    Geometry,
-    rules_for,
-)
+from focus_pretrain.convert.families import HF_MODEL_TYPES, Geometry, rules_for, unshard
 from focus_pretrain.convert.hf_rope import layer_types_for, rope_parameters
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
@@ -125,17 +118,6 @@ def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
     return state
 
 
-def _unshard(shards: list[Tensor], kind: str) -> Tensor:
-    if len(shards) == 1 or kind not in (COLUMN, ROW, GLU):
-        return shards[0]
-    if kind == COLUMN:
-        return torch.cat(shards, dim=0)
-    if kind == ROW:
-        return torch.cat(shards, dim=1)
-    halves = [s.chunk(2, dim=0) for s in shards]  # GLU: per rank [gate_r; up_r]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-
-
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """The family's HF ``config.json`` fields for ``config`` (inverse of the import map)."""
     if config.family == "gpt2":
@@ -209,7 +191,7 @@ def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[
     for rule in rules_for(config.family, config.num_layers, config.tied):
         if rule.ours not in shards[0]:
             raise ValueError(f"the checkpoint lacks {rule.ours}")
-        full = _unshard([s[rule.ours].float() for s in shards], rule.shard)
+        full = unshard([s[rule.ours].float() for s in shards], rule.shard)
         for key, tensor in zip(rule.hf, rule.to_hf(geometry, full), strict=True):
             out[key] = tensor
     layer = (

@@ -264,15 +264,14 @@ class FocusRouter(nn.Module):
                 f"hidden must be [batch, seq, hidden_size={self.hidden_size}], "
                 f"got shape {tuple(hidden.shape)}"
             )
-        if self.check_finite and gather_tokens is None and not torch.isfinite(hidden).all():
-            raise ValueError("hidden (router input) contains NaN or inf values")
         dtype = compute_dtype(hidden.dtype, self.proj.weight.dtype)
         projected = F.linear(hidden.to(dtype), self.proj.weight.to(dtype))  # [b, s, d_g]
         if gather_tokens is not None:
             projected = gather_tokens(projected)  # [b, s_part, d_g] -> [b, s, d_g]
-            # checked after the gather, so that every rank of the sequence raises together
-            if self.check_finite and not torch.isfinite(projected).all():
-                raise ValueError("hidden (router input) contains NaN or inf values")
+        # a NaN/inf in the input reaches its projection (d_g wide: a cheaper check); checked
+        # after any gather, so that every rank of a split sequence raises together
+        if self.check_finite and not torch.isfinite(projected).all():
+            raise ValueError("hidden (router input) contains NaN or inf values")
         centroids = self.centroids.to(dtype)
         if self.normalize:
             projected = F.normalize(projected, dim=-1)

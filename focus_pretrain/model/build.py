@@ -2,11 +2,10 @@
 
 Megatron's parallel state must be initialised by the caller (without CUDA, after
 :func:`focus_pretrain.parallel.apply_cpu_shim`): the model takes its tensor- and
-context-parallel sizes from it, and whether to run Megatron sequence parallelism from
-:func:`set_sequence_parallel` (both set by ``ParallelLayout.initialize`` from the recipe's
-``parallel:`` section), unless ``build_model(..., sequence_parallel=)`` says otherwise. Build
-under ``torch.device("meta")`` to count parameters of a large config without allocating memory
-(:func:`count_parameters`).
+context-parallel sizes from it; Megatron sequence parallelism is
+``build_model(..., sequence_parallel=True)`` (the trainer passes ``parallel.sequence_parallel``).
+Build under ``torch.device("meta")`` to count parameters of a large config without allocating
+memory (:func:`count_parameters`).
 
 Sequence parallelism: the embedding scatters its output over the tensor-parallel ranks, so
 that norms, dropout and residual adds run on ``[s / tp, b, h]``; ``linear_qkv``/``linear_fc1``
@@ -37,19 +36,6 @@ from focus_pretrain.model.layers import FullWidthQKNorm, PerHeadQKNorm, PostNorm
 from focus_pretrain.model.rope import set_rope_frequencies
 
 _RMS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", *GEMMA)
-# the layout's sequence-parallel switch, beside Megatron's parallel state (set_sequence_parallel)
-_SEQUENCE_PARALLEL = {"enabled": False}
-
-
-def set_sequence_parallel(enabled: bool) -> None:
-    """Build models with Megatron sequence parallelism from now on (``parallel.sequence_parallel``;
-    ``ParallelLayout.initialize`` sets it when it builds the tensor-parallel groups)."""
-    _SEQUENCE_PARALLEL["enabled"] = bool(enabled)
-
-
-def sequence_parallel_enabled() -> bool:
-    """The switch :func:`set_sequence_parallel` set (``False`` until then)."""
-    return _SEQUENCE_PARALLEL["enabled"]
 
 
 def parallel_sizes() -> tuple[int, int]:
@@ -66,22 +52,14 @@ def parallel_sizes() -> tuple[int, int]:
 def transformer_config(
     config: ModelConfig,
     params_dtype: torch.dtype = torch.float32,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool = False,
 ):
     """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels) at
-    the parallel state's tensor- and context-parallel sizes; ``sequence_parallel``: ``None``
-    takes :func:`sequence_parallel_enabled`."""
+    the parallel state's tensor- and context-parallel sizes, with Megatron sequence parallelism
+    if ``sequence_parallel`` (Megatron refuses it without tensor parallelism)."""
     family = config.family
     tp, cp = parallel_sizes()
     config.check_tensor_parallel(tp)
-    if sequence_parallel is None:
-        sequence_parallel = sequence_parallel_enabled()
-    if sequence_parallel and tp == 1:
-        raise ValueError(
-            "sequence parallelism needs tensor parallelism: the parallel state has "
-            "tensor_model_parallel_size 1 (set parallel.tensor_parallel_size > 1 or "
-            "parallel.sequence_parallel=false)"
-        )
     recompute = {}
     if config.recompute == "full":
         recompute = dict(
@@ -133,7 +111,7 @@ def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     family = config.family
     spec = get_gpt_layer_local_spec(normalization=_normalization(config))
     norm = TorchNorm  # Megatron's torch norm, usable under sequence parallelism
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm  # also post-norms
     local_window = None
     if config.is_local_layer(layer_number):
         local_window = config.sliding_window - 1
@@ -201,12 +179,12 @@ def build_model(
     config: ModelConfig,
     params_dtype: torch.dtype = torch.float32,
     *,
-    sequence_parallel: bool | None = None,
+    sequence_parallel: bool = False,
 ) -> GPTModel:
     """Build the ``GPTModel`` for ``config`` (parallel state must already be initialised).
 
-    ``sequence_parallel``: Megatron sequence parallelism (needs tensor parallelism); ``None``
-    takes :func:`sequence_parallel_enabled`. Its parameters tagged ``sequence_parallel`` need
+    ``sequence_parallel``: Megatron sequence parallelism (needs tensor parallelism;
+    ``parallel.sequence_parallel``). Its parameters tagged ``sequence_parallel`` need
     their gradients summed over the tensor-parallel group
     (:func:`focus_pretrain.parallel.sequence_parallel.reduce_sequence_parallel_grads`).
     """

@@ -5,9 +5,9 @@ The model section describes the architecture only; :meth:`ParallelConfig.check_m
 checks that need both (heads split over tensor-parallel ranks, all-to-all heads over
 context-parallel ranks, backends that can run inside the ring),
 :meth:`ParallelConfig.check_seq_length` those that need a sequence length. The model itself
-reads its tensor- and context-parallel sizes from Megatron's initialised ``parallel_state`` and
-the sequence-parallel switch from :func:`focus_pretrain.model.build.set_sequence_parallel` (both
-set by :meth:`focus_pretrain.parallel.launch.ParallelLayout.initialize`).
+reads its tensor- and context-parallel sizes from Megatron's initialised ``parallel_state`` (set
+by :meth:`focus_pretrain.parallel.launch.ParallelLayout.initialize`); the trainer passes
+``sequence_parallel`` to :func:`focus_pretrain.model.build_model`.
 """
 
 from __future__ import annotations

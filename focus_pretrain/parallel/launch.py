@@ -24,7 +24,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from focus_pretrain.model.build import set_sequence_parallel
 from focus_pretrain.parallel.config import ParallelConfig
 from focus_pretrain.parallel.cpu_shim import apply_cpu_shim
 
@@ -119,8 +118,7 @@ class ParallelLayout:
     @classmethod
     def initialize(cls, parallel: ParallelConfig, seed: int) -> ParallelLayout:
         """Start ``torch.distributed`` if needed, build Megatron's process groups for
-        ``parallel`` (CPU shim without CUDA), switch models built from now on to
-        ``parallel.sequence_parallel``, and seed Python, NumPy, torch and Megatron's
+        ``parallel`` (CPU shim without CUDA) and seed Python, NumPy, torch and Megatron's
         tensor-parallel generators with ``seed``."""
         init_distributed(parallel.timeout_minutes)
         apply_cpu_shim()
@@ -132,7 +130,6 @@ class ParallelLayout:
                 tensor_model_parallel_size=layout.tensor_parallel_size,
                 context_parallel_size=layout.context_parallel_size,
             )
-        set_sequence_parallel(parallel.sequence_parallel)
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)

@@ -51,8 +51,6 @@ def reduce_sequence_parallel_grads(model: nn.Module) -> list[RemovableHandle]:
     if not params:
         return []
     group = parallel_state.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) == 1:
-        return []
     frozen = [name for name, param in params if not param.requires_grad]
     if frozen:
         raise ValueError(

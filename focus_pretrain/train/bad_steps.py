@@ -101,7 +101,7 @@ class BadStepPolicy:
             (fp16: DeepSpeed's loss scaler owns gradient overflows).
 
     Attributes:
-        skipped: bad steps skipped since the run (or its resume) started.
+        skipped: bad steps skipped (the trainer restores it on resume: counted over resumes).
         consecutive: bad steps in a row up to now (0 after a good step).
         first_bad: the step (1-based, as logged) that began the current run of bad steps.
     """

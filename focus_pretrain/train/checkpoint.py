@@ -51,7 +51,8 @@ def latest_checkpoint(root: Path) -> Path | None:
     return None if tag is None else Path(root) / tag
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -75,7 +76,7 @@ class Checkpointer:
         config: the resolved recipe, written into every checkpoint; ``train.save_interval``
             (0: only the last step) and ``train.keep_last`` set the cadence and retention.
         client_state: returns what the trainer needs to resume (called at each save).
-        layout: this run's parallel layout (:func:`~focus_pretrain.train.reshard.run_layout`);
+        layout: this run's parallel layout (:func:`~focus_pretrain.train.resume.run_layout`);
             a checkpoint saved at another one is loaded through its universal form (allowed
             by ``train.load_universal``, refused otherwise). ``None``: never resharded.
     """
@@ -161,7 +162,7 @@ class Checkpointer:
             if (root / tag).exists():
                 shutil.rmtree(root / tag)
             os.replace(root / tmp_tag, root / tag)
-            _write_atomic(root / "latest", tag)
+            write_atomic(root / "latest", tag)
             steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _TAG.match(p.name)))
             for old in steps[: -self.keep_last]:
                 shutil.rmtree(root / tag_for(old), ignore_errors=True)

@@ -100,7 +100,7 @@ def load_checkpoint_model(
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     state, _ = megatron_state_dict(ckpt, layout.tensor_parallel_size, tp_rank)
     dtype = torch.bfloat16 if config.train.precision == "bf16" and device.type == "cuda" else None
-    model = build_model(config.model)
+    model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
     if layout.context_parallel_group is not None:
         apply_context_parallel(model, layout.context_parallel_group, config.parallel.cp_mode)
     missing, unexpected = model.load_state_dict(state, strict=False)

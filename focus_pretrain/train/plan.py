@@ -150,7 +150,7 @@ def count_split(config: Config) -> dict[str, int]:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     with torch.device("meta"):
-        model = build_model(config.model, sequence_parallel=False)  # SP changes no parameter
+        model = build_model(config.model)  # sequence parallelism changes no parameter
     apply_freeze_policy(model, config.train)
     sharded = replicated = trainable = 0
     for param in model.parameters():

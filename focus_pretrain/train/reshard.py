@@ -48,13 +48,12 @@ import torch.distributed as dist
 from torch import nn
 
 from focus_pretrain.config import Config, load_config
-from focus_pretrain.convert.families import COLUMN, GLU, REPLICATED, ROW, rules_for, shard
+from focus_pretrain.convert.families import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.model.config import ModelConfig
 
 UNIVERSAL_DIR = "universal"
 EXTRAS_FILE = "extras.pt"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
-_ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 
 
@@ -92,38 +91,6 @@ def declare_universal_info(engine, model: ModelConfig) -> None:
 
 
 # -- the layout a checkpoint was saved at --------------------------------------------------------
-
-
-def run_layout(layout, parallel) -> dict[str, int]:
-    """This run's layout (a :class:`~focus_pretrain.parallel.launch.ParallelLayout` and the
-    recipe's ``parallel`` section), keyed like :func:`saved_layout`."""
-    return {
-        "data_parallel_size": layout.data_parallel_size,
-        "tensor_parallel_size": layout.tensor_parallel_size,
-        "context_parallel_size": layout.context_parallel_size,
-        "zero_stage": parallel.zero_stage,
-    }
-
-
-def saved_layout(checkpoint: Path) -> dict[str, int] | None:
-    """``{"data_parallel_size", "tensor_parallel_size", "context_parallel_size",
-    "zero_stage"}`` of a checkpoint, read from its recipe and its ZeRO file names (one
-    optimizer file per data x context-parallel rank and tensor-parallel rank); ``None``
-    without a readable recipe. ``data_parallel_size`` is ``None`` at ZeRO stage 0 (no such
-    files)."""
-    recipe = Path(checkpoint) / "config.yaml"
-    try:
-        parallel = load_config(recipe).parallel
-    except (FileNotFoundError, ValueError):  # none, or unreadable (see train.allow_changes)
-        return None
-    ranks = {int(m.group(1)) for p in Path(checkpoint).iterdir() if (m := _ZERO_FILE.match(p.name))}
-    dp_cp = len(ranks) or None
-    return {
-        "data_parallel_size": None if dp_cp is None else dp_cp // parallel.context_parallel_size,
-        "tensor_parallel_size": parallel.tensor_parallel_size,
-        "context_parallel_size": parallel.context_parallel_size,
-        "zero_stage": parallel.zero_stage,
-    }
 
 
 # -- conversion ----------------------------------------------------------------------------------
@@ -285,20 +252,7 @@ def _extras(ckpt: Path, optimized: set[str], model: ModelConfig) -> dict[str, to
         state, _ = megatron_state_dict(ckpt, tp_size=1, tp_rank=0)
         return {n: state[n].clone() for n in names}
     kinds = shard_kinds(model, names)
-    return {n: _merge([m[n] for m in modules], kinds[n]) for n in names}
-
-
-def _merge(shards: list[torch.Tensor], kind: str) -> torch.Tensor:
-    """The whole tensor from its tensor-parallel shards (inverse of ``families.shard``)."""
-    if len(shards) == 1 or kind == REPLICATED:
-        return shards[0].clone()
-    if kind == GLU:  # each rank holds [gate_r; up_r]
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=1 if kind == ROW else 0)
-
-
-# -- loading -------------------------------------------------------------------------------------
+    return {n: unshard([m[n] for m in modules], kinds[n]).clone() for n in names}
 
 
 def ensure_universal(checkpoint: Path, is_main: bool) -> Path:

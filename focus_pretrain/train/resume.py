@@ -26,6 +26,7 @@ which converts the checkpoint to DeepSpeed's universal form and loads that
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ def check_resume(
     """Compare ``config`` with the recipe saved in ``checkpoint`` (a checkpoint directory, or
     ``None`` for a fresh run). Returns the guarded differences (empty when there are none or
     nothing to compare); raises ``ValueError`` naming them unless ``train.allow_changes``.
-    With ``layout`` (this run's, :func:`~focus_pretrain.train.reshard.run_layout`), another
+    With ``layout`` (this run's, :func:`run_layout`), another
     saved layout is refused unless ``train.load_universal`` (:func:`check_layout`)."""
     saved_path = None if checkpoint is None else Path(checkpoint) / "config.yaml"
     if saved_path is None or not saved_path.is_file():
@@ -107,6 +108,42 @@ def check_resume(
     if layout is not None:
         check_layout(Path(checkpoint), config, layout)
     return changes
+
+
+# one optimizer file per data x context-parallel rank (the first number) and TP rank
+_ZERO_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def run_layout(layout, parallel) -> dict[str, int]:
+    """This run's layout (a :class:`~focus_pretrain.parallel.launch.ParallelLayout` and the
+    recipe's ``parallel`` section), keyed like :func:`saved_layout`."""
+    return {
+        "data_parallel_size": layout.data_parallel_size,
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "context_parallel_size": layout.context_parallel_size,
+        "zero_stage": parallel.zero_stage,
+    }
+
+
+def saved_layout(checkpoint: Path) -> dict[str, int] | None:
+    """``{"data_parallel_size", "tensor_parallel_size", "context_parallel_size",
+    "zero_stage"}`` of a checkpoint, read from its recipe and its ZeRO file names (one
+    optimizer file per data x context-parallel rank and tensor-parallel rank); ``None``
+    without a readable recipe. ``data_parallel_size`` is ``None`` at ZeRO stage 0 (no such
+    files)."""
+    recipe = Path(checkpoint) / "config.yaml"
+    try:
+        parallel = load_config(recipe).parallel
+    except (FileNotFoundError, ValueError):  # none, or unreadable (see train.allow_changes)
+        return None
+    ranks = {int(m.group(1)) for p in Path(checkpoint).iterdir() if (m := _ZERO_FILE.match(p.name))}
+    dp_cp = len(ranks) or None
+    return {
+        "data_parallel_size": None if dp_cp is None else dp_cp // parallel.context_parallel_size,
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "context_parallel_size": parallel.context_parallel_size,
+        "zero_stage": parallel.zero_stage,
+    }
 
 
 LAYOUT_KEYS = {
@@ -142,8 +179,6 @@ def check_layout(checkpoint: Path, config: Config, layout: dict[str, int]) -> bo
     """Whether resuming ``checkpoint`` under ``layout`` reshards it. Raises ``ValueError``
     when the layouts differ and ``train.load_universal`` is off (naming it), or when either
     side has no ZeRO (``parallel.zero_stage=0``: nothing the universal converter reads)."""
-    from focus_pretrain.train.reshard import saved_layout
-
     saved = saved_layout(Path(checkpoint))
     changes = layout_changes(saved, layout)
     if not changes:

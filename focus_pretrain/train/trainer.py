@@ -35,7 +35,12 @@ from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
 from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
 from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
-from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint, latest_tag
+from focus_pretrain.train.checkpoint import (
+    Checkpointer,
+    latest_checkpoint,
+    latest_tag,
+    write_atomic,
+)
 from focus_pretrain.train.focus_stats import (
     discard_balance,
     max_group_share,
@@ -58,8 +63,7 @@ from focus_pretrain.train.optim import (
     lr_lambda,
     parameter_groups,
 )
-from focus_pretrain.train.reshard import run_layout
-from focus_pretrain.train.resume import check_resume
+from focus_pretrain.train.resume import check_resume, run_layout
 from focus_pretrain.train.stop import StopSignal
 from focus_pretrain.train.validate import Validator
 
@@ -72,7 +76,6 @@ class Trainer:
         layout: the process grid (:class:`~focus_pretrain.parallel.launch.ParallelLayout`).
         engine, optimizer: DeepSpeed's engine around the Megatron model, and its optimizer.
         step, consumed_samples: optimizer steps done and samples drawn (the resume point).
-        skipped_steps: steps skipped as bad since the run began (resumes included).
         checkpointer, validator, logger, stop, bad_steps: the run's components.
     """
 
@@ -89,10 +92,11 @@ class Trainer:
         # before anything is built or written: a resume with another model or data order
         # is refused, naming the keys (train.allow_changes continues anyway)
         # ... and one at another parallel layout unless train.load_universal (resharding)
+        self.run_layout = run_layout(self.layout, config.parallel)
         self.recipe_changes = check_resume(
             latest_checkpoint(self.output_dir / "checkpoints"),
             config,
-            run_layout(self.layout, config.parallel),
+            self.run_layout,
         )
         if self.layout.is_main:
             save_config(config, self.output_dir / "config.yaml")
@@ -110,7 +114,7 @@ class Trainer:
             self.engine,
             config,
             self.state_dict,
-            run_layout(self.layout, config.parallel),
+            self.run_layout,
         )
         state = self.checkpointer.load()
         self.resumed_step = None if state is None else state["step"]
@@ -159,7 +163,7 @@ class Trainer:
         """The Megatron model with context parallelism installed, HuggingFace weights on a
         fresh retrofit run, and the freezing policy applied; its parameter counts."""
         config = self.config
-        model = build_model(config.model)
+        model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
         reduce_sequence_parallel_grads(model)  # DeepSpeed does not sum them over TP
         ring_stats = None
         cp_group = self.layout.context_parallel_group
@@ -219,7 +223,7 @@ class Trainer:
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.bad_steps.skipped,
             "rng": {
                 "python": random.getstate(),
                 "numpy": np.random.get_state(),
@@ -230,7 +234,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (:meth:`state_dict`): the data stream resumes exactly."""
         self.step, self.consumed_samples = state["step"], state["consumed_samples"]
-        self.skipped_steps = state.get("skipped_steps", 0)
+        self.bad_steps.skipped = state.get("skipped_steps", 0)  # counted over resumes
         if "rng" in state:
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
@@ -269,7 +273,6 @@ class Trainer:
         self.step += 1
         self.consumed_samples += train.global_batch_size
         if skipped:
-            self.skipped_steps += 1
             discard_balance(self.routers)
             return None
         update_balance(self.routers, self.layout.data_context_group)
@@ -355,7 +358,7 @@ class Trainer:
             "peak_mem_gb": peak_memory_gb(),
             "max_group_share": max_group_share(self.routers, self.layout.data_context_group),
             "ring_skipped": ring_skipped_share(self.ring_stats),
-            "skipped_steps": self.skipped_steps,  # bad steps so far (not in loss)
+            "skipped_steps": self.bad_steps.skipped,  # bad steps so far (not in loss)
             "eval_s": interval.get("eval_s", 0.0),  # left out of tokens_per_s, tflops, mfu
             "save_s": interval.get("save_s", 0.0),
         }
@@ -433,9 +436,7 @@ def write_exit_status(stopped: int | None, step: int, failed: str | None = None)
         text = f"stopped_by_signal {int(stopped)} {step}\n"
     else:
         text = f"done {step}\n"
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(Path(path), text)
 
 
 def pretrain(config: Config) -> dict[str, Any]:

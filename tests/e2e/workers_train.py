@@ -26,7 +26,7 @@ def checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens, new_tokens:
 
     config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
     ParallelLayout.initialize(config.parallel, config.run.seed)
-    model = build_model(config.model)
+    model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
     state = torch.load(pathlib.Path(ckpt) / "mp_rank_00_model_states.pt", weights_only=False)
     model.load_state_dict(state["module"], strict=False)
 
@@ -59,7 +59,7 @@ def sharded_checkpoint_logits(rank: int, world_size: int, ckpt: str, tokens):
 
     config = load_config(pathlib.Path(ckpt) / "config.yaml", [])
     ParallelLayout.initialize(config.parallel, config.run.seed)
-    model = build_model(config.model).eval()
+    model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel).eval()
     path = pathlib.Path(ckpt) / f"mp_rank_{rank:02d}_model_states.pt"
     model.load_state_dict(torch.load(path, weights_only=False)["module"], strict=False)
     with torch.no_grad():

@@ -133,13 +133,12 @@ def test_universal_state_files_carry_the_full_shape_and_merge_rule(tmp_path):
 def test_merged_shards_are_the_whole_tensor():
     """Buffers and frozen weights are merged over tensor-parallel ranks by the shard kinds:
     the exact inverse of the cut a rank loads (``families.shard``)."""
-    from focus_pretrain.convert.families import shard
-    from focus_pretrain.train.reshard import _merge
+    from focus_pretrain.convert.families import shard, unshard
 
     full = torch.randn(8, 6)
     for kind in ("column", "row", "glu", "replicated"):
         for size in (1, 2):
             pieces = [shard(full, kind, rank, size) for rank in range(size)]
-            assert torch.equal(_merge(pieces, kind), full), (kind, size)
+            assert torch.equal(unshard(pieces, kind), full), (kind, size)
     glu = [shard(full, "glu", rank, 2) for rank in range(2)]
     assert not torch.equal(torch.cat(glu), full)  # a plain concatenation would be wrong
