@@ -19,6 +19,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# Triton: a CUDA torch brings its own (kept); on CPU it is installed for the tests, which run the
+# `triton` backend's kernels in Triton's interpreter (>= 3.9 works with NumPy 2).
 # DeepSpeed ships only an sdist whose setup.py imports torch: it is built without build
 # isolation, against the torch installed above (an isolated build would download another torch).
 $(STAMP): pyproject.toml
@@ -26,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip "setuptools>=77" wheel
 	if [ -n "$(strip $(TORCH_SPEC))" ]; then $(PIP) install --quiet $(TORCH_SPEC); fi
 	$(PIP) install --quiet --no-build-isolation -e ".[test,eval]"
+	$(PY) -c "import triton" 2>/dev/null || $(PIP) install --quiet "triton>=3.9"
 	touch $@
 
 # The main job on the embedded demo corpus (CPU is fine): data prep, training, checkpoints.

@@ -1,12 +1,21 @@
-"""Shared pytest configuration: deterministic seeds and a bounded thread count."""
+"""Shared pytest configuration: deterministic seeds and a bounded thread count.
+
+Without CUDA, Triton (when installed) runs in its interpreter: ``TRITON_INTERPRET=1`` must be
+set before Triton is first imported, so it is set here, for this process and its workers. The
+``triton`` attention backend's kernels are then tested on CPU tensors
+(``tests/unit/test_soft_triton.py``)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 from hypothesis import settings
+
+if "triton" not in sys.modules and not torch.cuda.is_available():  # torch does not import it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=400, deadline=None)

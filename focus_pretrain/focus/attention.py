@@ -23,6 +23,9 @@ one for the request (:func:`select_backend`). Backends:
   inference as group sort + one varlen causal call + cross-group band + log-sum-exp merge.
 * ``flex`` (:mod:`~focus_pretrain.focus.flex`): FlexAttention, hard any ``top_k`` (block-sparse on
   the group-sorted layout), soft gate as ``score_mod`` (training), sliding window.
+* ``triton`` (:mod:`~focus_pretrain.focus.soft_triton`): the soft gate (training) as fused Triton
+  kernels, forward and backward, with no atomics; CUDA, or CPU under Triton's interpreter.
+  Selected by name only until its GPU speed is measured (``auto`` never picks it).
 
 ``auto`` on CUDA: ``decomposed`` for hard top-1 fp16/bf16 when a FlashAttention varlen kernel
 is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measured faster than
@@ -50,6 +53,7 @@ from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
+from focus_pretrain.focus.soft_triton import runs_on, supports, triton_focus_attention
 
 BackendFn = Callable[..., tuple[Tensor, Tensor]]
 
@@ -130,7 +134,7 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
         raise ValueError(
             f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
             f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
-            f"documents={request.documents}, "
+            f"documents={request.documents}, head_dim={request.head_dim}, "
             f"needs_grad={request.needs_grad} on {request.device} with {request.dtype}; "
             "use backend='auto'"
         )
@@ -390,6 +394,13 @@ def _flex_priority(r: AttentionRequest) -> int | None:
     return None
 
 
+def _triton_priority(r: AttentionRequest) -> int | None:
+    if r.mode != "soft" or r.local_only or not runs_on(r.device, r.dtype):
+        return None
+    return -30 if supports(r.head_dim) else None  # by name only, never ``auto`` (yet)
+
+
 register_backend(Backend("reference", reference_attention, lambda r: 0))
 register_backend(Backend("decomposed", decomposed_attention, _decomposed_priority))
 register_backend(Backend("flex", flex_focus_attention, _flex_priority))
+register_backend(Backend("triton", triton_focus_attention, _triton_priority))

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
 ATTENTION_MODES = ("soft", "hard")
-BACKEND_NAMES = ("auto", "reference", "decomposed", "flex")  # attention.py registers the last 3
-TRAINING_BACKENDS = ("auto", "reference", "flex")  # the soft gate (decomposed: inference only)
+BACKEND_NAMES = ("auto", "reference", "decomposed", "flex", "triton")  # registered in attention.py
+TRAINING_BACKENDS = ("auto", "reference", "flex", "triton")  # the soft gate (decomposed: hard only)
 MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 
@@ -52,9 +52,10 @@ class FocusConfig:
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
         backend: attention backend of the soft (training) pattern: ``"auto"`` (an exact one
-            for each call, by fixed rules), ``"reference"`` or ``"flex"``.
+            for each call, by fixed rules), ``"reference"``, ``"flex"`` or ``"triton"`` (fused
+            Triton kernels; by name only until measured on a GPU).
         inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
-            ``"flex"`` or ``"decomposed"`` (hard top-1 only).
+            ``"flex"``, ``"decomposed"`` (hard top-1 only) or ``"triton"`` (soft only).
         sinks: ``S >= 0`` attention sinks (StreamingLLM): the first ``S`` tokens of every
             sequence (positions ``0 .. S-1``) are visible to every later query, in both patterns
             (no gate on them in the soft one), like keys inside the window; ``S`` extra keys per
@@ -102,6 +103,11 @@ class FocusConfig:
             raise ValueError(
                 "focus.inference_backend 'decomposed' computes hard top-1 attention only, got "
                 f"top_k={self.top_k}, inference_mode={self.inference_mode!r}; use 'auto' or 'flex'"
+            )
+        if self.inference_backend == "triton" and self.inference_mode != "soft":
+            raise ValueError(
+                "focus.inference_backend 'triton' computes the soft pattern only, got "
+                f"inference_mode={self.inference_mode!r}; use 'auto', 'flex' or 'decomposed'"
             )
 
 

@@ -1,0 +1,273 @@
+"""The ``triton`` backend: soft-gated training attention as one fused kernel per pass.
+
+FlexAttention's soft gate (:func:`focus_pretrain.focus.flex.soft`) reads the ``2K`` assignment
+tables in its ``score_mod`` and, in the backward pass, accumulates their gradient with atomic
+adds per score: on an H100 that made a 1B Focus training step 4x its dense twin's
+(docs/benchmarks.md). Here the gate is part of the tile computation
+(:mod:`~focus_pretrain.focus.soft_triton_kernels`): the affinities ``G_q G_k^T`` and the
+assignment gradients ``dA G_k``, ``dA^T G_q`` are small matrix products in the tile, with no
+atomics. The function is exactly the reference's: causal attention, the gate
+``log sigmoid(lambda (g_i . g_j - 1/2))`` on pairs beyond the window whose key is not a sink,
+optional soft-capping before the gate, packed documents (no pair across documents; the sinks
+are each document's first ``S`` tokens).
+
+Runs on CUDA (fp16/bf16/fp32) wherever Triton is installed, and on CPU tensors under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests do this), where
+it is exact and slow. ``auto`` does not pick it yet: it is selected with ``backend="triton"``
+(model config ``focus.backend: triton``) until its GPU speed is measured (docs/benchmarks.md).
+Layout: ``[batch, seq, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # tl.arange needs a power of two (and tl.dot >= 16)
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """Whether the ``triton`` package is importable."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_on() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def runs_on(device: str, dtype: torch.dtype) -> bool:
+    """Whether the kernels can run here: CUDA with Triton (fp16/bf16/fp32), or CPU tensors under
+    Triton's interpreter (fp32/fp16: NumPy has no bfloat16)."""
+    if not triton_installed():
+        return False
+    if device == "cuda":
+        return torch.cuda.is_available() and dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return device == "cpu" and interpreter_on() and dtype in (torch.float32, torch.float16)
+
+
+def supports(head_dim: int) -> bool:
+    """Head dims the kernels take: powers of two, 16-256 (:data:`HEAD_DIMS`)."""
+    return head_dim in HEAD_DIMS
+
+
+def _blocks(device: str, head_dim: int) -> dict:
+    """Tile sizes and launch options. Interpreter: small tiles (many blocks on small tests)."""
+    if device != "cuda":
+        block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
+        return {"fwd": (block, block), "kv": (block, block), "q": (block, block), "opts": {}}
+    if head_dim <= 64:
+        return {
+            "fwd": (128, 64),
+            "kv": (64, 128),
+            "q": (128, 64),
+            "opts": {"num_warps": 4, "num_stages": 3},
+        }
+    return {
+        "fwd": (128, 64),
+        "kv": (64, 64),
+        "q": (64, 64),
+        "opts": {"num_warps": 8, "num_stages": 2},
+    }
+
+
+def _precisions(q: Tensor) -> tuple[str, str]:
+    """``(QK_PREC, GATE_PREC)``: fp32 inputs get IEEE products (exact to fp32); the gate's fp32
+    product uses 3xTF32 on CUDA (fp32-class accuracy on tensor cores)."""
+    if not q.is_cuda:
+        return "ieee", "ieee"
+    return ("ieee" if q.dtype == torch.float32 else "tf32"), "tf32x3"
+
+
+def _document_ends(starts: Tensor) -> Tensor:
+    """``[b, n]`` document starts -> ``[b, n]`` int64 start of the next document (``n`` for the
+    last): where each token's document ends."""
+    b, n = starts.shape
+    positions = torch.arange(n, device=starts.device).expand(b, n)
+    is_start = starts == positions  # [b, n]
+    next_start = torch.where(is_start, positions, torch.full_like(positions, n))
+    next_start = torch.cat([next_start[:, 1:], next_start.new_full((b, 1), n)], dim=1)
+    ends = torch.flip(torch.cummin(torch.flip(next_start, [1]), dim=1).values, [1])  # [b, n]
+    return ends.contiguous()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class _SoftGatedAttention(torch.autograd.Function):
+    """``(q, k, v, probs) -> (out, lse)``; see :func:`soft_gated_attention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, probs, documents, window, gate_lambda, softcap, scale, sinks):
+        from focus_pretrain.focus import soft_triton_kernels as kernels
+
+        b, n, h, d = q.shape
+        hkv = k.shape[2]
+        num_groups = probs.shape[-1]
+        kp = max(16, _next_pow2(num_groups))
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        g = torch.zeros(b, n, kp, device=q.device, dtype=torch.float32)  # [b, n, KP]
+        g[..., :num_groups] = probs.detach()  # cast to fp32
+        docs = documents.contiguous() if documents is not None else None
+        out = torch.empty_like(q)  # [b, n, H, D]
+        lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)  # [b, H, n]
+        blocks = _blocks(q.device.type, d)
+        qk_prec, gate_prec = _precisions(q)
+        common = dict(
+            D=d,
+            KP=kp,
+            HAS_DOCS=docs is not None,
+            SOFTCAP=softcap is not None,
+            QK_PREC=qk_prec,
+            GATE_PREC=gate_prec,
+        )
+        scalars = (
+            float(scale),
+            float(gate_lambda),
+            int(window),
+            int(sinks),
+            float(softcap or 1.0),
+        )
+        bm, bn = blocks["fwd"]
+        kernels.soft_forward_kernel[(_cdiv(n, bm), b * h)](
+            q, k, v, g, docs if docs is not None else q, out, lse,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
+            n, h, h // hkv, *scalars,
+            BM=bm, BN=bn, **common, **blocks["opts"],
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, g, docs, out, lse)
+        ctx.settings = (window, gate_lambda, softcap, scale, sinks, num_groups, probs.dtype)
+        return out, lse.transpose(1, 2)  # [b, n, H, D], [b, n, H]
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        from focus_pretrain.focus import soft_triton_kernels as kernels
+
+        q, k, v, g, docs, out, lse = ctx.saved_tensors
+        window, gate_lambda, softcap, scale, sinks, num_groups, probs_dtype = ctx.settings
+        b, n, h, d = q.shape
+        hkv, kp = k.shape[2], g.shape[-1]
+        d_out = d_out.contiguous()
+        if d_out.stride() != q.stride():
+            d_out = d_out.reshape(q.shape).clone(memory_format=torch.contiguous_format)
+        delta = (d_out.float() * out.float()).sum(-1)  # [b, n, H]
+        if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
+            delta = delta - d_lse.float()
+        delta = delta.transpose(1, 2).contiguous()  # [b, n, H] -> [b, H, n]
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        dg_q = torch.empty(b, h, n, kp, device=q.device, dtype=torch.float32)
+        dg_k = torch.empty(b, hkv, n, kp, device=q.device, dtype=torch.float32)
+        doc_ends = _document_ends(docs) if docs is not None else None
+        blocks = _blocks(q.device.type, d)
+        qk_prec, gate_prec = _precisions(q)
+        common = dict(
+            D=d,
+            KP=kp,
+            HAS_DOCS=docs is not None,
+            SOFTCAP=softcap is not None,
+            QK_PREC=qk_prec,
+            GATE_PREC=gate_prec,
+            **blocks["opts"],
+        )
+        scalars = (
+            float(scale),
+            float(gate_lambda),
+            int(window),
+            int(sinks),
+            float(softcap or 1.0),
+        )
+        strides = (
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
+        )  # fmt: skip
+        doc_arg = docs if docs is not None else q
+        bm, bn = blocks["kv"]
+        kernels.soft_backward_kv_kernel[(_cdiv(n, bn), b * hkv)](
+            q, k, v, g, doc_arg, doc_ends if doc_ends is not None else q, d_out, lse, delta,
+            dk, dv, dg_k, *strides, n, h, hkv, h // hkv, *scalars, BM=bm, BN=bn, **common,
+        )  # fmt: skip
+        bm, bn = blocks["q"]
+        kernels.soft_backward_q_kernel[(_cdiv(n, bm), b * h)](
+            q, k, v, g, doc_arg, d_out, lse, delta, dq, dg_q,
+            *strides, n, h, h // hkv, *scalars, BM=bm, BN=bn, **common,
+        )  # fmt: skip
+        d_probs = None
+        if ctx.needs_input_grad[3]:
+            d_g = dg_q.sum(dim=1) + dg_k.sum(dim=1)  # [b, n, KP]: both sides, every head
+            d_probs = d_g[..., :num_groups].to(probs_dtype)
+        return dq, dk, dv, d_probs, None, None, None, None, None, None
+
+
+def soft_gated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    *,
+    window: int,
+    gate_lambda: float,
+    scale: float,
+    softcap: float | None = None,
+    sinks: int = 0,
+    documents: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Soft-gated causal Focus attention through the fused Triton kernels.
+
+    Args:
+        q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]`` (one dtype, ``D`` in :data:`HEAD_DIMS`).
+        probs: ``[b, n, K]`` soft assignments (differentiable).
+        documents: ``[b, n]`` int64 document starts, or ``None``.
+
+    Returns:
+        ``(out [b, n, H, D] in q.dtype, lse [b, n, H] fp32)``; ``out`` is differentiable in
+        ``q``, ``k``, ``v`` and ``probs``.
+    """
+    return _SoftGatedAttention.apply(
+        q, k, v, probs, documents, window, gate_lambda, softcap, scale, sinks
+    )
+
+
+def triton_focus_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    probs: Tensor | None,
+    member: Tensor | None,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+    sinks: int = 0,
+    documents: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): soft mode only."""
+    if mode != "soft" or local_only or probs is None:
+        raise ValueError("the triton backend computes soft-gated (training) attention only")
+    return soft_gated_attention(
+        q,
+        k,
+        v,
+        probs,
+        window=window,
+        gate_lambda=gate_lambda,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        documents=documents,
+    )

@@ -1,0 +1,199 @@
+"""The ``triton`` backend (fused soft-gate kernels) against the reference: forward, log-sum-exp
+and every gradient (``q``, ``k``, ``v``, the soft assignments, and through the log-sum-exp) on
+random shapes, with GQA, sinks, soft-capping, packed documents and several tile sizes.
+
+Without CUDA the kernels run in Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``): the same kernel code, on CPU tensors, in fp32 and fp16. The GPU tests
+at the end run the compiled kernels in bf16 at longer lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from focus_pretrain.focus import FocusConfig, Routing, focus_attention
+from focus_pretrain.focus.attention import AttentionRequest, select_backend
+from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.soft_triton import (
+    _document_ends,
+    interpreter_on,
+    runs_on,
+    soft_gated_attention,
+    triton_installed,
+)
+from tests.helpers import random_probs, random_qkv
+
+ON_GPU = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not triton_installed() or not (ON_GPU or interpreter_on()),
+    reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
+)
+
+
+def random_documents(b: int, n: int, seed: int, rate: float = 0.08) -> torch.Tensor:
+    """``[b, n]`` int64 document starts of random packed documents."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.cumsum((torch.rand(b, n, generator=gen) < rate).long(), dim=1)
+    return document_starts(ids)
+
+
+def run_both(p: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Outputs and gradients of the triton kernels and of the reference on the same inputs:
+    ``(got, want)``, each ``[out, lse, dq, dk, dv, dprobs]`` in fp32 on the CPU."""
+    b, n, h, hkv, d = p["b"], p["n"], p["h"], p["hkv"], p["d"]
+    q, k, v = random_qkv(b, n, h, hkv, d, seed=p["seed"], dtype=torch.float32)
+    probs = random_probs(b, n, p["groups"], seed=p["seed"] + 1, sharpness=3.0).float()
+    documents = random_documents(b, n, p["seed"] + 2) if p.get("documents") else None
+    gen = torch.Generator().manual_seed(p["seed"] + 3)
+    d_out = torch.randn(b, n, h, d, generator=gen)  # [b, n, H, D]
+    d_lse = torch.randn(b, n, h, generator=gen)  # [b, n, H]
+    kwargs = dict(
+        window=p["window"],
+        gate_lambda=p.get("gate_lambda", 10.0),
+        scale=d**-0.5,
+        softcap=p.get("softcap"),
+        sinks=p.get("sinks", 0),
+    )
+    results = []
+    for name in ("triton", "reference"):
+        low = dtype if name == "triton" else torch.float32
+        leaves = [t.to(device, low).requires_grad_(True) for t in (q, k, v)]
+        leaves.append(probs.to(device).requires_grad_(True))
+        docs = None if documents is None else documents.to(device)
+        if name == "triton":
+            out, lse = soft_gated_attention(*leaves, documents=docs, **kwargs)
+        else:
+            ref_in = [t.to(dtype).float() for t in leaves[:3]]  # the same rounded inputs
+            api_kwargs = {key: value for key, value in kwargs.items() if key != "scale"}
+            out, lse = focus_attention(
+                *ref_in, Routing(leaves[3]), mode="soft", backend="reference",
+                return_lse=True, documents=docs, **api_kwargs,
+            )  # fmt: skip
+        loss = (out.float() * d_out.to(device)).sum() + (lse * d_lse.to(device)).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        results.append([t.detach().float().cpu() for t in (out, lse, *grads)])
+    return results
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dprobs")
+
+
+def assert_close(got, want, tol: float) -> None:
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        scale = b.abs().max().clamp_min(1.0)
+        err = (a - b).abs().max() / scale
+        assert err < tol, f"{name}: max error {err:.2e} (relative to {scale:.2e}) > {tol}"
+
+
+CASES = [
+    dict(b=2, n=45, h=4, hkv=2, d=16, groups=8, window=5),  # GQA, several blocks
+    dict(b=1, n=70, h=2, hkv=2, d=32, groups=3, window=0, sinks=3, softcap=4.0),
+    dict(b=2, n=61, h=4, hkv=1, d=16, groups=5, window=7, sinks=2, documents=True),
+    dict(b=1, n=33, h=2, hkv=1, d=16, groups=16, window=40),  # window past the sequence
+    dict(b=1, n=1, h=2, hkv=2, d=16, groups=4, window=3),  # one token
+]
+
+
+@pytest.mark.parametrize("p", CASES, ids=lambda p: f"n{p['n']}-K{p['groups']}-w{p['window']}")
+def test_triton_soft_equals_reference_fp32(p):
+    got, want = run_both({**p, "seed": 11})
+    assert_close(got, want, 2e-5)
+
+
+def test_triton_soft_random_shapes_and_tiles(monkeypatch):
+    """Random shapes, windows, sinks, documents and soft-caps at two tile sizes."""
+    rng = random.Random(5)
+    for tile in ("16", "32"):
+        monkeypatch.setenv("FOCUS_TRITON_TEST_BLOCK", tile)
+        for case in range(3):
+            hkv = rng.choice([1, 2])
+            p = dict(
+                b=rng.randint(1, 2),
+                n=rng.randint(2, 90),
+                hkv=hkv,
+                h=hkv * rng.choice([1, 2]),
+                d=rng.choice([16, 32]),
+                groups=rng.randint(1, 9),
+                window=rng.choice([0, 1, 9, 30]),
+                sinks=rng.choice([0, 0, 4]),
+                softcap=rng.choice([None, 3.0]),
+                documents=rng.random() < 0.5,
+                gate_lambda=rng.choice([4.0, 10.0]),
+                seed=100 + case,
+            )
+            got, want = run_both(p)
+            assert_close(got, want, 2e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's fp16; the GPU tests cover bf16")
+def test_triton_soft_fp16_inputs():
+    """fp16 operands (fp32 accumulation, fp16 probabilities in the tile products): the reference
+    runs in fp32 on the same rounded inputs."""
+    got, want = run_both({**CASES[2], "seed": 3}, dtype=torch.float16)
+    assert_close(got, want, 2e-2)
+
+
+def test_document_ends_match_a_loop():
+    starts = random_documents(3, 50, seed=1, rate=0.15)
+    ends = _document_ends(starts)
+    for bi in range(3):
+        s = starts[bi].tolist()
+        for i in range(50):
+            j = i + 1
+            while j < 50 and s[j] == s[i]:
+                j += 1
+            assert ends[bi, i] == j
+
+
+def _request(**overrides) -> AttentionRequest:
+    base = dict(device="cuda" if ON_GPU else "cpu", dtype=torch.float32, batch=1, seq=64,
+                heads=4, heads_kv=4, head_dim=32, mode="soft", top_k=1, local_only=False,
+                window=8, softcap=False, needs_grad=True)  # fmt: skip
+    return AttentionRequest(**{**base, **overrides})
+
+
+def test_triton_backend_selection_and_refusals():
+    assert runs_on(_request().device, torch.float32)
+    assert select_backend("triton", _request()).name == "triton"
+    assert select_backend("auto", _request()).name != "triton"  # by name only until measured
+    with pytest.raises(ValueError, match=r"'triton' cannot run mode='hard'"):
+        select_backend("triton", _request(mode="hard"))
+    with pytest.raises(ValueError, match=r"'triton' cannot run .*head_dim=24"):
+        select_backend("triton", _request(head_dim=24))
+    with pytest.raises(ValueError, match=r"'triton' cannot run .*local_only=True"):
+        select_backend("triton", _request(local_only=True))
+    assert FocusConfig(backend="triton").backend == "triton"
+    with pytest.raises(ValueError, match="'triton' computes the soft pattern only"):
+        FocusConfig(inference_backend="triton")
+    assert FocusConfig(inference_backend="triton", inference_mode="soft").inference_mode == "soft"
+
+
+def test_triton_through_the_api_equals_reference():
+    """``focus_attention(..., backend="triton")`` (the public API, with a Routing)."""
+    q, k, v = random_qkv(2, 40, 4, 2, 16, seed=2, dtype=torch.float32)
+    routing = Routing(random_probs(2, 40, 4, seed=3).float())
+    kwargs = dict(window=6, mode="soft", sinks=1)
+    want = focus_attention(q, k, v, routing, backend="reference", **kwargs)
+    got = focus_attention(q, k, v, routing, backend="triton", **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "p",
+    [
+        dict(b=2, n=700, h=8, hkv=2, d=64, groups=8, window=64, sinks=4),
+        dict(b=1, n=1500, h=4, hkv=4, d=128, groups=8, window=128, documents=True),
+        dict(b=1, n=513, h=4, hkv=1, d=128, groups=4, window=32, softcap=30.0),
+    ],
+    ids=["gqa-sinks", "d128-documents", "softcap"],
+)
+def test_triton_soft_on_gpu(dtype, p):
+    """Compiled kernels: bf16 (tensor-core products, bf16-rounded reference inputs) and fp32."""
+    got, want = run_both({**p, "seed": 21}, device="cuda", dtype=dtype)
+    assert_close(got, want, 2e-2 if dtype == torch.bfloat16 else 1e-4)
