@@ -23,8 +23,9 @@ one for the request (:func:`select_backend`). Backends:
   inference as group sort + one varlen causal call + cross-group band + log-sum-exp merge.
 * ``flex`` (:mod:`~focus_pretrain.focus.flex`): FlexAttention, hard any ``top_k`` (block-sparse on
   the group-sorted layout), soft gate as ``score_mod`` (training), sliding window.
-* ``triton`` (:mod:`~focus_pretrain.focus.soft_triton`): the soft gate (training) as fused Triton
-  kernels, forward and backward, with no atomics; CUDA, or CPU under Triton's interpreter.
+* ``triton`` (:mod:`~focus_pretrain.focus.soft_triton`): the soft gate (training) and
+  sliding-window layers as fused Triton kernels, forward and backward, with no atomics; CUDA,
+  or CPU under Triton's interpreter.
   Selected by name only until its GPU speed is measured (``auto`` never picks it).
 
 ``auto`` on CUDA: ``decomposed`` for hard top-1 fp16/bf16 when a FlashAttention varlen kernel
@@ -395,7 +396,7 @@ def _flex_priority(r: AttentionRequest) -> int | None:
 
 
 def _triton_priority(r: AttentionRequest) -> int | None:
-    if r.mode != "soft" or r.local_only or not runs_on(r.device, r.dtype):
+    if (r.mode != "soft" and not r.local_only) or not runs_on(r.device, r.dtype):
         return None
     return -30 if supports(r.head_dim) else None  # by name only, never ``auto`` (yet)
 

@@ -9,7 +9,9 @@ assignment gradients ``dA G_k``, ``dA^T G_q`` are small matrix products in the t
 atomics. The function is exactly the reference's: causal attention, the gate
 ``log sigmoid(lambda (g_i . g_j - 1/2))`` on pairs beyond the window whose key is not a sink,
 optional soft-capping before the gate, packed documents (no pair across documents; the sinks
-are each document's first ``S`` tokens).
+are each document's first ``S`` tokens). Sliding-window layers (``local_only``: no router; the
+dense twin is one with an unlimited window) run through the same kernels without the gate, so a
+model configured with ``focus.backend: triton`` runs every layer on them.
 
 Runs on CUDA (fp16/bf16/fp32) wherever Triton is installed, and on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests do this), where
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -104,6 +107,41 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What the kernels of one call share besides the tensors."""
+
+    window: int
+    lam: float
+    softcap: float | None
+    scale: float
+    sinks: int
+    num_groups: int
+    kp: int
+    local: bool
+    documents: bool
+    probs_dtype: torch.dtype | None
+
+    def scalars(self) -> tuple:
+        """``(scale, lam, window, sinks, cap)`` in the kernels' argument order."""
+        cap = 1.0 if self.softcap is None else float(self.softcap)
+        return float(self.scale), float(self.lam), int(self.window), int(self.sinks), cap
+
+    def constants(self, q: Tensor) -> dict:
+        """The kernels' compile-time arguments and launch options."""
+        qk_prec, gate_prec = _precisions(q)
+        return dict(
+            D=q.shape[-1],
+            KP=self.kp,
+            HAS_DOCS=self.documents,
+            SOFTCAP=self.softcap is not None,
+            LOCAL=self.local,
+            QK_PREC=qk_prec,
+            GATE_PREC=gate_prec,
+            **_blocks(q.device.type, q.shape[-1])["opts"],
+        )
+
+
 class _SoftGatedAttention(torch.autograd.Function):
     """``(q, k, v, probs) -> (out, lse)``; see :func:`soft_gated_attention`."""
 
@@ -113,41 +151,31 @@ class _SoftGatedAttention(torch.autograd.Function):
 
         b, n, h, d = q.shape
         hkv = k.shape[2]
-        num_groups = probs.shape[-1]
+        local = probs is None  # a sliding-window layer: no gate, pairs beyond the window cut
+        num_groups = 0 if local else probs.shape[-1]
         kp = max(16, _next_pow2(num_groups))
         q, k, v = (t.contiguous() for t in (q, k, v))
-        g = torch.zeros(b, n, kp, device=q.device, dtype=torch.float32)  # [b, n, KP]
-        g[..., :num_groups] = probs.detach()  # cast to fp32
+        g = q  # not read by a LOCAL kernel
+        if not local:
+            g = torch.zeros(b, n, kp, device=q.device, dtype=torch.float32)  # [b, n, KP]
+            g[..., :num_groups] = probs.detach()  # cast to fp32
         docs = documents.contiguous() if documents is not None else None
         out = torch.empty_like(q)  # [b, n, H, D]
         lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)  # [b, H, n]
-        blocks = _blocks(q.device.type, d)
-        qk_prec, gate_prec = _precisions(q)
-        common = dict(
-            D=d,
-            KP=kp,
-            HAS_DOCS=docs is not None,
-            SOFTCAP=softcap is not None,
-            QK_PREC=qk_prec,
-            GATE_PREC=gate_prec,
-        )
-        scalars = (
-            float(scale),
-            float(gate_lambda),
-            int(window),
-            int(sinks),
-            float(softcap or 1.0),
-        )
-        bm, bn = blocks["fwd"]
+        settings = _Settings(
+            window=min(window, n), lam=gate_lambda, softcap=softcap, scale=scale, sinks=sinks,
+            num_groups=num_groups, kp=kp, local=local, documents=docs is not None,
+            probs_dtype=None if local else probs.dtype,
+        )  # fmt: skip
+        bm, bn = _blocks(q.device.type, d)["fwd"]
         kernels.soft_forward_kernel[(_cdiv(n, bm), b * h)](
             q, k, v, g, docs if docs is not None else q, out, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
-            n, h, h // hkv, *scalars,
-            BM=bm, BN=bn, **common, **blocks["opts"],
+            n, h, h // hkv, *settings.scalars(), BM=bm, BN=bn, **settings.constants(q),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, g, docs, out, lse)
-        ctx.settings = (window, gate_lambda, softcap, scale, sinks, num_groups, probs.dtype)
+        ctx.settings = settings
         return out, lse.transpose(1, 2)  # [b, n, H, D], [b, n, H]
 
     @staticmethod
@@ -155,59 +183,42 @@ class _SoftGatedAttention(torch.autograd.Function):
         from focus_pretrain.focus import soft_triton_kernels as kernels
 
         q, k, v, g, docs, out, lse = ctx.saved_tensors
-        window, gate_lambda, softcap, scale, sinks, num_groups, probs_dtype = ctx.settings
+        settings: _Settings = ctx.settings
         b, n, h, d = q.shape
-        hkv, kp = k.shape[2], g.shape[-1]
-        d_out = d_out.contiguous()
-        if d_out.stride() != q.stride():
-            d_out = d_out.reshape(q.shape).clone(memory_format=torch.contiguous_format)
+        hkv, kp = k.shape[2], settings.kp
+        d_out = d_out.contiguous()  # [b, n, H, D] like q (the kernels read both with q's strides)
         delta = (d_out.float() * out.float()).sum(-1)  # [b, n, H]
         if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
             delta = delta - d_lse.float()
         delta = delta.transpose(1, 2).contiguous()  # [b, n, H] -> [b, H, n]
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dg_q = torch.empty(b, h, n, kp, device=q.device, dtype=torch.float32)
-        dg_k = torch.empty(b, hkv, n, kp, device=q.device, dtype=torch.float32)
-        doc_ends = _document_ends(docs) if docs is not None else None
-        blocks = _blocks(q.device.type, d)
-        qk_prec, gate_prec = _precisions(q)
-        common = dict(
-            D=d,
-            KP=kp,
-            HAS_DOCS=docs is not None,
-            SOFTCAP=softcap is not None,
-            QK_PREC=qk_prec,
-            GATE_PREC=gate_prec,
-            **blocks["opts"],
-        )
-        scalars = (
-            float(scale),
-            float(gate_lambda),
-            int(window),
-            int(sinks),
-            float(softcap or 1.0),
-        )
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dg_q = dg_k = q  # not written by a LOCAL kernel
+        if not settings.local:
+            dg_q = torch.empty(b, h, n, kp, device=q.device, dtype=torch.float32)
+            dg_k = torch.empty(b, hkv, n, kp, device=q.device, dtype=torch.float32)
+        docs_arg = docs if docs is not None else q
+        doc_ends = _document_ends(docs) if docs is not None else q
         strides = (
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
         )  # fmt: skip
-        doc_arg = docs if docs is not None else q
+        blocks = _blocks(q.device.type, d)
         bm, bn = blocks["kv"]
         kernels.soft_backward_kv_kernel[(_cdiv(n, bn), b * hkv)](
-            q, k, v, g, doc_arg, doc_ends if doc_ends is not None else q, d_out, lse, delta,
-            dk, dv, dg_k, *strides, n, h, hkv, h // hkv, *scalars, BM=bm, BN=bn, **common,
+            q, k, v, g, docs_arg, doc_ends, d_out, lse, delta, dk, dv, dg_k,
+            *strides, n, h, hkv, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+            **settings.constants(q),
         )  # fmt: skip
         bm, bn = blocks["q"]
         kernels.soft_backward_q_kernel[(_cdiv(n, bm), b * h)](
-            q, k, v, g, doc_arg, d_out, lse, delta, dq, dg_q,
-            *strides, n, h, h // hkv, *scalars, BM=bm, BN=bn, **common,
+            q, k, v, g, docs_arg, d_out, lse, delta, dq, dg_q,
+            *strides, n, h, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+            **settings.constants(q),
         )  # fmt: skip
         d_probs = None
-        if ctx.needs_input_grad[3]:
+        if not settings.local and ctx.needs_input_grad[3]:
             d_g = dg_q.sum(dim=1) + dg_k.sum(dim=1)  # [b, n, KP]: both sides, every head
-            d_probs = d_g[..., :num_groups].to(probs_dtype)
+            d_probs = d_g[..., : settings.num_groups].to(settings.probs_dtype)
         return dq, dk, dv, d_probs, None, None, None, None, None, None
 
 
@@ -215,7 +226,7 @@ def soft_gated_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs: Tensor,
+    probs: Tensor | None,
     *,
     window: int,
     gate_lambda: float,
@@ -228,7 +239,8 @@ def soft_gated_attention(
 
     Args:
         q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]`` (one dtype, ``D`` in :data:`HEAD_DIMS`).
-        probs: ``[b, n, K]`` soft assignments (differentiable).
+        probs: ``[b, n, K]`` soft assignments (differentiable), or ``None`` for a
+            sliding-window layer (keys at most ``window`` back, plus the sinks; no gate).
         documents: ``[b, n]`` int64 document starts, or ``None``.
 
     Returns:
@@ -256,14 +268,15 @@ def triton_focus_attention(
     sinks: int = 0,
     documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): soft mode only."""
-    if mode != "soft" or local_only or probs is None:
-        raise ValueError("the triton backend computes soft-gated (training) attention only")
+    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): the soft pattern
+    and sliding-window layers; not the hard pattern."""
+    if not local_only and (mode != "soft" or probs is None):
+        raise ValueError("the triton backend computes the soft pattern, not the hard one")
     return soft_gated_attention(
         q,
         k,
         v,
-        probs,
+        None if local_only else probs,
         window=window,
         gate_lambda=gate_lambda,
         scale=scale,

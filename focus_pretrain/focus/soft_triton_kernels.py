@@ -50,27 +50,30 @@ def _tile(
     cap,
     HAS_DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
     """Scores of a ``[BM, BN]`` tile: ``(t, allowed, gated, x, tanh)`` (``t`` natural units,
-    not masked; ``tanh`` is the soft-cap's, for its derivative)."""
+    not masked; ``tanh`` is the soft-cap's, for its derivative). ``LOCAL``: a sliding-window
+    layer: pairs beyond the window (sinks excepted) are not allowed, and there is no gate."""
     raw = tl.dot(q, tl.trans(k), input_precision=QK_PREC) * scale  # [BM, BN] fp32
     th = raw
     if SOFTCAP:
         th = 1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0)  # tanh(raw / cap)
         raw = cap * th
-    affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
-    x = lam * (affinity - 0.5)
-    gate = tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))  # log sigmoid(x)
     allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < n)
     key = offs_n
     if HAS_DOCS:
         allowed = allowed & (doc_q[:, None] == doc_k[None, :])
         key = offs_n - doc_k
-    gated = (offs_m[:, None] - offs_n[None, :] > window) & (key[None, :] >= sinks)
-    t = raw + tl.where(gated, gate, 0.0)
-    return t, allowed, gated, x, th
+    beyond = (offs_m[:, None] - offs_n[None, :] > window) & (key[None, :] >= sinks)
+    if LOCAL:
+        return raw, allowed & ~beyond, beyond & False, raw, th
+    affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
+    x = lam * (affinity - 0.5)
+    gate = tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))  # log sigmoid(x)
+    return raw + tl.where(beyond, gate, 0.0), allowed, beyond, x, th
 
 
 @triton.jit
@@ -111,6 +114,7 @@ def soft_forward_kernel(
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
@@ -130,16 +134,21 @@ def soft_forward_kernel(
         mask=rows[:, None],
         other=0.0,
     )
-    g_q = tl.load(
-        G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
-    lo = 0
+    g_q = tl.zeros([BM, KP], dtype=tl.float32)  # LOCAL: no assignments (G is not read)
+    if not LOCAL:
+        g_q = tl.load(
+            G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
+            mask=rows[:, None],
+            other=0.0,
+        )
+    lo = pid_m * 0
     doc_q = offs_m
-    if HAS_DOCS:
+    if HAS_DOCS:  # document starts never decrease: the first query's is the block's lowest
         doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=0)
-        lo = (tl.load(DOC + bi * stride_db + pid_m * BM).to(tl.int32) // BN) * BN  # never decrease
+        lo = (tl.load(DOC + bi * stride_db + pid_m * BM).to(tl.int32) // BN) * BN
+    if LOCAL:  # without sinks no key before the first query's window
+        first = tl.maximum(pid_m * BM - window, 0) // BN * BN
+        lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
     hi = (pid_m + 1) * BM  # keys past n (last block) are masked
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -157,17 +166,19 @@ def soft_forward_kernel(
             mask=cols[:, None],
             other=0.0,
         )
-        g_k = tl.load(
-            G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
+        g_k = tl.zeros([BN, KP], dtype=tl.float32)
+        if not LOCAL:
+            g_k = tl.load(
+                G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
+                mask=cols[:, None],
+                other=0.0,
+            )
         doc_k = offs_n
         if HAS_DOCS:
             doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
         t, allowed, _, _, _ = _tile(
             q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-            HAS_DOCS, SOFTCAP, QK_PREC, GATE_PREC,
+            HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
         )  # fmt: skip
         t2 = tl.where(allowed, t * LOG2E, float("-inf"))  # [BM, BN] base 2
         m_new = tl.maximum(m_i, tl.max(t2, 1))
@@ -229,6 +240,7 @@ def soft_backward_kv_kernel(
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
@@ -254,11 +266,13 @@ def soft_backward_kv_kernel(
         mask=cols[:, None],
         other=0.0,
     )
-    g_k = tl.load(
-        G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-        mask=cols[:, None],
-        other=0.0,
-    )
+    g_k = tl.zeros([BN, KP], dtype=tl.float32)
+    if not LOCAL:
+        g_k = tl.load(
+            G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
+            mask=cols[:, None],
+            other=0.0,
+        )
     lo = (pid_n * BN // BM) * BM  # causal: no query before the first key
     hi = n
     doc_k = offs_n
@@ -266,6 +280,8 @@ def soft_backward_kv_kernel(
         doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
         last = tl.minimum(pid_n * BN + BN, n) - 1
         hi = tl.load(DOC_END + bi * stride_db + last).to(tl.int32)  # its document's end
+    if LOCAL:  # without sinks no query past the last key's window
+        hi = tl.minimum(hi, tl.where(sinks == 0, pid_n * BN + BN + window, n))
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
     dg_k = tl.zeros([BN, KP], dtype=tl.float32)
@@ -284,11 +300,13 @@ def soft_backward_kv_kernel(
                 mask=rows[:, None],
                 other=0.0,
             )
-            g_q = tl.load(
-                G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-                mask=rows[:, None],
-                other=0.0,
-            )
+            g_q = tl.zeros([BM, KP], dtype=tl.float32)
+            if not LOCAL:
+                g_q = tl.load(
+                    G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
+                    mask=rows[:, None],
+                    other=0.0,
+                )
             bh = bi * H + h
             lse = tl.load(LSE + bh * n + offs_m, mask=rows, other=0.0)
             delta = tl.load(DELTA + bh * n + offs_m, mask=rows, other=0.0)
@@ -297,21 +315,24 @@ def soft_backward_kv_kernel(
                 doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=-2)
             t, allowed, gated, x, th = _tile(
                 q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-                HAS_DOCS, SOFTCAP, QK_PREC, GATE_PREC,
+                HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
             )  # fmt: skip
             p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)  # [BM, BN]
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=QK_PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
             ds = p * (dp - delta[:, None])  # gradient of the score t
-            d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
-            dg_k += tl.dot(tl.trans(d_aff), g_q, input_precision=GATE_PREC)  # [BN, KP]
+            if not LOCAL:
+                d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
+                dg_k += tl.dot(tl.trans(d_aff), g_q, input_precision=GATE_PREC)  # [BN, KP]
             if SOFTCAP:
                 ds = ds * (1.0 - th * th)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=QK_PREC)
     kv_rows = ((bi * n + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, n, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
     tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=cols[:, None])
-    tl.store(DG_K + (bhk * n + offs_n)[:, None] * KP + offs_g[None, :], dg_k, mask=cols[:, None])
+    if not LOCAL:
+        dg_rows = (bhk * n + offs_n)[:, None] * KP + offs_g[None, :]  # [b, Hkv, n, KP]
+        tl.store(DG_K + dg_rows, dg_k, mask=cols[:, None])
 
 
 @triton.jit
@@ -352,6 +373,7 @@ def soft_backward_q_kernel(
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
@@ -370,18 +392,23 @@ def soft_backward_q_kernel(
     q_rows = bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_rows, mask=rows[:, None], other=0.0)
     do = tl.load(DO + q_rows, mask=rows[:, None], other=0.0)
-    g_q = tl.load(
-        G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
+    g_q = tl.zeros([BM, KP], dtype=tl.float32)  # LOCAL: no assignments (G is not read)
+    if not LOCAL:
+        g_q = tl.load(
+            G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
+            mask=rows[:, None],
+            other=0.0,
+        )
     lse = tl.load(LSE + bh * n + offs_m, mask=rows, other=0.0)
     delta = tl.load(DELTA + bh * n + offs_m, mask=rows, other=0.0)
-    lo = 0
+    lo = pid_m * 0
     doc_q = offs_m
-    if HAS_DOCS:
+    if HAS_DOCS:  # document starts never decrease: the first query's is the block's lowest
         doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=0)
         lo = (tl.load(DOC + bi * stride_db + pid_m * BM).to(tl.int32) // BN) * BN
+    if LOCAL:  # without sinks no key before the first query's window
+        first = tl.maximum(pid_m * BM - window, 0) // BN * BN
+        lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
     hi = (pid_m + 1) * BM  # keys past n (last block) are masked
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
@@ -398,25 +425,30 @@ def soft_backward_q_kernel(
             mask=cols[:, None],
             other=0.0,
         )
-        g_k = tl.load(
-            G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
+        g_k = tl.zeros([BN, KP], dtype=tl.float32)
+        if not LOCAL:
+            g_k = tl.load(
+                G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
+                mask=cols[:, None],
+                other=0.0,
+            )
         doc_k = offs_n
         if HAS_DOCS:
             doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
         t, allowed, gated, x, th = _tile(
             q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-            HAS_DOCS, SOFTCAP, QK_PREC, GATE_PREC,
+            HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
         )  # fmt: skip
         p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)
         ds = p * (dp - delta[:, None])
-        d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
-        dg_q += tl.dot(d_aff, g_k, input_precision=GATE_PREC)  # [BM, KP]
+        if not LOCAL:
+            d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
+            dg_q += tl.dot(d_aff, g_k, input_precision=GATE_PREC)  # [BM, KP]
         if SOFTCAP:
             ds = ds * (1.0 - th * th)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=QK_PREC)
     tl.store(DQ + q_rows, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
-    tl.store(DG_Q + (bh * n + offs_m)[:, None] * KP + offs_g[None, :], dg_q, mask=rows[:, None])
+    if not LOCAL:
+        dg_rows = (bh * n + offs_m)[:, None] * KP + offs_g[None, :]  # [b, H, n, KP]
+        tl.store(DG_Q + dg_rows, dg_q, mask=rows[:, None])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -30,6 +32,10 @@ def runs():
         "selective": (dict(LLAMA, recompute="selective"), dict(window=4, num_groups=4)),
         "full": (dict(LLAMA, recompute="full"), dict(window=4, num_groups=4)),
         "window_only_wide": (LLAMA, dict(window=1000, num_groups=4, window_only=True)),
+        "plain_triton": (LLAMA, dict(window=4, num_groups=4, backend="triton")),
+        "gemma_plain": (GEMMA, dict(window=4, num_groups=4)),
+        "gemma_triton": (GEMMA, dict(window=4, num_groups=4, backend="triton")),
+        "dense_triton": (LLAMA, dict(enabled=False, backend="triton")),
     }
     results = run_workers(WORKER, 1, list(cases.values()))[0]
     return dict(zip(cases, results, strict=True))
@@ -113,6 +119,26 @@ def test_eval_through_each_inference_backend(runs, backend):
     plain, fast = runs["plain"], runs[f"plain_{backend}"]
     torch.testing.assert_close(fast["logits"], plain["logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast["loss"], plain["loss"], rtol=0, atol=0)  # training: soft
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs Triton (make setup installs it)"
+)
+@pytest.mark.parametrize(
+    "reference, fused", [("plain", "plain_triton"), ("gemma_plain", "gemma_triton"),
+                         ("dense", "dense_triton")],
+)  # fmt: skip
+def test_training_through_the_triton_backend(runs, reference, fused):
+    """``focus.backend: triton`` trains every layer on the fused kernels (Triton's interpreter
+    on CPU): Focus layers, Gemma-2's soft-capped sliding-window layers and the dense twin give
+    the reference's loss and gradients, routers included."""
+    want, got = runs[reference], runs[fused]
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-5, atol=1e-5)
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    if reference != "dense":
+        assert any(".router." in n and g.abs().sum() > 0 for n, g in got["grads"].items())
 
 
 def test_backend_choice_reaches_the_model():
