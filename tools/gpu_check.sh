@@ -6,9 +6,10 @@
 #           export) on CUDA
 #   recipe  the tiny recipe for a few hundred steps in bf16 on the GPU
 #   bench   the attention benchmark (tools/bench_attention.py)
-#   train   the soft-gate training step vs dense (tools/bench_attention.py --train)
+#   train   the soft-gate training step vs dense, triton then flex (bench_attention.py --train)
 #   ring    one ring step, fused vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
+#   mfu_triton  the ~1B recipe trained through the triton backend (focus.backend=triton)
 # and writes every log and JSON to $OUT (default runs/gpu-check). Stages are chosen by name:
 #   bash tools/gpu_check.sh                      # all of them
 #   bash tools/gpu_check.sh env tests recipe     # some
@@ -98,7 +99,8 @@ stage_bench() {
 stage_train() {
   # shellcheck disable=SC2086
   $PY tools/bench_attention.py --seq ${TRAIN_SEQ:-8192 16384 32768} --groups 8 --no-hard \
-    --heads 16 --head-dim 128 --dtype bf16 --train --json "$OUT/bench_train.json" \
+    --heads 16 --head-dim 128 --dtype bf16 --train --backends ${TRAIN_BACKENDS:-triton flex} \
+    --json "$OUT/bench_train.json" \
     --markdown "$LOGS/bench_train.md" ${TRAIN_ARGS:-}
 }
 
@@ -113,7 +115,13 @@ stage_mfu() {
   $PY tools/measure_mfu.py --json "$OUT/mfu.json" --markdown "$LOGS/mfu.md" ${MFU_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench train ring mfu)
+stage_mfu_triton() {
+  # shellcheck disable=SC2086
+  $PY tools/measure_mfu.py --config configs/1b-8k.yaml --set focus.backend=triton \
+    --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
+}
+
+ALL=(env tests e2e recipe bench train ring mfu mfu_triton)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"

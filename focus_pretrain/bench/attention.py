@@ -10,8 +10,9 @@ repeats (CUDA events on GPU, ``perf_counter`` on CPU):
   membership, sort, kernels, merge: everything a caller pays);
 * the backend's non-kernel work alone (membership, group sort, packing, block masks, log-sum-exp
   merge, unsort): the *overhead* column;
-* optionally (``train=True``) one soft-gate training step (forward + backward) of the ``flex``
-  backend against dense SDPA forward + backward.
+* optionally (``train=True``) one soft-gate training step (forward + backward) of each of the
+  ``flex`` and ``triton`` backends asked for, against dense SDPA forward + backward; each is
+  first checked (output and every gradient) against the reference on a prefix.
 
 The ideal speedup is ``1 / density`` of the routed pattern's exact allowed-pair count. Before
 timing, each backend is checked against the reference on a prefix of the inputs. Rows are plain
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.bench.report import DTYPES, elapsed_ms
-from focus_pretrain.focus import flex
+from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.band import merge_by_lse
 from focus_pretrain.focus.pattern import pattern_density
@@ -199,8 +200,8 @@ def run_benchmark(
                 )
                 kwargs = dict(window=cfg.window, mode="hard", top_k=top_k, check_finite=False)
                 for name in cfg.backends:
-                    if name == "decomposed" and top_k != 1:
-                        continue  # top-1 only by construction
+                    if (name == "decomposed" and top_k != 1) or name == "triton":
+                        continue  # top-1 only by construction; the soft pattern only
                     with torch.no_grad():
                         error = _check(name, q, k, v, routing, kwargs)
                         call = functools.partial(
@@ -226,38 +227,78 @@ def run_benchmark(
                 log(format_row(row))
                 if on_row:
                     on_row(rows)
-            if cfg.train and "flex" in cfg.backends and device.type != "cuda":
-                log("soft-gate training step skipped: FlexAttention's backward needs CUDA")
-            elif cfg.train and "flex" in cfg.backends:
-                rows.append(train_row(cfg, n, groups, q, k, v, probs, measure, scale))
+            trainers = [name for name in cfg.backends if name in TRAINING_BACKENDS]
+            for name in trainers if cfg.train else []:
+                if _trainable(name, q) is not None:
+                    log(f"{name} training step skipped: {_trainable(name, q)}")
+            if cfg.train and any(_trainable(name, q) is None for name in trainers):
+                rows.append(train_row(cfg, n, groups, q, k, v, probs, measure, scale, trainers))
                 log(format_row(rows[-1]))
                 if on_row:
                     on_row(rows)
     return rows
 
 
-def train_row(cfg, n, groups, q, k, v, probs, measure, scale) -> dict:
-    """Soft-gate training step (forward + backward) of ``flex`` against dense SDPA's."""
+TRAINING_BACKENDS = ("flex", "triton")  # the soft gate with a fused backward
+
+
+def _trainable(name: str, q: Tensor) -> str | None:
+    """Why ``name`` cannot time a training step on ``q``'s device, or ``None``."""
+    if name == "flex" and not q.is_cuda:
+        return "FlexAttention's backward needs CUDA"
+    if name == "triton" and not soft_triton.runs_on(q.device.type, q.dtype):
+        return "Triton is not installed (or, on CPU, not in its interpreter)"
+    return None
+
+
+def _soft_step(name: str, leaves: list[Tensor], window: int, grad: Tensor) -> list[Tensor]:
+    """One soft-gate forward + backward through ``name``: ``[out, dq, dk, dv, dprobs]``."""
+    for t in leaves:
+        t.grad = None
+    out = focus_attention(
+        *leaves[:3], Routing(leaves[3]), window=window, mode="soft", backend=name,
+        check_finite=False,
+    )  # fmt: skip
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _check_train(name: str, leaves: list[Tensor], window: int, grad: Tensor) -> float:
+    """Largest error of the output and every gradient against the reference on a prefix,
+    relative to each tensor's largest magnitude."""
+    n = min(leaves[0].shape[1], CHECK_TOKENS)
+    prefix = [t.detach()[:, :n].clone().requires_grad_(True) for t in leaves]
+    want = _soft_step("reference", prefix, window, grad[:, :n])
+    got = _soft_step(name, prefix, window, grad[:, :n])
+    return max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def train_row(cfg, n, groups, q, k, v, probs, measure, scale, names) -> dict:
+    """Soft-gate training step (forward + backward) of each of ``names`` against dense SDPA's."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
     grad = torch.randn_like(q)
-
-    def focus_step():
-        out = focus_attention(
-            *leaves[:3],
-            Routing(leaves[3]),
-            window=cfg.window,
-            mode="soft",
-            backend="flex",
-            check_finite=False,
-        )
-        out.backward(grad)
 
     def dense_step():
         out = dense_baselines(*leaves[:3], scale)["sdpa"]()  # [b, h, s, d]
         out.backward(grad.transpose(1, 2))
 
     dense = measure(dense_step)
-    total = measure(focus_step)
+    backends = {}
+    for name in names:
+        if _trainable(name, q) is not None:
+            continue
+        error = _check_train(name, leaves, cfg.window, grad)
+        total = measure(functools.partial(_soft_step, name, leaves, cfg.window, grad))
+        backends[name] = dict(
+            ms=total,
+            speedup=dense / total,
+            overhead_ms=None,
+            overhead_fraction=None,
+            max_abs_error_vs_reference=error,  # relative to each tensor's largest value
+        )
     return dict(
         seq=n,
         groups=groups,
@@ -268,15 +309,7 @@ def train_row(cfg, n, groups, q, k, v, probs, measure, scale) -> dict:
         baseline="sdpa",
         ideal_speedup=1.0,
         density=1.0,
-        backends={
-            "flex": dict(
-                ms=total,
-                speedup=dense / total,
-                overhead_ms=None,
-                overhead_fraction=None,
-                max_abs_error_vs_reference=None,
-            )
-        },
+        backends=backends,
     )
 
 

@@ -25,21 +25,25 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backends_agree_in_the_model_on_cuda(dtype):
-    """Training through ``flex`` (compiled FlexAttention, soft gate) and eval through
-    ``flex``/``decomposed`` (hard top-1) against the reference backend, same weights."""
+    """Training through ``flex`` (compiled FlexAttention, soft gate) and ``triton`` (the fused
+    kernels) and eval through ``flex``/``decomposed`` (hard top-1) against the reference
+    backend, same weights."""
     cases = [
         dict(dtype=dtype, backend="reference", inference_backend="reference", **FOCUS),
         dict(dtype=dtype, backend="flex", inference_backend="flex", **FOCUS),
         dict(dtype=dtype, backend="flex", inference_backend="decomposed", **FOCUS),
+        dict(dtype=dtype, backend="triton", inference_backend="flex", **FOCUS),
     ]
-    ref, flex, decomposed = run_workers(WORKER, 1, cases, backend="nccl")[0]
+    ref, flex, decomposed, fused = run_workers(WORKER, 1, cases, backend="nccl")[0]
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # relative L2: fp32 rounding; bf16 operands
     for fast in (flex, decomposed):
         assert fast["devices"] == {"cuda"}
         assert torch.isfinite(fast["logits"]).all()
         assert _relative(fast["logits"], ref["logits"]) < tol
         assert abs(fast["loss"] - ref["loss"]) < tol * ref["loss"].abs()
-    for name, grad in ref["grads"].items():
-        assert torch.isfinite(flex["grads"][name]).all(), name
-        assert _relative(flex["grads"][name], grad) < 5 * tol, name
-    assert any(".router." in n and g.abs().sum() > 0 for n, g in flex["grads"].items())
+    assert abs(fused["loss"] - ref["loss"]) < tol * ref["loss"].abs()  # the triton kernels
+    for train in (flex, fused):
+        for name, grad in ref["grads"].items():
+            assert torch.isfinite(train["grads"][name]).all(), name
+            assert _relative(train["grads"][name], grad) < 5 * tol, name
+        assert any(".router." in n and g.abs().sum() > 0 for n, g in train["grads"].items())
