@@ -154,6 +154,11 @@ class _SoftGatedAttention(torch.autograd.Function):
         local = probs is None  # a sliding-window layer: no gate, pairs beyond the window cut
         num_groups = 0 if local else probs.shape[-1]
         kp = max(16, _next_pow2(num_groups))
+        if max(q.numel(), b * h * n * kp) >= 2**31:
+            raise ValueError(
+                f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
+                "shard the sequence (context parallelism) or use backend='flex'"
+            )
         q, k, v = (t.contiguous() for t in (q, k, v))
         g = q  # not read by a LOCAL kernel
         if not local:

@@ -69,7 +69,7 @@ def _tile(
         key = offs_n - doc_k
     beyond = (offs_m[:, None] - offs_n[None, :] > window) & (key[None, :] >= sinks)
     if LOCAL:
-        return raw, allowed & ~beyond, beyond & False, raw, th
+        return raw, allowed & ~beyond, beyond, raw, th  # (no gate: beyond and x unused)
     affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
     x = lam * (affinity - 0.5)
     gate = tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))  # log sigmoid(x)

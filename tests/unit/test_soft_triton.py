@@ -210,3 +210,10 @@ def test_triton_soft_on_gpu(dtype, p):
     assert_close(got, want, 2e-2 if dtype == torch.bfloat16 else 1e-4)
     got, want = run_both({**p, "seed": 22, "local": True}, device="cuda", dtype=dtype)
     assert_close(got, want, 2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+def test_too_large_for_32_bit_offsets_is_refused_before_any_work():
+    q = torch.zeros(()).expand(1, 2**20, 16, 128)  # 2^31 elements as a stride-0 view
+    probs = torch.full((), 0.25).expand(1, 2**20, 4)
+    with pytest.raises(ValueError, match=r"32-bit offsets.*context parallelism"):
+        soft_gated_attention(q, q, q, probs, window=8, gate_lambda=10.0, scale=0.1)
