@@ -135,8 +135,8 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
         raise ValueError(
             f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
             f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
-            f"documents={request.documents}, head_dim={request.head_dim}, "
-            f"needs_grad={request.needs_grad} on {request.device} with {request.dtype}; "
+            f"documents={request.documents}, needs_grad={request.needs_grad}, "
+            f"head_dim={request.head_dim} on {request.device} with {request.dtype}; "
             "use backend='auto'"
         )
     return chosen
