@@ -120,7 +120,7 @@ class _Settings:
     kp: int
     local: bool
     documents: bool
-    probs_dtype: torch.dtype | None
+    positions: bool
 
     def scalars(self) -> tuple:
         """``(scale, lam, window, sinks, cap)`` in the kernels' argument order."""
@@ -134,6 +134,7 @@ class _Settings:
             D=q.shape[-1],
             KP=self.kp,
             HAS_DOCS=self.documents,
+            HAS_POS=self.positions,
             SOFTCAP=self.softcap is not None,
             LOCAL=self.local,
             QK_PREC=qk_prec,
@@ -142,89 +143,150 @@ class _Settings:
         )
 
 
+def _table(probs: Tensor | None, kp: int) -> Tensor | None:
+    """``[b, L, K]`` assignments -> ``[b, L, KP]`` fp32, zero-padded (``None`` stays)."""
+    if probs is None:
+        return None
+    g = probs.new_zeros(*probs.shape[:2], kp, dtype=torch.float32)
+    g[..., : probs.shape[-1]] = probs.detach()
+    return g
+
+
+def _positions(pos: Tensor | None, b: int) -> tuple[Tensor | None, int]:
+    """``[L]`` or ``[b, L]`` positions -> (int64 contiguous, batch stride: 0 when shared)."""
+    if pos is None:
+        return None, 0
+    pos = pos.to(torch.int64).contiguous()
+    return pos, (0 if pos.dim() == 1 or (pos.shape[0] == 1 and b > 1) else pos.shape[-1])
+
+
 class _SoftGatedAttention(torch.autograd.Function):
-    """``(q, k, v, probs) -> (out, lse)``; see :func:`soft_gated_attention`."""
+    """``(q, k, v, probs_q, probs_k) -> (out, lse)``; see :func:`attend`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, probs, documents, window, gate_lambda, softcap, scale, sinks):
+    def forward(ctx, q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, options):
         from focus_pretrain.focus import soft_triton_kernels as kernels
 
-        b, n, h, d = q.shape
-        hkv = k.shape[2]
-        local = probs is None  # a sliding-window layer: no gate, pairs beyond the window cut
-        num_groups = 0 if local else probs.shape[-1]
+        b, lq, h, d = q.shape
+        lk, hkv = k.shape[1], k.shape[2]
+        local = probs_q is None  # a sliding-window layer: no gate, pairs beyond the window cut
+        num_groups = 0 if local else probs_q.shape[-1]
         kp = max(16, _next_pow2(num_groups))
-        if max(q.numel(), b * h * n * kp) >= 2**31:
+        if max(q.numel(), k.numel(), b * h * max(lq, lk) * kp) >= 2**31:
             raise ValueError(
                 f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
                 "shard the sequence (context parallelism) or use backend='flex'"
             )
         q, k, v = (t.contiguous() for t in (q, k, v))
-        g = q  # not read by a LOCAL kernel
-        if not local:
-            g = torch.zeros(b, n, kp, device=q.device, dtype=torch.float32)  # [b, n, KP]
-            g[..., :num_groups] = probs.detach()  # cast to fp32
-        docs = documents.contiguous() if documents is not None else None
-        out = torch.empty_like(q)  # [b, n, H, D]
-        lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)  # [b, H, n]
+        g_q = _table(probs_q, kp)
+        g_k = g_q if probs_k is probs_q else _table(probs_k, kp)
+        doc_q, doc_k = (None if t is None else t.contiguous() for t in (doc_q, doc_k))
+        (pos_q, stride_pq), (pos_k, stride_pk) = _positions(pos_q, b), _positions(pos_k, b)
+        out = torch.empty_like(q)  # [b, Lq, H, D]
+        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)  # [b, H, Lq]
+        window, gate_lambda, softcap, scale, sinks = options
+        positions = pos_q is not None
         settings = _Settings(
-            window=min(window, n), lam=gate_lambda, softcap=softcap, scale=scale, sinks=sinks,
-            num_groups=num_groups, kp=kp, local=local, documents=docs is not None,
-            probs_dtype=None if local else probs.dtype,
+            window=window if positions else min(window, lq), lam=gate_lambda, softcap=softcap,
+            scale=scale, sinks=sinks, num_groups=num_groups, kp=kp, local=local,
+            documents=doc_q is not None, positions=positions,
         )  # fmt: skip
+        sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k, pos_q, pos_k)]
         bm, bn = _blocks(q.device.type, d)["fwd"]
-        kernels.soft_forward_kernel[(_cdiv(n, bm), b * h)](
-            q, k, v, g, docs if docs is not None else q, out, lse,
+        kernels.soft_forward_kernel[(_cdiv(lq, bm), b * h)](
+            q, k, v, *sides, out, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
-            n, h, h // hkv, *settings.scalars(), BM=bm, BN=bn, **settings.constants(q),
+            stride_pq, stride_pk, lq, lk, h, h // hkv, *settings.scalars(),
+            BM=bm, BN=bn, **settings.constants(q),
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g, docs, out, lse)
+        ctx.save_for_backward(q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, out, lse)
         ctx.settings = settings
-        return out, lse.transpose(1, 2)  # [b, n, H, D], [b, n, H]
+        ctx.extra = (stride_pq, stride_pk)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (probs_q, probs_k))
+        return out, lse.transpose(1, 2)  # [b, Lq, H, D], [b, Lq, H]
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         from focus_pretrain.focus import soft_triton_kernels as kernels
 
-        q, k, v, g, docs, out, lse = ctx.saved_tensors
+        q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, out, lse = ctx.saved_tensors
         settings: _Settings = ctx.settings
-        b, n, h, d = q.shape
-        hkv, kp = k.shape[2], settings.kp
-        d_out = d_out.contiguous()  # [b, n, H, D] like q (the kernels read both with q's strides)
-        delta = (d_out.float() * out.float()).sum(-1)  # [b, n, H]
+        stride_pq, stride_pk = ctx.extra
+        b, lq, h, d = q.shape
+        lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
+        d_out = d_out.contiguous()  # [b, Lq, H, D] like q (the kernels read both with q's strides)
+        delta = (d_out.float() * out.float()).sum(-1)  # [b, Lq, H]
         if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
             delta = delta - d_lse.float()
-        delta = delta.transpose(1, 2).contiguous()  # [b, n, H] -> [b, H, n]
+        delta = delta.transpose(1, 2).contiguous()  # [b, Lq, H] -> [b, H, Lq]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg_q = dg_k = q  # not written by a LOCAL kernel
         if not settings.local:
-            dg_q = torch.empty(b, h, n, kp, device=q.device, dtype=torch.float32)
-            dg_k = torch.empty(b, hkv, n, kp, device=q.device, dtype=torch.float32)
-        docs_arg = docs if docs is not None else q
-        doc_ends = _document_ends(docs) if docs is not None else q
-        strides = (
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            g.stride(0), g.stride(1), docs.stride(0) if docs is not None else 0,
-        )  # fmt: skip
+            dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
+            dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
+        doc_end = q
+        if doc_q is not None and not settings.positions:
+            doc_end = _document_ends(doc_q)
+        sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k)]
+        pos = [q if t is None else t for t in (pos_q, pos_k)]
+        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_pq, stride_pk)
         blocks = _blocks(q.device.type, d)
         bm, bn = blocks["kv"]
-        kernels.soft_backward_kv_kernel[(_cdiv(n, bn), b * hkv)](
-            q, k, v, g, docs_arg, doc_ends, d_out, lse, delta, dk, dv, dg_k,
-            *strides, n, h, hkv, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+        kernels.soft_backward_kv_kernel[(_cdiv(lk, bn), b * hkv)](
+            q, k, v, *sides, doc_end, *pos, d_out, lse, delta, dk, dv, dg_k,
+            *strides, lq, lk, h, hkv, h // hkv, *settings.scalars(), BM=bm, BN=bn,
             **settings.constants(q),
         )  # fmt: skip
         bm, bn = blocks["q"]
-        kernels.soft_backward_q_kernel[(_cdiv(n, bm), b * h)](
-            q, k, v, g, docs_arg, d_out, lse, delta, dq, dg_q,
-            *strides, n, h, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+        kernels.soft_backward_q_kernel[(_cdiv(lq, bm), b * h)](
+            q, k, v, *sides, *pos, d_out, lse, delta, dq, dg_q,
+            *strides, lq, lk, h, h // hkv, *settings.scalars(), BM=bm, BN=bn,
             **settings.constants(q),
         )  # fmt: skip
-        d_probs = None
-        if not settings.local and ctx.needs_input_grad[3]:
-            d_g = dg_q.sum(dim=1) + dg_k.sum(dim=1)  # [b, n, KP]: both sides, every head
-            d_probs = d_g[..., : settings.num_groups].to(settings.probs_dtype)
-        return dq, dk, dv, d_probs, None, None, None, None, None, None
+        d_pq = d_pk = None
+        if not settings.local:
+            groups = settings.num_groups
+            d_pq = dg_q.sum(dim=1)[..., :groups].to(ctx.dtypes[0])  # [b, Lq, K]: every head
+            d_pk = dg_k.sum(dim=1)[..., :groups].to(ctx.dtypes[1])  # [b, Lk, K]
+        return dq, dk, dv, d_pq, d_pk, None, None, None, None, None
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    *,
+    window: int,
+    gate_lambda: float,
+    scale: float,
+    softcap: float | None = None,
+    sinks: int = 0,
+    doc_q: Tensor | None = None,
+    doc_k: Tensor | None = None,
+    pos_q: Tensor | None = None,
+    pos_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Queries against keys through the fused kernels: soft-gated, or a sliding window when
+    ``probs_q`` is ``None``; differentiable in ``q``, ``k``, ``v``, the assignments and
+    through the returned ``lse``.
+
+    Args:
+        q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]`` (one dtype, ``D`` in :data:`HEAD_DIMS`).
+        probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (the same tensor for
+            self-attention), or ``None`` for a sliding-window layer.
+        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts (global positions), or ``None``.
+        pos_q, pos_k: ``[Lq]``/``[b, Lq]`` and ``[Lk]``/``[b, Lk]`` increasing global
+            positions (a ring step's blocks), or ``None``: one sequence, positions ``0..L-1``
+            (then ``Lq = Lk`` and the loops skip the blocks no query may see).
+
+    Returns:
+        ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] fp32)``; a query with no allowed key
+        gets ``out = 0`` and ``lse = -inf``.
+    """
+    options = (window, gate_lambda, softcap, scale, sinks)
+    return _SoftGatedAttention.apply(q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, options)
 
 
 def soft_gated_attention(
@@ -252,9 +314,10 @@ def soft_gated_attention(
         ``(out [b, n, H, D] in q.dtype, lse [b, n, H] fp32)``; ``out`` is differentiable in
         ``q``, ``k``, ``v`` and ``probs``.
     """
-    return _SoftGatedAttention.apply(
-        q, k, v, probs, documents, window, gate_lambda, softcap, scale, sinks
-    )
+    return attend(
+        q, k, v, probs, probs, window=window, gate_lambda=gate_lambda, scale=scale,
+        softcap=softcap, sinks=sinks, doc_q=documents, doc_k=documents,
+    )  # fmt: skip
 
 
 def triton_focus_attention(

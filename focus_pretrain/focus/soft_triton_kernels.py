@@ -11,13 +11,20 @@ the tile: for the ``[BM, BN]`` tile of queries ``i`` and keys ``j``
 
 and in the backward ``dA_ij = dT_ij [gated_ij] lambda sigmoid(-x_ij)``, reduced on tensor cores
 into ``dG_q = dA G_k`` (the dQ pass) and ``dG_k = dA^T G_q`` (the dK/dV pass). Nothing
-``n x n`` is stored and nothing is reduced with atomics: the assignment gradients are written
-per head and summed by the caller.
+``Lq x Lk`` is stored and nothing is reduced with atomics: the assignment gradients are written
+per head and summed by the caller. ``LOCAL`` (a sliding-window layer) drops the gate and cuts
+the pairs beyond the window instead.
 
-Layouts: ``q, o, dq [b, n, H, D]``, ``k, v, dk, dv [b, n, Hkv, D]`` (strided: any of our
-``[b, s, h, d]`` views), assignments ``g [b, n, KP]`` fp32 (``K`` groups zero-padded to ``KP``),
-``lse, delta [b, H, n]`` fp32, document starts and ends ``[b, n]`` int64. GQA: query head ``h``
-reads KV head ``h // GROUP``; the dK/dV pass loops over the ``GROUP`` query heads of its KV head.
+Positions: without ``HAS_POS`` queries and keys are one sequence (``i``, ``j`` are the indices,
+``Lq = Lk``) and the loops visit only the key blocks a query block may see (causal, its
+document, its window); with ``HAS_POS`` each side carries global positions (``[b, L]`` int64,
+batch stride 0 when shared; a ring step's zigzag chunks) and every block is visited, masked.
+
+Layouts: ``q, dq [b, Lq, H, D]``, ``k, v, dk, dv [b, Lk, Hkv, D]`` (dK/dV contiguous),
+assignments ``g_q [b, Lq, KP]`` and ``g_k [b, Lk, KP]`` fp32 contiguous (``K`` groups
+zero-padded to ``KP``), ``lse, delta [b, H, Lq]`` fp32, document starts ``[b, L]`` int64 and,
+without positions, document ends (the next document's start). GQA: query head ``h`` reads KV
+head ``h // GROUP``; the dK/dV pass loops over the ``GROUP`` query heads of its KV head.
 
 Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported) runs these kernels on
 CPU tensors with NumPy: that is how the CPU test suite checks them against the reference.
@@ -38,11 +45,12 @@ def _tile(
     k,
     g_q,
     g_k,
-    offs_m,
-    offs_n,
+    pos_q,
+    pos_k,
+    rows,
+    cols,
     doc_q,
     doc_k,
-    n,
     scale,
     lam,
     window,
@@ -62,12 +70,12 @@ def _tile(
     if SOFTCAP:
         th = 1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0)  # tanh(raw / cap)
         raw = cap * th
-    allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_m[:, None] < n)
-    key = offs_n
+    allowed = (pos_k[None, :] <= pos_q[:, None]) & rows[:, None] & cols[None, :]
+    key = pos_k  # the key's position inside its document
     if HAS_DOCS:
         allowed = allowed & (doc_q[:, None] == doc_k[None, :])
-        key = offs_n - doc_k
-    beyond = (offs_m[:, None] - offs_n[None, :] > window) & (key[None, :] >= sinks)
+        key = pos_k - doc_k
+    beyond = (pos_q[:, None] - pos_k[None, :] > window) & (key[None, :] >= sinks)
     if LOCAL:
         return raw, allowed & ~beyond, beyond, raw, th  # (no gate: beyond and x unused)
     affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
@@ -77,12 +85,49 @@ def _tile(
 
 
 @triton.jit
+def _side(
+    G,
+    DOC,
+    POS,
+    stride_pos_b,
+    bi,
+    offs,
+    mask,
+    length,
+    ROWS: tl.constexpr,
+    KP: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
+    """One side's per-token data for ``ROWS`` tokens at ``offs`` of sample ``bi``: ``(g [ROWS,
+    KP] fp32 (zeros when LOCAL), positions, document starts)``."""
+    g = tl.zeros([ROWS, KP], dtype=tl.float32)
+    if not LOCAL:
+        offs_g = tl.arange(0, KP)
+        g = tl.load(
+            G + (bi * length + offs)[:, None] * KP + offs_g[None, :], mask=mask[:, None], other=0.0
+        )
+    pos = offs
+    if HAS_POS:
+        pos = tl.load(POS + bi * stride_pos_b + offs, mask=mask, other=0)
+    doc = offs
+    if HAS_DOCS:
+        doc = tl.load(DOC + bi * length + offs, mask=mask, other=-1)
+    return g, pos, doc
+
+
+@triton.jit
 def soft_forward_kernel(
     Q,
     K,
     V,
-    G,
-    DOC,
+    G_Q,
+    G_K,
+    DOC_Q,
+    DOC_K,
+    POS_Q,
+    POS_K,
     OUT,
     LSE,
     stride_qb,
@@ -97,10 +142,10 @@ def soft_forward_kernel(
     stride_ob,
     stride_on,
     stride_oh,
-    stride_gb,
-    stride_gn,
-    stride_db,
-    n,
+    stride_pqb,
+    stride_pkb,
+    LQ,
+    LK,
     H,
     GROUP,
     scale,
@@ -113,13 +158,14 @@ def soft_forward_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_POS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
-    """One program: ``BM`` queries of one (sample, head) against every key block they may see
-    (``[document start of the first query, last query]``). Grid ``(cdiv(n, BM), b * H)``."""
+    """One program: ``BM`` queries of one (sample, head) against the key blocks they may see.
+    Grid ``(cdiv(Lq, BM), b * H)``."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     bi = bh // H
@@ -127,35 +173,30 @@ def soft_forward_kernel(
     hk = h // GROUP
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, KP)
-    rows = offs_m < n
+    rows = offs_m < LQ
     q = tl.load(
         Q + bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
         mask=rows[:, None],
         other=0.0,
     )
-    g_q = tl.zeros([BM, KP], dtype=tl.float32)  # LOCAL: no assignments (G is not read)
-    if not LOCAL:
-        g_q = tl.load(
-            G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-            mask=rows[:, None],
-            other=0.0,
-        )
+    g_q, pos_q, doc_q = _side(
+        G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
+    )
     lo = pid_m * 0
-    doc_q = offs_m
-    if HAS_DOCS:  # document starts never decrease: the first query's is the block's lowest
-        doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=0)
-        lo = (tl.load(DOC + bi * stride_db + pid_m * BM).to(tl.int32) // BN) * BN
-    if LOCAL:  # without sinks no key before the first query's window
-        first = tl.maximum(pid_m * BM - window, 0) // BN * BN
-        lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
-    hi = (pid_m + 1) * BM  # keys past n (last block) are masked
+    hi = LK + pid_m * 0
+    if not HAS_POS:  # one sequence: causal, and the first query's document and window
+        hi = (pid_m + 1) * BM  # keys past Lk (last block) are masked
+        if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
+            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
+        if LOCAL:  # without sinks no key before the first query's window
+            first = tl.maximum(pid_m * BM - window, 0) // BN * BN
+            lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
-        cols = offs_n < n
+        cols = offs_n < LK
         k = tl.load(
             K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
             mask=cols[:, None],
@@ -166,19 +207,12 @@ def soft_forward_kernel(
             mask=cols[:, None],
             other=0.0,
         )
-        g_k = tl.zeros([BN, KP], dtype=tl.float32)
-        if not LOCAL:
-            g_k = tl.load(
-                G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-                mask=cols[:, None],
-                other=0.0,
-            )
-        doc_k = offs_n
-        if HAS_DOCS:
-            doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
+        g_k, pos_k, doc_k = _side(
+            G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
+        )
         t, allowed, _, _, _ = _tile(
-            q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-            HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+            q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
+            cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
         )  # fmt: skip
         t2 = tl.where(allowed, t * LOG2E, float("-inf"))  # [BM, BN] base 2
         m_new = tl.maximum(m_i, tl.max(t2, 1))
@@ -189,14 +223,14 @@ def soft_forward_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=QK_PREC)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = (m_i + tl.log2(l_safe)) * LN2  # natural log-sum-exp; -inf for padded rows
+    out = acc / l_safe[:, None]  # a query with no allowed key: 0
+    lse = (m_i + tl.log2(l_safe)) * LN2  # natural log-sum-exp; -inf without an allowed key
     tl.store(
         OUT + bi * stride_ob + offs_m[:, None] * stride_on + h * stride_oh + offs_d[None, :],
         out.to(OUT.dtype.element_ty),
         mask=rows[:, None],
     )
-    tl.store(LSE + bh * n + offs_m, lse, mask=rows)
+    tl.store(LSE + bh * LQ + offs_m, lse, mask=rows)
 
 
 @triton.jit
@@ -204,9 +238,13 @@ def soft_backward_kv_kernel(
     Q,
     K,
     V,
-    G,
-    DOC,
+    G_Q,
+    G_K,
+    DOC_Q,
+    DOC_K,
     DOC_END,
+    POS_Q,
+    POS_K,
     DO,
     LSE,
     DELTA,
@@ -222,10 +260,10 @@ def soft_backward_kv_kernel(
     stride_vb,
     stride_vn,
     stride_vh,
-    stride_gb,
-    stride_gn,
-    stride_db,
-    n,
+    stride_pqb,
+    stride_pkb,
+    LQ,
+    LK,
     H,
     HKV,
     GROUP,
@@ -239,23 +277,23 @@ def soft_backward_kv_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_POS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
-    """One program: ``BN`` keys of one (sample, KV head) against every query block that may see
-    them, for each of the ``GROUP`` query heads: ``dK, dV [b, n, Hkv, D]`` (contiguous, like
-    ``dO``) and the key-side assignment gradient ``dG_k [b, Hkv, n, KP]``. Grid
-    ``(cdiv(n, BN), b * Hkv)``."""
+    """One program: ``BN`` keys of one (sample, KV head) against the query blocks that may see
+    them, for each of the ``GROUP`` query heads: ``dK, dV [b, Lk, Hkv, D]`` (contiguous; ``dO``
+    has ``q``'s strides) and the key-side assignment gradient ``dG_k [b, Hkv, Lk, KP]``. Grid
+    ``(cdiv(Lk, BN), b * Hkv)``."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     bi = bhk // HKV
     hk = bhk % HKV
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, KP)
-    cols = offs_n < n
+    cols = offs_n < LK
     k = tl.load(
         K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
         mask=cols[:, None],
@@ -266,56 +304,39 @@ def soft_backward_kv_kernel(
         mask=cols[:, None],
         other=0.0,
     )
-    g_k = tl.zeros([BN, KP], dtype=tl.float32)
-    if not LOCAL:
-        g_k = tl.load(
-            G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
-    lo = (pid_n * BN // BM) * BM  # causal: no query before the first key
-    hi = n
-    doc_k = offs_n
-    if HAS_DOCS:
-        doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
-        last = tl.minimum(pid_n * BN + BN, n) - 1
-        hi = tl.load(DOC_END + bi * stride_db + last).to(tl.int32)  # its document's end
-    if LOCAL:  # without sinks no query past the last key's window
-        hi = tl.minimum(hi, tl.where(sinks == 0, pid_n * BN + BN + window, n))
+    g_k, pos_k, doc_k = _side(
+        G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
+    )
+    lo = pid_n * 0
+    hi = LQ + pid_n * 0
+    if not HAS_POS:  # one sequence: causal, and the last key's document and window
+        lo = (pid_n * BN // BM) * BM
+        if HAS_DOCS:
+            last = tl.minimum(pid_n * BN + BN, LK) - 1
+            hi = tl.load(DOC_END + bi * LK + last).to(tl.int32)  # its document's end
+        if LOCAL:  # without sinks no query past the last key's window
+            hi = tl.minimum(hi, tl.where(sinks == 0, pid_n * BN + BN + window, LQ))
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
     dg_k = tl.zeros([BN, KP], dtype=tl.float32)
     for hh in range(0, GROUP):
         h = hk * GROUP + hh
+        bh = bi * H + h
         for start_m in range(lo, hi, BM):
             offs_m = start_m + tl.arange(0, BM)
-            rows = offs_m < n
-            q = tl.load(
-                Q + bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                mask=rows[:, None],
-                other=0.0,
-            )
-            do = tl.load(
-                DO + bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-                mask=rows[:, None],
-                other=0.0,
-            )
-            g_q = tl.zeros([BM, KP], dtype=tl.float32)
-            if not LOCAL:
-                g_q = tl.load(
-                    G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-                    mask=rows[:, None],
-                    other=0.0,
-                )
-            bh = bi * H + h
-            lse = tl.load(LSE + bh * n + offs_m, mask=rows, other=0.0)
-            delta = tl.load(DELTA + bh * n + offs_m, mask=rows, other=0.0)
-            doc_q = offs_m
-            if HAS_DOCS:
-                doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=-2)
+            rows = offs_m < LQ
+            q_rows = bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :]
+            q = tl.load(Q + q_rows, mask=rows[:, None], other=0.0)
+            do = tl.load(DO + q_rows, mask=rows[:, None], other=0.0)
+            g_q, pos_q, doc_q = _side(
+                G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS,
+                LOCAL,
+            )  # fmt: skip
+            lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
+            delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
             t, allowed, gated, x, th = _tile(
-                q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-                HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+                q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window,
+                sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
             )  # fmt: skip
             p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)  # [BM, BN]
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=QK_PREC)
@@ -327,11 +348,12 @@ def soft_backward_kv_kernel(
             if SOFTCAP:
                 ds = ds * (1.0 - th * th)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=QK_PREC)
-    kv_rows = ((bi * n + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, n, Hkv, D]
+    kv_rows = ((bi * LK + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, Lk, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
     tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=cols[:, None])
     if not LOCAL:
-        dg_rows = (bhk * n + offs_n)[:, None] * KP + offs_g[None, :]  # [b, Hkv, n, KP]
+        offs_g = tl.arange(0, KP)
+        dg_rows = (bhk * LK + offs_n)[:, None] * KP + offs_g[None, :]  # [b, Hkv, Lk, KP]
         tl.store(DG_K + dg_rows, dg_k, mask=cols[:, None])
 
 
@@ -340,8 +362,12 @@ def soft_backward_q_kernel(
     Q,
     K,
     V,
-    G,
-    DOC,
+    G_Q,
+    G_K,
+    DOC_Q,
+    DOC_K,
+    POS_Q,
+    POS_K,
     DO,
     LSE,
     DELTA,
@@ -356,10 +382,10 @@ def soft_backward_q_kernel(
     stride_vb,
     stride_vn,
     stride_vh,
-    stride_gb,
-    stride_gn,
-    stride_db,
-    n,
+    stride_pqb,
+    stride_pkb,
+    LQ,
+    LK,
     H,
     GROUP,
     scale,
@@ -372,14 +398,15 @@ def soft_backward_q_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     HAS_DOCS: tl.constexpr,
+    HAS_POS: tl.constexpr,
     SOFTCAP: tl.constexpr,
     LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr,
     GATE_PREC: tl.constexpr,
 ):
-    """One program: ``BM`` queries of one (sample, head): ``dQ [b, n, H, D]`` (``dO``'s strides)
-    and the query-side assignment gradient ``dG_q [b, H, n, KP]``. Grid ``(cdiv(n, BM), b * H)``.
-    """
+    """One program: ``BM`` queries of one (sample, head): ``dQ [b, Lq, H, D]`` (``q``'s
+    strides) and the query-side assignment gradient ``dG_q [b, H, Lq, KP]``. Grid
+    ``(cdiv(Lq, BM), b * H)``."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     bi = bh // H
@@ -387,34 +414,29 @@ def soft_backward_q_kernel(
     hk = h // GROUP
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    offs_g = tl.arange(0, KP)
-    rows = offs_m < n
+    rows = offs_m < LQ
     q_rows = bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_rows, mask=rows[:, None], other=0.0)
     do = tl.load(DO + q_rows, mask=rows[:, None], other=0.0)
-    g_q = tl.zeros([BM, KP], dtype=tl.float32)  # LOCAL: no assignments (G is not read)
-    if not LOCAL:
-        g_q = tl.load(
-            G + bi * stride_gb + offs_m[:, None] * stride_gn + offs_g[None, :],
-            mask=rows[:, None],
-            other=0.0,
-        )
-    lse = tl.load(LSE + bh * n + offs_m, mask=rows, other=0.0)
-    delta = tl.load(DELTA + bh * n + offs_m, mask=rows, other=0.0)
+    g_q, pos_q, doc_q = _side(
+        G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
+    )
+    lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
+    delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
     lo = pid_m * 0
-    doc_q = offs_m
-    if HAS_DOCS:  # document starts never decrease: the first query's is the block's lowest
-        doc_q = tl.load(DOC + bi * stride_db + offs_m, mask=rows, other=0)
-        lo = (tl.load(DOC + bi * stride_db + pid_m * BM).to(tl.int32) // BN) * BN
-    if LOCAL:  # without sinks no key before the first query's window
-        first = tl.maximum(pid_m * BM - window, 0) // BN * BN
-        lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
-    hi = (pid_m + 1) * BM  # keys past n (last block) are masked
+    hi = LK + pid_m * 0
+    if not HAS_POS:  # as in the forward
+        hi = (pid_m + 1) * BM
+        if HAS_DOCS:
+            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
+        if LOCAL:
+            first = tl.maximum(pid_m * BM - window, 0) // BN * BN
+            lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
-        cols = offs_n < n
+        cols = offs_n < LK
         k = tl.load(
             K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
             mask=cols[:, None],
@@ -425,19 +447,12 @@ def soft_backward_q_kernel(
             mask=cols[:, None],
             other=0.0,
         )
-        g_k = tl.zeros([BN, KP], dtype=tl.float32)
-        if not LOCAL:
-            g_k = tl.load(
-                G + bi * stride_gb + offs_n[:, None] * stride_gn + offs_g[None, :],
-                mask=cols[:, None],
-                other=0.0,
-            )
-        doc_k = offs_n
-        if HAS_DOCS:
-            doc_k = tl.load(DOC + bi * stride_db + offs_n, mask=cols, other=-1)
+        g_k, pos_k, doc_k = _side(
+            G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
+        )
         t, allowed, gated, x, th = _tile(
-            q, k, g_q, g_k, offs_m, offs_n, doc_q, doc_k, n, scale, lam, window, sinks, cap,
-            HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+            q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
+            cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
         )  # fmt: skip
         p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)
@@ -450,5 +465,6 @@ def soft_backward_q_kernel(
         dq += tl.dot(ds.to(k.dtype), k, input_precision=QK_PREC)
     tl.store(DQ + q_rows, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
     if not LOCAL:
-        dg_rows = (bh * n + offs_m)[:, None] * KP + offs_g[None, :]  # [b, H, n, KP]
+        offs_g = tl.arange(0, KP)
+        dg_rows = (bh * LQ + offs_m)[:, None] * KP + offs_g[None, :]  # [b, H, Lq, KP]
         tl.store(DG_Q + dg_rows, dg_q, mask=rows[:, None])

@@ -20,7 +20,7 @@ from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.deepspeed_overrides import check_deepspeed_overrides
 
 CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
-RING_BACKENDS = ("auto", "reference")  # each ring step runs the exact per-block attention
+RING_BACKENDS = ("auto", "reference", "triton")  # triton: the ring steps' kernel is triton
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class ParallelConfig:
                 if chosen not in RING_BACKENDS:
                     raise ValueError(
                         f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring "
-                        "step runs the exact per-block attention); use 'auto' or "
+                        "step runs the exact per-block attention); use 'auto', 'triton' or "
                         "parallel.cp_mode 'a2a'"
                     )
 

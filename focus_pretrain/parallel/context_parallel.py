@@ -175,6 +175,8 @@ def context_parallel_attention(
             f"backend {backend!r} cannot run inside the ring (each ring step runs the exact "
             f"per-block attention); use one of {', '.join(RING_BACKENDS)} or cp_mode 'a2a'"
         )
+    if backend == "triton":  # the ring steps run the fused kernels (soft, sliding window)
+        attention_kwargs["block_kernel"] = "triton"
     return ring_focus_attention(
         q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
     )

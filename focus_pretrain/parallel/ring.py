@@ -15,6 +15,9 @@ chunks of at most :data:`SCORE_BUDGET` scores. Both give the same ``(out, lse)``
 rounding. ``"auto"`` (default) takes ``"flex"`` on CUDA (compiled, fp16/bf16/fp32) and
 ``"blockwise"`` elsewhere. The backward runs ``"flex"`` only on CUDA: on CPU (no FlexAttention
 backward) it recomputes every block blockwise, also after an eager ``"flex"`` forward.
+``"triton"`` (soft and sliding-window steps; a model with ``focus.backend: triton``) runs each
+step, forward and backward, through the fused Triton kernels
+(:func:`~focus_pretrain.parallel.ring_kernels.triton_attend_block`).
 
 Backward is its own ring: the blocks travel again, now carrying accumulators for their
 ``dk, dv`` (and, in soft mode, the gradient of their soft assignments). Each rank recomputes
@@ -62,10 +65,12 @@ from focus_pretrain.parallel.ring_kernels import (
     backward_block_kernel,
     flex_attend_block,
     resolve_block_kernel,
+    triton_attend_block,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
+FUSED_KERNELS = {"flex": flex_attend_block, "triton": triton_attend_block}  # one call per step
 
 
 @dataclass
@@ -239,8 +244,8 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
         return None
     if stats is not None:
         stats.computed += 1
-    if options["kernel"] == "flex":  # one fused call: no score memory to bound
-        return flex_attend_block(
+    if options["kernel"] in FUSED_KERNELS:  # one fused call: no score memory to bound
+        return FUSED_KERNELS[options["kernel"]](
             q, k_b, v_b, probs if soft else None, probs_b, member, member_b, docs, docs_b,
             q_pos=positions, k_pos=pos_b, **_block_options(options),
         )  # fmt: skip
@@ -265,8 +270,9 @@ def _block_grads(q, probs, member, docs, positions, block, soft, options, out, l
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
         block, soft, member is not None, docs is not None
     )
-    fused = backward_block_kernel(options["kernel"], q) == "flex"
-    attend = flex_attend_block if fused else attend_block
+    kernel = backward_block_kernel(options["kernel"], q)
+    fused = kernel in FUSED_KERNELS
+    attend = FUSED_KERNELS.get(kernel, attend_block)
     d_q = torch.zeros_like(at_least_fp32(q))
     d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
     d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None
@@ -338,11 +344,14 @@ def ring_focus_attention(
     query (of their document): attention sinks. ``documents``: ``[b, s_loc]`` integer document
     *starts* of this rank's tokens (its shard of ``document_starts`` of the full sequence),
     checked against ``positions`` (:func:`check_document_starts`); ``None``: one document.
-    ``block_kernel``: ``"auto"``, ``"blockwise"`` or ``"flex"``, each step's kernel (see the
-    module docstring; :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
+    ``block_kernel``: ``"auto"``, ``"blockwise"``, ``"flex"`` or ``"triton"`` (soft and
+    sliding-window steps), each step's kernel (see the module docstring;
+    :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
     check_int("sinks", sinks, low=0)
     kernel = resolve_block_kernel(block_kernel, q)
+    if kernel == "triton" and mode == "hard" and not local_only:
+        raise ValueError("block_kernel 'triton' runs soft and sliding-window steps, not 'hard'")
     check_dtypes(q, k, v, None if local_only else probs)
     if documents is not None:
         documents = check_document_starts(documents, q)  # [b, s_loc] int64

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from focus_pretrain.focus import flex
+from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.flex import (
     DEFAULT_BLOCK,
     gate_tables,
@@ -53,7 +53,7 @@ from focus_pretrain.focus.flex import (
 )
 from focus_pretrain.focus.pattern import member_bits
 
-BLOCK_KERNELS = ("auto", "blockwise", "flex")
+BLOCK_KERNELS = ("auto", "blockwise", "flex", "triton")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
 _BIG = torch.iinfo(torch.int64).max
 
@@ -67,6 +67,14 @@ def resolve_block_kernel(block_kernel: str, q: Tensor) -> str:
     eagerly (exact, forward only: for tests)."""
     if block_kernel not in BLOCK_KERNELS:
         raise ValueError(f"block_kernel must be one of {BLOCK_KERNELS}, got {block_kernel!r}")
+    if block_kernel == "triton" and not (
+        soft_triton.runs_on(q.device.type, q.dtype) and soft_triton.supports(q.shape[-1])
+    ):
+        raise ValueError(
+            f"block_kernel 'triton' cannot run {q.dtype} head dim {q.shape[-1]} on "
+            f"{q.device.type}: it needs Triton (CUDA, or CPU under TRITON_INTERPRET=1) and a "
+            f"head dim in {soft_triton.HEAD_DIMS}; use 'auto'"
+        )
     if block_kernel != "auto":
         return block_kernel
     fused = q.is_cuda and q.dtype in FLEX_DTYPES and flex.flex_available_on("cuda")
@@ -81,10 +89,12 @@ def flex_backward_on(device: torch.device) -> bool:
 
 
 def backward_block_kernel(kernel: str, q: Tensor) -> str:
-    """The kernel of the ring's backward steps: ``"flex"`` only where FlexAttention has a
-    backward (CUDA, :func:`flex_backward_on`); the blockwise recomputation otherwise, also when
-    the forward ran ``"flex"`` eagerly on CPU (the same attention up to rounding, so the merged
-    ``out, lse`` it uses agree)."""
+    """The kernel of the ring's backward steps: ``"triton"`` after a ``"triton"`` forward;
+    ``"flex"`` only where FlexAttention has a backward (CUDA, :func:`flex_backward_on`); the
+    blockwise recomputation otherwise, also when the forward ran ``"flex"`` eagerly on CPU (the
+    same attention up to rounding, so the merged ``out, lse`` it uses agree)."""
+    if kernel == "triton":
+        return kernel
     return "flex" if kernel == "flex" and flex_backward_on(q.device) else "blockwise"
 
 
@@ -461,3 +471,38 @@ def flex_attend_block(
         inverse = torch.argsort(call.q_order, dim=1)  # [b, Lq]
         out, lse = _take(out, inverse), _take(lse, inverse)
     return out, lse
+
+
+def triton_attend_block(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    member_q: Tensor | None,
+    member_k: Tensor | None,
+    doc_q: Tensor | None = None,
+    doc_k: Tensor | None = None,
+    *,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    window: int,
+    mode: str,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    local_only: bool,
+    sinks: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """:func:`~focus_pretrain.focus.reference.attend_block` (same arguments, same result up to
+    rounding) through the fused Triton kernels (:func:`focus_pretrain.focus.soft_triton.attend`
+    with explicit positions): soft-gated or sliding-window steps, not the hard pattern.
+    Differentiable, the gradient through ``lse`` included, so the ring's backward runs the same
+    kernels. ``[b, L, H, D]`` layout; positions ``[L]`` or ``[b, L]``."""
+    if not local_only and mode != "soft":
+        raise ValueError("block_kernel 'triton' runs soft and sliding-window steps; use 'auto'")
+    return soft_triton.attend(
+        q, k, v, None if local_only else probs_q, None if local_only else probs_k,
+        window=window, gate_lambda=gate_lambda, scale=scale, softcap=softcap, sinks=sinks,
+        doc_q=doc_q, doc_k=doc_k, pos_q=q_pos, pos_k=k_pos,
+    )  # fmt: skip

@@ -187,6 +187,8 @@ MODEL_CASES = {  # id: (model, focus, cp_mode, CP size)
     "llama-ring-cp4": (LLAMA, FOCUS, "ring", 4),
     "gemma3-a2a": (GEMMA3, FOCUS, "a2a", 2),
     "gemma3-ring-sinks": (GEMMA3, dict(FOCUS, sinks=3), "ring", 2),  # sinks > 0 changes logits
+    # focus.backend triton: every ring step (and CP = 1) on the fused kernels (interpreter)
+    "llama-ring-triton": (LLAMA, dict(FOCUS, backend="triton"), "ring", 2),
 }
 
 

@@ -246,13 +246,14 @@ def test_ring_step_benchmark_smoke(tmp_path):
 
 
 def assert_step_gradients_agree(
-    name: str, device: str, dtype: torch.dtype, *, seq: int, d: int
+    name: str | dict, device: str, dtype: torch.dtype, *, seq: int, d: int, fused: str = "flex"
 ) -> None:
     """The ring's forward and backward step (:func:`~focus_pretrain.parallel.ring._attend`,
     ``_block_grads``: gradients through the block's ``out`` and ``lse`` against a merged output
-    shared with another block, and the assignments' in soft mode) with the fused kernel equal
-    the blockwise ones (relative L2 error)."""
-    args, kwargs = ring_step(**dict(CASES[name], seq=seq, dtype=dtype, d=d), seed=7)
+    shared with another block, and the assignments' in soft mode) with the fused kernel
+    ``fused`` (``"flex"`` or ``"triton"``) equal the blockwise ones (relative L2 error)."""
+    case = CASES[name] if isinstance(name, str) else name  # a case's name, or the case
+    args, kwargs = ring_step(**dict(case, seq=seq, dtype=dtype, d=d), seed=7)
     q, k, v, probs_q, probs_k, member_q, member_k, doc_q, doc_k = (
         None if t is None else t.to(device) for t in args
     )
@@ -265,8 +266,8 @@ def assert_step_gradients_agree(
     block = ring._block(k, v, kwargs["k_pos"], probs_k, member_k, doc_k)
     step = (q, probs_q, member_q, doc_q, kwargs["q_pos"], block, soft)
     results = {kernel: ring._attend(*step, dict(options, kernel=kernel), None)
-               for kernel in ("blockwise", "flex")}  # fmt: skip
-    assert backward_block_kernel("flex", q) == "flex"
+               for kernel in ("blockwise", fused)}  # fmt: skip
+    assert backward_block_kernel(fused, q) == fused
     out_b, lse_b = results["blockwise"]
     gen = torch.Generator(device=device).manual_seed(0)
     other = (torch.randn(out_b.shape, generator=gen, device=device).to(dtype),
@@ -275,16 +276,16 @@ def assert_step_gradients_agree(
     d_out = torch.randn(out.shape, generator=gen, device=device, dtype=out.dtype)
     grads = {
         kernel: ring._block_grads(*step, dict(options, kernel=kernel), out, lse, d_out)
-        for kernel in ("blockwise", "flex")
+        for kernel in ("blockwise", fused)
     }
     tol = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
-    pairs = [(results["flex"][0], out_b), *zip(grads["flex"], grads["blockwise"], strict=True)]
+    pairs = [(results[fused][0], out_b), *zip(grads[fused], grads["blockwise"], strict=True)]
     assert len(pairs) == (6 if soft else 4)  # out, dq, dk, dv (, dprobs_k, dprobs_q)
     for i, (got, want) in enumerate(pairs):
         assert want.abs().max() > 0, i  # real gradients
         error = (got.double() - want.double()).norm() / want.double().norm()
         assert error < tol, (i, float(error))
-    assert torch.equal(torch.isfinite(results["flex"][1]), torch.isfinite(lse_b))
+    assert torch.equal(torch.isfinite(results[fused][1]), torch.isfinite(lse_b))
 
 
 GRADIENT_CASES = ["hard-top2-docs-sinks", "soft-docs-sinks-softcap-gqa", "local-sinks-docs",

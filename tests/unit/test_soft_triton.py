@@ -217,3 +217,58 @@ def test_too_large_for_32_bit_offsets_is_refused_before_any_work():
     probs = torch.full((), 0.25).expand(1, 2**20, 4)
     with pytest.raises(ValueError, match=r"32-bit offsets.*context parallelism"):
         soft_gated_attention(q, q, q, probs, window=8, gate_lambda=10.0, scale=0.1)
+
+
+# ----------------------------------------------------------------------------- ring steps
+
+RING_CASES = {
+    "soft-diagonal": dict(mode="soft", ranks=(0, 0)),
+    "soft-docs-sinks-softcap-gqa": dict(mode="soft", hkv=1, docs=0.08, sinks=4, softcap=3.0),
+    "soft-far": dict(mode="soft", ranks=(1, 0), window=40),
+    "soft-before": dict(mode="soft", ranks=(0, 1)),  # rows with no allowed key
+    "local-sinks-docs": dict(mode="hard", local_only=True, sinks=2, docs=0.05, ranks=(0, 0)),
+    "local-offdiagonal": dict(mode="soft", local_only=True, window=20, cp=3, ranks=(1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_triton_ring_step_equals_blockwise(name):
+    """One ring step on zigzag positions (``triton_attend_block``): ``(out, lse)`` equal
+    ``attend_block``'s, queries with no allowed key included (``out = 0``, ``lse = -inf``)."""
+    from focus_pretrain.focus.reference import attend_block
+    from focus_pretrain.parallel.ring_kernels import triton_attend_block
+    from tests.unit.test_ring_fused import ring_step
+
+    args, kwargs = ring_step(**RING_CASES[name], d=16, seed=len(name))
+    want, want_lse = attend_block(*args, **kwargs)
+    got, lse = triton_attend_block(*args, **kwargs)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    if name == "soft-before":
+        assert not finite.all() and finite.any()
+
+
+@pytest.mark.parametrize("name", ["soft-docs-sinks-softcap-gqa", "soft-before", "local-sinks-docs"])
+def test_triton_ring_step_gradients_equal_blockwise(name):
+    """The ring's forward and backward step (gradients through the block's ``out`` and ``lse``
+    against a merged output, and both sides' assignments) with ``block_kernel="triton"``."""
+    from tests.unit.test_ring_fused import assert_step_gradients_agree
+
+    case = RING_CASES[name]
+    assert_step_gradients_agree(case, "cpu", torch.float32, seq=96, d=16, fused="triton")
+
+
+def test_triton_block_kernel_selection():
+    from focus_pretrain.parallel import ring
+    from focus_pretrain.parallel.ring_kernels import backward_block_kernel, resolve_block_kernel
+
+    q = torch.zeros(1, 4, 2, 16)
+    assert resolve_block_kernel("triton", q) == "triton"
+    assert backward_block_kernel("triton", q) == "triton"
+    with pytest.raises(ValueError, match=r"block_kernel 'triton' cannot run .*head dim 8"):
+        resolve_block_kernel("triton", torch.zeros(1, 4, 2, 8))
+    with pytest.raises(ValueError, match="soft and sliding-window steps, not 'hard'"):
+        ring.ring_focus_attention(q, q, q, None, group=None, mode="hard", block_kernel="triton")
