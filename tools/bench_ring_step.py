@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--modes", nargs="+", choices=["hard", "soft"], default=defaults.modes)
     parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=defaults.steps)
     parser.add_argument(
-        "--kernels", nargs="+", choices=["blockwise", "flex"], default=defaults.kernels
+        "--kernels", nargs="+", choices=["blockwise", "flex", "triton"], default=defaults.kernels
     )
     parser.add_argument("--window", type=int, default=defaults.window)
     parser.add_argument("--sinks", type=int, default=defaults.sinks)

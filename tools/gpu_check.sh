@@ -7,7 +7,7 @@
 #   recipe  the tiny recipe for a few hundred steps in bf16 on the GPU
 #   bench   the attention benchmark (tools/bench_attention.py)
 #   train   the soft-gate training step vs dense, triton then flex (bench_attention.py --train)
-#   ring    one ring step, fused vs blockwise (tools/bench_ring_step.py)
+#   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
 #   mfu_triton  the ~1B recipe trained through the triton backend (focus.backend=triton)
 # and writes every log and JSON to $OUT (default runs/gpu-check). Stages are chosen by name:
@@ -107,7 +107,7 @@ stage_train() {
 stage_ring() {
   # shellcheck disable=SC2086
   $PY tools/bench_ring_step.py --json "$OUT/bench_ring.json" --markdown "$LOGS/bench_ring.md" \
-    ${RING_ARGS:-}
+    --kernels ${RING_KERNELS:-blockwise flex triton} ${RING_ARGS:-}
 }
 
 stage_mfu() {

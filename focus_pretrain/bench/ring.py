@@ -230,6 +230,8 @@ def _run_step(cfg, seq, mode, name, step: _Step, device, gen, log) -> dict:
                pair_density=pairs, block_density=blocks, kernels={}, check={})  # fmt: skip
     results, grads = {}, {}
     for kernel in cfg.kernels:  # one run each: the results to compare (and a warm-up)
+        if kernel == "triton" and not step.soft:
+            continue  # soft and sliding-window steps only
         result, status = _guarded(lambda kernel=kernel: _forward(step, kernel), log)
         entry = dict(status=status or "ok", fwd_ms=None, bwd_ms=None, fwd_bwd_ms=None,
                      backward_kernel=backward_block_kernel(kernel, step.q))  # fmt: skip
@@ -244,16 +246,18 @@ def _run_step(cfg, seq, mode, name, step: _Step, device, gen, log) -> dict:
             entry["status"] = status or "ok"
             if grad is not None:
                 grads[kernel] = grad
-    if "blockwise" in results and "flex" in results:
-        (want, want_lse), (got, got_lse) = results["blockwise"], results["flex"]
+    for kernel in (k for k in results if k != "blockwise" and "blockwise" in results):
+        check = row["kernels"][kernel]["check"] = {}
+        (want, want_lse), (got, got_lse) = results["blockwise"], results[kernel]
         finite = torch.isfinite(want_lse)
-        row["check"]["out_rel_err"] = _relative(got, want)
-        row["check"]["lse_max_err"] = float((got_lse - want_lse)[finite].abs().max())
-        row["check"]["lse_inf_agree"] = bool(torch.equal(finite, torch.isfinite(got_lse)))
-    if "blockwise" in grads and "flex" in grads:
-        names = ["dq", "dk", "dv"] + (["dprobs_k", "dprobs_q"] if step.soft else [])
-        for what, got, want in zip(names, grads["flex"], grads["blockwise"], strict=True):
-            row["check"][f"{what}_rel_err"] = _relative(got, want)
+        check["out_rel_err"] = _relative(got, want)
+        check["lse_max_err"] = float((got_lse - want_lse)[finite].abs().max())
+        check["lse_inf_agree"] = bool(torch.equal(finite, torch.isfinite(got_lse)))
+        if "blockwise" in grads and kernel in grads:
+            names = ["dq", "dk", "dv"] + (["dprobs_k", "dprobs_q"] if step.soft else [])
+            for what, got, want in zip(names, grads[kernel], grads["blockwise"], strict=True):
+                check[f"{what}_rel_err"] = _relative(got, want)
+    row["check"] = row["kernels"].get("flex", {}).get("check", {})  # the first fused kernel's
     del results, grads
     for kernel, entry in row["kernels"].items():
         if entry["status"] != "ok":
@@ -302,10 +306,10 @@ def markdown_table(rows: list[dict]) -> str:
         "|---:|---:|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        check = row["check"]
-        grad_errors = [v for key, v in check.items() if key.startswith("d")]  # d*_rel_err
         for name, k in row["kernels"].items():
-            fused = name == "flex"
+            check = k.get("check", {})  # fused kernels against blockwise
+            grad_errors = [v for key, v in check.items() if key.startswith("d")]  # d*_rel_err
+            fused = bool(check)
             label = name if k["backward_kernel"] == name else f"{name} (bwd {k['backward_kernel']})"
             out_err = check.get("out_rel_err") if fused else None
             grad_err = max(grad_errors) if fused and grad_errors else None

@@ -272,3 +272,27 @@ def test_triton_block_kernel_selection():
         resolve_block_kernel("triton", torch.zeros(1, 4, 2, 8))
     with pytest.raises(ValueError, match="soft and sliding-window steps, not 'hard'"):
         ring.ring_focus_attention(q, q, q, None, group=None, mode="hard", block_kernel="triton")
+
+
+def test_ring_step_benchmark_times_the_triton_kernel(tmp_path):
+    """``tools/bench_ring_step.py --kernels blockwise triton`` (CPU smoke): the triton step is
+    checked against blockwise (output and gradients) and timed; hard steps leave it out."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "tools" / "bench_ring_step.py"
+    spec = importlib.util.spec_from_file_location("bench_ring_step", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = tool.main(
+        ["--device", "cpu", "--seq", "64", "--cp", "2", "--groups", "4", "--heads", "2",
+         "--head-dim", "16", "--window", "4", "--dtype", "fp32", "--warmup", "0", "--repeats",
+         "1", "--kernels", "blockwise", "triton", "--json", str(tmp_path / "ring.json")]
+    )  # fmt: skip
+    soft = [row for row in rows if row["mode"] == "soft"]
+    assert soft and all("triton" not in row["kernels"] for row in rows if row["mode"] == "hard")
+    for row in soft:
+        entry = row["kernels"]["triton"]
+        assert entry["status"] == "ok" and entry["fwd_bwd_ms"] > 0
+        assert entry["check"]["out_rel_err"] < 1e-5 and entry["check"]["lse_inf_agree"]
+        assert max(v for k, v in entry["check"].items() if k.startswith("d")) < 1e-4
