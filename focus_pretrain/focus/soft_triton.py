@@ -60,23 +60,37 @@ def supports(head_dim: int) -> bool:
 
 
 def _blocks(device: str, head_dim: int) -> dict:
-    """Tile sizes and launch options. Interpreter: small tiles (many blocks on small tests)."""
+    """Tile sizes ``(BM, BN)`` of each kernel and launch options.
+
+    CUDA: per head dim (not yet tuned on a GPU); ``FOCUS_TRITON_BLOCKS`` overrides them for
+    tuning, e.g. ``fwd=128x64,kv=64x128,q=128x64,warps=8,stages=2`` (any subset). Interpreter:
+    small square tiles (``FOCUS_TRITON_TEST_BLOCK``, default 16: many blocks on small tests)."""
     if device != "cuda":
         block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
         return {"fwd": (block, block), "kv": (block, block), "q": (block, block), "opts": {}}
     if head_dim <= 64:
-        return {
-            "fwd": (128, 64),
-            "kv": (64, 128),
-            "q": (128, 64),
-            "opts": {"num_warps": 4, "num_stages": 3},
-        }
-    return {
-        "fwd": (128, 64),
-        "kv": (64, 64),
-        "q": (64, 64),
-        "opts": {"num_warps": 8, "num_stages": 2},
-    }
+        blocks = {"fwd": (128, 64), "kv": (64, 128), "q": (128, 64)}
+        opts = {"num_warps": 4, "num_stages": 3}
+    else:
+        blocks = {"fwd": (128, 64), "kv": (64, 64), "q": (64, 64)}
+        opts = {"num_warps": 8, "num_stages": 2}
+    override = os.environ.get("FOCUS_TRITON_BLOCKS", "")
+    for item in filter(None, (part.strip() for part in override.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key in blocks:
+                bm, bn = (int(x) for x in value.split("x"))
+                blocks[key] = (bm, bn)
+            elif key in ("warps", "stages"):
+                opts[f"num_{key}"] = int(value)
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise ValueError(
+                f"FOCUS_TRITON_BLOCKS: bad item {item!r}; expected fwd|kv|q=BMxBN (powers of "
+                "two >= 16) or warps|stages=N, comma-separated"
+            ) from None
+    return {**blocks, "opts": opts}
 
 
 def _precisions(q: Tensor) -> tuple[str, str]:

@@ -296,3 +296,15 @@ def test_ring_step_benchmark_times_the_triton_kernel(tmp_path):
         assert entry["status"] == "ok" and entry["fwd_bwd_ms"] > 0
         assert entry["check"]["out_rel_err"] < 1e-5 and entry["check"]["lse_inf_agree"]
         assert max(v for k, v in entry["check"].items() if k.startswith("d")) < 1e-4
+
+
+def test_tile_override_for_tuning(monkeypatch):
+    from focus_pretrain.focus.soft_triton import _blocks
+
+    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=64x32, warps=4")
+    blocks = _blocks("cuda", 128)
+    assert blocks["fwd"] == (64, 32) and blocks["opts"]["num_warps"] == 4
+    assert blocks["kv"] == (64, 64)  # the rest keeps its default
+    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=64")
+    with pytest.raises(ValueError, match="FOCUS_TRITON_BLOCKS: bad item 'fwd=64'"):
+        _blocks("cuda", 128)
