@@ -188,9 +188,9 @@ def soft_forward_kernel(
         hi = (pid_m + 1) * BM  # keys past Lk (last block) are masked
         if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
             lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
-        if LOCAL:  # without sinks no key before the first query's window
-            first = tl.maximum(pid_m * BM - window, 0) // BN * BN
-            lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
+        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): no key before the window
+            if sinks == 0:
+                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -314,8 +314,9 @@ def soft_backward_kv_kernel(
         if HAS_DOCS:
             last = tl.minimum(pid_n * BN + BN, LK) - 1
             hi = tl.load(DOC_END + bi * LK + last).to(tl.int32)  # its document's end
-        if LOCAL:  # without sinks no query past the last key's window
-            hi = tl.minimum(hi, tl.where(sinks == 0, pid_n * BN + BN + window, LQ))
+        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): none past the window
+            if sinks == 0:
+                hi = tl.minimum(hi, pid_n * BN + BN + window)
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
     dg_k = tl.zeros([BN, KP], dtype=tl.float32)
@@ -429,9 +430,9 @@ def soft_backward_q_kernel(
         hi = (pid_m + 1) * BM
         if HAS_DOCS:
             lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
-        if LOCAL:
-            first = tl.maximum(pid_m * BM - window, 0) // BN * BN
-            lo = tl.maximum(lo, tl.where(sinks == 0, first, 0))
+        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time)
+            if sinks == 0:
+                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
