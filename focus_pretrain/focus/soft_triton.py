@@ -113,6 +113,15 @@ def _document_ends(starts: Tensor) -> Tensor:
     return ends.contiguous()
 
 
+def _strided(t: Tensor) -> Tensor:
+    """``t`` itself when the kernels can read it in place (unit stride on the head dim, and a
+    dense layout that ``empty_like`` reproduces, so that gradients get the same strides), else a
+    contiguous copy. Megatron's ``[s, b, h, d]`` viewed as ``[b, s, h, d]`` is read in place."""
+    if t.stride(-1) == 1 and torch.empty_like(t).stride() == t.stride():
+        return t
+    return t.contiguous()
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -191,7 +200,7 @@ class _SoftGatedAttention(torch.autograd.Function):
                 f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
                 "shard the sequence (context parallelism) or use backend='flex'"
             )
-        q, k, v = (t.contiguous() for t in (q, k, v))
+        q, k, v = (_strided(t) for t in (q, k, v))  # views kept (e.g. Megatron's [s, b, ...])
         g_q = _table(probs_q, kp)
         g_k = g_q if probs_k is probs_q else _table(probs_k, kp)
         doc_q, doc_k = (None if t is None else t.contiguous() for t in (doc_q, doc_k))
@@ -228,12 +237,14 @@ class _SoftGatedAttention(torch.autograd.Function):
         stride_pq, stride_pk = ctx.extra
         b, lq, h, d = q.shape
         lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
-        d_out = d_out.contiguous()  # [b, Lq, H, D] like q (the kernels read both with q's strides)
+        if d_out.stride() != q.stride():  # the kernels read dO (and write dQ) with q's strides
+            d_out = torch.empty_like(q).copy_(d_out)
         delta = (d_out.float() * out.float()).sum(-1)  # [b, Lq, H]
         if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
             delta = delta - d_lse.float()
         delta = delta.transpose(1, 2).contiguous()  # [b, Lq, H] -> [b, H, Lq]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty_like(q)  # q's strides (_strided)
+        dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # dense
         dg_q = dg_k = q  # not written by a LOCAL kernel
         if not settings.local:
             dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
