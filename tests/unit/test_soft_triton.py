@@ -312,22 +312,22 @@ def test_tile_override_for_tuning(monkeypatch):
 
 
 def test_strided_views_are_read_in_place_and_give_the_same_gradients():
-    """Megatron's ``[s, b, h, d]`` tensors viewed as ``[b, s, h, d]`` (no copy) and a strided
-    slice (copied) give the gradients of contiguous inputs."""
+    """Megatron's ``[s, b, h, d]`` tensors viewed as ``[b, s, h, d]`` (read in place) and a
+    non-dense slice (copied) give the output and gradients of contiguous inputs."""
     b, n, h, d = 2, 40, 4, 16
-    base = [torch.randn(n, b, h, d).requires_grad_(True) for _ in range(3)]  # [s, b, h, d]
+    base = [torch.randn(n, b, h, d * (1 + (i == 2))).requires_grad_(True) for i in range(3)]
     probs = random_probs(b, n, 4, seed=1).float().requires_grad_(True)
     kwargs = dict(window=5, gate_lambda=6.0, scale=0.25)
-    views = [t.transpose(0, 1) for t in base]  # [b, s, h, d], not contiguous
-    views[2] = base[2].transpose(0, 1)[..., :d]  # the same data through a slice
-    assert _strided(views[0]) is views[0]  # read in place
+    views = [t.transpose(0, 1)[..., :d] for t in base]  # [b, s, h, d]; v: half of each row
+    assert _strided(views[0]) is views[0] and _strided(views[2]) is not views[2]
     out, _ = soft_gated_attention(*views, probs, **kwargs)
     d_out = torch.randn(out.shape)
     got = torch.autograd.grad((out * d_out).sum(), [*base, probs])  # dO dense, q strided
-    dense = [t.detach().transpose(0, 1).contiguous().requires_grad_(True) for t in base]
+    dense = [t.detach().contiguous().requires_grad_(True) for t in views]
     out2, _ = soft_gated_attention(*dense, probs, **kwargs)
     want = torch.autograd.grad((out2 * d_out).sum(), [*dense, probs])
     torch.testing.assert_close(out, out2)
     for g, w in zip(got[:3], want[:3], strict=True):
-        torch.testing.assert_close(g.transpose(0, 1), w, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g.transpose(0, 1)[..., :d], w, rtol=1e-6, atol=1e-6)
+    assert got[2][..., d:].abs().max() == 0
     torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-6)
