@@ -59,21 +59,30 @@ def supports(head_dim: int) -> bool:
     return head_dim in HEAD_DIMS
 
 
-def _blocks(device: str, head_dim: int) -> dict:
+def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes ``(BM, BN)`` of each kernel and launch options.
 
-    CUDA: per head dim (not yet tuned on a GPU); ``FOCUS_TRITON_BLOCKS`` overrides them for
+    CUDA: per head dim and, for fp32 inputs (twice the bytes per tile), halved; within an
+    H100's shared memory for every head dim (``tools/compile_triton_kernels.py`` checks it with
+    Triton's compiler, no GPU needed), not yet tuned for speed. ``FOCUS_TRITON_BLOCKS`` overrides
+    them for
     tuning, e.g. ``fwd=128x64,kv=64x128,q=128x64,warps=8,stages=2`` (any subset). Interpreter:
     small square tiles (``FOCUS_TRITON_TEST_BLOCK``, default 16: many blocks on small tests)."""
     if device != "cuda":
         block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
         return {"fwd": (block, block), "kv": (block, block), "q": (block, block), "opts": {}}
     if head_dim <= 64:
-        blocks = {"fwd": (128, 64), "kv": (64, 128), "q": (128, 64)}
+        blocks = {"fwd": (128, 64), "kv": (32, 128), "q": (128, 64)}
         opts = {"num_warps": 4, "num_stages": 3}
-    else:
+    elif head_dim <= 128:
         blocks = {"fwd": (128, 64), "kv": (64, 64), "q": (64, 64)}
         opts = {"num_warps": 8, "num_stages": 2}
+    else:  # registers: a [64, 256] fp32 accumulator is already 64 per thread at 8 warps
+        blocks = {"fwd": (64, 64), "kv": (32, 64), "q": (64, 32)}
+        opts = {"num_warps": 8, "num_stages": 2}
+    if dtype == torch.float32:
+        blocks = {key: (max(16, bm // 2), max(16, bn // 2)) for key, (bm, bn) in blocks.items()}
+        opts["num_stages"] = 1
     override = os.environ.get("FOCUS_TRITON_BLOCKS", "")
     for item in filter(None, (part.strip() for part in override.split(","))):
         key, _, value = item.partition("=")
@@ -94,11 +103,12 @@ def _blocks(device: str, head_dim: int) -> dict:
 
 
 def _precisions(q: Tensor) -> tuple[str, str]:
-    """``(QK_PREC, GATE_PREC)``: fp32 inputs get IEEE products (exact to fp32); the gate's fp32
-    product uses 3xTF32 on CUDA (fp32-class accuracy on tensor cores)."""
+    """``(QK_PREC, GATE_PREC)``: on CUDA fp32 products (fp32 inputs, the gate's assignments) use
+    3xTF32 (fp32-class accuracy on tensor cores); fp16/bf16 inputs are tensor-core native. The
+    interpreter computes in IEEE fp32."""
     if not q.is_cuda:
         return "ieee", "ieee"
-    return ("ieee" if q.dtype == torch.float32 else "tf32"), "tf32x3"
+    return ("tf32x3" if q.dtype == torch.float32 else "tf32"), "tf32x3"
 
 
 def _document_ends(starts: Tensor) -> Tensor:
@@ -162,7 +172,7 @@ class _Settings:
             LOCAL=self.local,
             QK_PREC=qk_prec,
             GATE_PREC=gate_prec,
-            **_blocks(q.device.type, q.shape[-1])["opts"],
+            **_blocks(q.device.type, q.shape[-1], q.dtype)["opts"],
         )
 
 
@@ -215,7 +225,7 @@ class _SoftGatedAttention(torch.autograd.Function):
             documents=doc_q is not None, positions=positions,
         )  # fmt: skip
         sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k, pos_q, pos_k)]
-        bm, bn = _blocks(q.device.type, d)["fwd"]
+        bm, bn = _blocks(q.device.type, d, q.dtype)["fwd"]
         kernels.soft_forward_kernel[(_cdiv(lq, bm), b * h)](
             q, k, v, *sides, out, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -255,7 +265,7 @@ class _SoftGatedAttention(torch.autograd.Function):
         sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k)]
         pos = [q if t is None else t for t in (pos_q, pos_k)]
         strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_pq, stride_pk)
-        blocks = _blocks(q.device.type, d)
+        blocks = _blocks(q.device.type, d, q.dtype)
         bm, bn = blocks["kv"]
         kernels.soft_backward_kv_kernel[(_cdiv(lk, bn), b * hkv)](
             q, k, v, *sides, doc_end, *pos, d_out, lse, delta, dk, dv, dg_k,

@@ -35,8 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # compiled kernels read only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

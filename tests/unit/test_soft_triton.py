@@ -331,3 +331,35 @@ def test_strided_views_are_read_in_place_and_give_the_same_gradients():
         torch.testing.assert_close(g.transpose(0, 1)[..., :d], w, rtol=1e-6, atol=1e-6)
     assert got[2][..., d:].abs().max() == 0
     torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow  # about 20 s: Triton's compiler and ptxas, a dozen kernels
+def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
+    """The interpreter runs the kernels as Python; Triton's real compiler (``tools/
+    compile_triton_kernels.py``, no GPU needed) must also accept them for sm_90, for the
+    compile-time variants and dtypes the backend launches, with the tiles it launches them
+    with fitting the H100's shared memory."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tool = pathlib.Path(__file__).parents[2] / "tools" / "compile_triton_kernels.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    report = tmp_path / "compile.json"
+    runs = [["--dtype", "bf16", "--head-dim", "128"], ["--dtype", "fp32", "--head-dim", "64",
+            "--variants", "plain"]]  # fmt: skip
+    rows = []
+    for args in runs:
+        done = subprocess.run(
+            [sys.executable, str(tool), *args, "--json", str(report)],
+            env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert report.exists(), done.stderr[-3000:]
+        rows += json.loads(report.read_text())["rows"]
+    assert len(rows) == 12
+    failed = [(r["kernel"], r["dtype"], r["variant"], r["error"]) for r in rows if not r["ok"]]
+    assert not failed, failed
+    assert all(0 < r["shared_bytes"] <= r["shared_limit"] for r in rows)
