@@ -205,6 +205,11 @@ class _SoftGatedAttention(torch.autograd.Function):
         local = probs_q is None  # a sliding-window layer: no gate, pairs beyond the window cut
         num_groups = 0 if local else probs_q.shape[-1]
         kp = max(16, _next_pow2(num_groups))
+        if b * h > 65535:  # the grid's second axis
+            raise ValueError(
+                f"the triton backend launches batch x heads = {b * h} programs on a grid axis "
+                "limited to 65535; split the batch or use backend='flex'"
+            )
         if max(q.numel(), k.numel(), b * h * max(lq, lk) * kp) >= 2**31:
             raise ValueError(
                 f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
