@@ -118,6 +118,42 @@ def _side(
 
 
 @triton.jit
+def _rows(PTR, bi, offs, h, stride_b, stride_n, stride_h, offs_d, mask):
+    """The ``[rows, D]`` tile of head ``h`` at tokens ``offs`` of sample ``bi`` (0 where masked)."""
+    ptrs = PTR + bi * stride_b + offs[:, None] * stride_n + h * stride_h + offs_d[None, :]
+    return tl.load(ptrs, mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def _key_range(
+    DOC_Q,
+    pid_m,
+    bi,
+    LQ,
+    LK,
+    window,
+    sinks,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    LOCAL: tl.constexpr,
+):
+    """``[lo, hi)``: the key blocks query block ``pid_m`` may see. With positions, all; on one
+    sequence, up to its diagonal, from its first query's document start and window."""
+    lo = pid_m * 0
+    hi = LK + pid_m * 0
+    if not HAS_POS:
+        hi = (pid_m + 1) * BM  # keys past Lk (last block) are masked
+        if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
+            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
+        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): no key before the window
+            if sinks == 0:
+                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
+    return lo, hi
+
+
+@triton.jit
 def soft_forward_kernel(
     Q,
     K,
@@ -174,39 +210,19 @@ def soft_forward_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     rows = offs_m < LQ
-    q = tl.load(
-        Q + bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
+    q = _rows(Q, bi, offs_m, h, stride_qb, stride_qn, stride_qh, offs_d, rows)
     g_q, pos_q, doc_q = _side(
         G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
     )
-    lo = pid_m * 0
-    hi = LK + pid_m * 0
-    if not HAS_POS:  # one sequence: causal, and the first query's document and window
-        hi = (pid_m + 1) * BM  # keys past Lk (last block) are masked
-        if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
-            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
-        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): no key before the window
-            if sinks == 0:
-                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
+    lo, hi = _key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
         cols = offs_n < LK
-        k = tl.load(
-            K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V + bi * stride_vb + offs_n[:, None] * stride_vn + hk * stride_vh + offs_d[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
+        k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
+        v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
         g_k, pos_k, doc_k = _side(
             G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
         )
@@ -294,16 +310,8 @@ def soft_backward_kv_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     cols = offs_n < LK
-    k = tl.load(
-        K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
-        mask=cols[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        V + bi * stride_vb + offs_n[:, None] * stride_vn + hk * stride_vh + offs_d[None, :],
-        mask=cols[:, None],
-        other=0.0,
-    )
+    k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
+    v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
     g_k, pos_k, doc_k = _side(
         G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
     )
@@ -424,30 +432,14 @@ def soft_backward_q_kernel(
     )
     lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
     delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
-    lo = pid_m * 0
-    hi = LK + pid_m * 0
-    if not HAS_POS:  # as in the forward
-        hi = (pid_m + 1) * BM
-        if HAS_DOCS:
-            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
-        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time)
-            if sinks == 0:
-                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
+    lo, hi = _key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
         offs_n = start_n + tl.arange(0, BN)
         cols = offs_n < LK
-        k = tl.load(
-            K + bi * stride_kb + offs_n[:, None] * stride_kn + hk * stride_kh + offs_d[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            V + bi * stride_vb + offs_n[:, None] * stride_vn + hk * stride_vh + offs_d[None, :],
-            mask=cols[:, None],
-            other=0.0,
-        )
+        k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
+        v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
         g_k, pos_k, doc_k = _side(
             G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
         )
