@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from focus_pretrain.convert.hf_export import load_modeling
+from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _step_times(model, cache, tokens: torch.Tensor, warmup: int) -> tuple[list[f
         if cache.layers[0].keys.is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(token.view(1, 1), past_key_values=cache, use_cache=True)
+        out = model(token.view(1, 1), use_cache=True, **cache_kwargs(model, cache))
         if out.logits.is_cuda:
             torch.cuda.synchronize()
         if i >= warmup:
@@ -102,7 +103,7 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             t0 = time.perf_counter()
-            model(prompt, past_key_values=cache, use_cache=True)
+            model(prompt, use_cache=True, **cache_kwargs(model, cache))
             prefill_s = time.perf_counter() - t0
             row = {"seq": n, "prefill_s": prefill_s}
             for name, runner, backend in (

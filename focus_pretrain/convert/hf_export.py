@@ -221,20 +221,20 @@ def load_modeling():
     return importlib.import_module(f"{name}.modeling_focus")
 
 
+def _shipped_configuration():
+    """The shipped ``configuration_focus`` module (the one :func:`load_modeling` imports)."""
+    load_modeling()
+    return importlib.import_module("focus_hf_modeling.configuration_focus")
+
+
 def export_hf(
     checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, max_shard_size: str = "2GB"
 ) -> Path:
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
     ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
-    focus = model_cfg.focus
     shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     tensors = hf_state_dict(shards, model_cfg)
-    family = _CLASS[model_cfg.family]
-    modeling = load_modeling()
-    config_cls = getattr(modeling, f"Focus{family}Config")
-    model_cls = getattr(modeling, f"Focus{family}ForCausalLM")
-    focus_section = _focus_section(focus)
     tokenizer = _tokenizer_for(config)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
         raise ValueError(
@@ -242,8 +242,25 @@ def export_hf(
             f"only {model_cfg.vocab_size} embeddings: it is not the tokenizer this model was "
             "trained with (check data.tokenizer in the checkpoint's config.yaml)"
         )
+    model = hf_export_model(model_cfg, tensors, tokenizer)
+    record = {"checkpoint": str(ckpt)}
+    if tokenizer is not None and tokenizer.hf is None:  # the .model the tokenizer.json encodes
+        digest = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
+        record["tokenizer_source"] = {"path": str(tokenizer.path), "sha256": digest}
+    return save_export(model, out_dir, tokenizer, record, max_shard_size=max_shard_size)
+
+
+def hf_export_config(model_cfg: ModelConfig, tokenizer=None):
+    """``(model class, config)`` of the shipped Focus HF model of ``model_cfg``: the config is
+    what the export's ``config.json`` holds (the family's fields, the ``focus`` section, the
+    auto_map to the shipped code and the tested transformers range)."""
+    family = _CLASS[model_cfg.family]
+    modeling = load_modeling()
+    config_cls = getattr(modeling, f"Focus{family}Config")
+    model_cls = getattr(modeling, f"Focus{family}ForCausalLM")
     hf_config = config_cls(
-        focus=focus_section,
+        focus=_focus_section(model_cfg.focus),
+        focus_transformers=sys.modules[config_cls.__module__].export_record(),
         bos_token_id=tokenizer.bos if tokenizer is not None else None,
         eos_token_id=tokenizer.eod if tokenizer is not None else None,
         **hf_config_dict(model_cfg),
@@ -253,6 +270,13 @@ def export_hf(
         "AutoConfig": f"configuration_focus.{config_cls.__name__}",
         "AutoModelForCausalLM": f"modeling_focus.{model_cls.__name__}",
     }
+    return model_cls, hf_config
+
+
+def hf_export_model(model_cfg: ModelConfig, tensors: dict[str, Tensor], tokenizer=None):
+    """The shipped Focus HF model of ``model_cfg`` holding ``tensors`` (HF names, routers
+    included; see :func:`hf_state_dict`), built on the meta device and assigned them."""
+    model_cls, hf_config = hf_export_config(model_cfg, tokenizer)
     with torch.device("meta"):
         model = model_cls(hf_config)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
@@ -261,6 +285,15 @@ def export_hf(
         raise ValueError(f"export does not fit the HF model: missing {missing}, extra {unexpected}")
     if model_cfg.tied:
         model.tie_weights()
+    return model
+
+
+def save_export(
+    model, out_dir: str | os.PathLike, tokenizer=None, record=None, *, max_shard_size="2GB"
+) -> Path:
+    """Write ``model`` (from :func:`hf_export_model`) as an export directory: safetensors,
+    ``config.json``, the shipped modeling code, the tokenizer (when given) and
+    ``focus_export.json`` (``record``: where it came from). Returns the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
@@ -268,11 +301,7 @@ def export_hf(
         shutil.copyfile(MODELING_DIR / name, out / name)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, out)
-    record = {"checkpoint": str(ckpt)}
-    if tokenizer is not None and tokenizer.hf is None:  # the .model the tokenizer.json encodes
-        digest = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
-        record["tokenizer_source"] = {"path": str(tokenizer.path), "sha256": digest}
-    (out / "focus_export.json").write_text(json.dumps(record, indent=1))
+    (out / "focus_export.json").write_text(json.dumps(record or {}, indent=1))
     return out
 
 
@@ -294,6 +323,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
         "model_type": HF_MODEL_TYPES[config.model.family],  # gemma3: gemma3_text
         "focus": _focus_section(config.model.focus),
         "parameters": sum(t.numel() for k, t in routers.items() if "balance" not in k),
+        "focus_transformers": _shipped_configuration().export_record(),
         "checkpoint": str(ckpt),
     }
     (out / "focus_adapter.json").write_text(json.dumps(meta, indent=1))

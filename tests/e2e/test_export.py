@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from focus_pretrain.convert import export_hf
+from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 from tests.distributed import run_workers
 from tests.e2e.runs import launch, overrides
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.hf]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_sparse_decode_of_the_trained_export_equals_full_recomputation(exported,
         sparse = model.generate(prompt, **kwargs)
         recomputed = model.generate(prompt, use_cache=False, **kwargs)
         cache = DynamicCache(config=model.config)
-        model(sparse, past_key_values=cache)  # the routing of every token, in one forward
+        model(sparse, **cache_kwargs(model, cache))  # the routing of every token, in one forward
     assert sparse.tolist() == recomputed.tolist()
     n = sparse.shape[1]
     for i, layer in enumerate(model.model.layers):

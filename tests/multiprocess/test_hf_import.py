@@ -18,7 +18,7 @@ import torch
 
 from tests.distributed import run_workers
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.hf]
 WORKER = "tests.multiprocess.test_hf_import:our_logits"
 SEQ = 24
 COMMON = dict(

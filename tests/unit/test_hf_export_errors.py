@@ -10,6 +10,8 @@ import pytest
 from focus_pretrain.config import load_config, save_config
 from focus_pretrain.convert import export_hf, export_router_adapter
 
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
+
 
 def _checkpoint(root, *overrides: str):
     """A checkpoint directory as the trainer writes it (the resolved ``config.yaml`` next to an

@@ -15,6 +15,9 @@ import torch
 from transformers import DynamicCache
 
 from focus_pretrain.convert.hf_export import load_modeling
+from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
+
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
 
 modeling = load_modeling()
 VOCAB = 50
@@ -184,10 +187,10 @@ def test_a_copied_prompt_cache_is_reused_twice_and_prompt_lookup_decodes():
     (prompt,) = sequences(17, seed=3)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt[None], past_key_values=cache)
+        model(prompt[None], **cache_kwargs(model, cache))
         for suffix in ([3, 4], [5, 6, 7]):
             full = torch.cat([prompt, torch.tensor(suffix)])[None]
-            reused = greedy(model, full, 10, past_key_values=copy.deepcopy(cache))
+            reused = greedy(model, full, 10, **cache_kwargs(model, copy.deepcopy(cache)))
             assert reused.tolist() == greedy(model, full, 10).tolist()
         repeated = prompt.repeat(3)[None]  # prompt lookup finds candidates in a repeated prompt
         lookup = greedy(model, repeated, 20, prompt_lookup_num_tokens=3)
@@ -206,7 +209,7 @@ def test_sparse_decode_reads_exactly_the_kept_keys(sinks):
         out = greedy(model, ids, steps, attention_mask=mask)
         full_mask = torch.cat([mask, torch.ones(2, steps, dtype=torch.long)], dim=1)
         cache = DynamicCache(config=model.config)
-        model(out, attention_mask=full_mask, past_key_values=cache)  # one recomputed prefill
+        model(out, attention_mask=full_mask, **cache_kwargs(model, cache))  # one recomputed prefill
     for layer_idx, attn in enumerate(model.model.layers):
         members = cache.layers[layer_idx].focus_members  # [b, n]
         valid = full_mask.bool()

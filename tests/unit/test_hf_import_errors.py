@@ -18,6 +18,8 @@ from focus_pretrain.convert import (
 from focus_pretrain.convert.families import Geometry, rules_for
 from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model
 
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from focus_pretrain.convert.hf_export import MODELING_DIR, SHIPPED_MODELING_FILES
+from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs, returned_cache
 from tests.unit.test_hf_generation import (  # noqa: F401 (local_modeling: an autouse fixture)
     focus_model,
     greedy,
@@ -26,6 +27,8 @@ from tests.unit.test_hf_generation import (  # noqa: F401 (local_modeling: an au
     padded,
     sequences,
 )
+
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
 
 # window 3: a 9-token document is longer than the window, a 2-token one shorter, and a
 # 1-token one has nothing but itself; row 1 starts with a 1-token document
@@ -190,18 +193,18 @@ def test_a_packed_cache_cannot_be_continued(focus):
     _, ids, positions = packed_batch()
     step = dict(input_ids=torch.tensor([[3], [4]]), position_ids=torch.tensor([[12], [12]]))
     with torch.no_grad():
-        cache = model(ids, position_ids=positions).past_key_values
+        cache = returned_cache(model(ids, position_ids=positions))
         with pytest.raises(ValueError, match=r"filled by packed documents.*cannot be continued"):
-            model(**step, past_key_values=cache)
+            model(**step, **cache_kwargs(model, cache))
         with pytest.raises(ValueError, match="filled by packed documents"):
             greedy(model, ids, 3, position_ids=positions)
         fresh = DynamicCache(config=model.config)
-        model(ids[:, :4], past_key_values=fresh)
+        model(ids[:, :4], **cache_kwargs(model, fresh))
         with pytest.raises(ValueError, match="after 4 cached tokens are not supported"):
-            model(ids[:, 4:], position_ids=positions[:, 4:], past_key_values=fresh)
+            model(ids[:, 4:], position_ids=positions[:, 4:], **cache_kwargs(model, fresh))
         cache.reset()
-        model(ids, past_key_values=cache)  # one document per row: continuable
-        cached = model(**step, past_key_values=cache).logits[:, -1]
+        model(ids, **cache_kwargs(model, cache))  # one document per row: continuable
+        cached = model(**step, **cache_kwargs(model, cache)).logits[:, -1]
         full = torch.cat([ids, step["input_ids"]], dim=1)
         torch.testing.assert_close(cached, model(full, use_cache=False).logits[:, -1])
 

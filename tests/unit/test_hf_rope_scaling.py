@@ -17,6 +17,8 @@ from focus_pretrain.model.config import RopeScaling
 from focus_pretrain.model.rope import hf_inv_freq
 from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model, tokens
 
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
+
 
 def _config_json(path, name: str, **changes) -> None:
     """``config.json`` of the test model ``name`` (as transformers writes it), edited."""
@@ -250,6 +252,7 @@ def test_other_rope_types_are_refused_by_name(tmp_path, kind):
 def test_unsupported_variants_of_the_new_families_are_refused(
     tmp_path, model_type, changes, message
 ):
+
     _config_json(tmp_path, model_type, **changes)
     with pytest.raises(ValueError, match=message):
         hf_model_config(tmp_path)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as metadata
+import os
 import pathlib
 import re
 import tomllib
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 import focus_pretrain
 
@@ -47,3 +51,55 @@ def test_package_metadata():
     from focus_pretrain.focus import FocusRouter, focus_attention  # the public surface
 
     assert callable(focus_attention) and callable(FocusRouter)
+
+
+def _requirements() -> dict[str, Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [dep for deps in project["optional-dependencies"].values() for dep in deps]
+    return {Requirement(dep).name: Requirement(dep) for dep in [*project["dependencies"], *extras]}
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements" / "lock.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_every_dependency_has_an_upper_bound_but_torch():
+    """An upstream release outside the tested range cannot reach a user's install (torch
+    excepted: GPU users pick their build; docs/dependencies.md)."""
+    for name, requirement in _requirements().items():
+        if name != "torch":
+            assert any(s.operator in ("<", "<=", "==") for s in requirement.specifier), name
+
+
+def test_the_lock_pins_every_dependency_inside_its_declared_range():
+    pins = _lock()
+    for name, requirement in _requirements().items():
+        if name in ("torch", "flash-attn"):  # the user's build; optional GPU kernels
+            assert canonicalize_name(name) not in pins
+            continue
+        assert requirement.specifier.contains(pins[canonicalize_name(name)]), name
+    assert not [n for n in pins if n.startswith(("torch", "triton", "nvidia-"))]
+
+
+@pytest.mark.skipif(os.environ.get("FOCUS_LOCK") == "", reason="set up without the lock (LOCK=)")
+def test_the_installed_versions_are_the_locked_ones():
+    """`make setup` installs from requirements/lock.txt (the suite runs on what CI tested)."""
+    pins = _lock()
+    installed = {name: metadata.version(name) for name in pins}  # the copy imports find
+    differ = {n: (installed[n], v) for n, v in pins.items() if installed[n] != v}
+    assert not differ, f"installed != locked: {differ} (make setup installs from the lock)"
+
+
+def test_the_declared_transformers_range_is_the_exports_tested_range():
+    """pyproject.toml and the shipped modeling code (which records the range in each export)
+    name the same range, and the installed transformers is inside it."""
+    from focus_pretrain.convert.hf_export import _shipped_configuration
+
+    tested = _shipped_configuration().TESTED_TRANSFORMERS
+    assert _requirements()["transformers"].specifier == SpecifierSet(tested)
+    assert SpecifierSet(tested).contains(metadata.version("transformers"))

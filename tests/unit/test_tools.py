@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[2]
 
 
@@ -99,6 +101,7 @@ def test_bench_attention_smoke_on_cpu(tmp_path):
     assert "| decomposed |" in result.stdout
 
 
+@pytest.mark.hf
 def test_bench_decode_smoke_on_cpu(tmp_path):
     """The decode benchmark runs end to end at small sizes: the sparse step agrees with the
     dense one and reads fewer keys than the context (a smoke check, not figures)."""

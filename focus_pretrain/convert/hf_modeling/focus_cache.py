@@ -26,6 +26,8 @@ Layouts: HF ``[b, heads, seq, d]`` for keys and values; routing ``[b, seq, K]``.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
@@ -170,6 +172,22 @@ class FocusDynamicLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self.focus_init()
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` for calling ``model`` (or its ``generate``) with a KV cache: the
+    model's own keyword, ``cache`` from transformers 5.24 and ``past_key_values`` before (an
+    older release silently ignores a keyword it does not know). E.g.
+    ``model(ids, **cache_kwargs(model, DynamicCache(config=model.config)))``."""
+    parameters = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": cache}
+
+
+def returned_cache(output):
+    """The KV cache a forward returned: ``output.cache`` from transformers 5.24,
+    ``output.past_key_values`` before."""
+    fields = getattr(output, "__dataclass_fields__", {})  # a ModelOutput is a dataclass
+    return getattr(output, "cache" if "cache" in fields else "past_key_values", None)
 
 
 def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from transformers import (
     AttentionInterface,
     AttentionMaskInterface,
+    Cache,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     GPT2LMHeadModel,
@@ -100,12 +101,22 @@ class FocusRouter(nn.Module):
         return torch.softmax(logits + self.balance_offsets.to(dtype), dim=-1)
 
 
+def passed_cache(args: tuple, kwargs: dict) -> Cache | None:
+    """The KV cache among a module call's arguments, or ``None``: the one that is a
+    ``transformers.Cache``, whatever its keyword (``past_key_values`` up to transformers 5.23,
+    ``cache`` from 5.24) or position."""
+    for value in (*kwargs.values(), *args):
+        if isinstance(value, Cache):
+            return value
+    return None
+
+
 def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook: the attention module's cache and, for a Focus layer, its input (what
     the router reads)."""
     if getattr(module, "router", None) is not None:
         module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    module._focus_cache = kwargs.get("past_key_values")
+    module._focus_cache = passed_cache(args, kwargs)
 
 
 class _Documents:
@@ -532,10 +543,11 @@ def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:
 
     from safetensors.torch import load_file
 
-    from .configuration_focus import FOCUS_DEFAULTS
+    from .configuration_focus import FOCUS_DEFAULTS, check_transformers_version
 
     adapter = Path(adapter_dir)
     meta = json.loads((adapter / "focus_adapter.json").read_text())
+    check_transformers_version((meta.get("focus_transformers") or {}).get("tested"))
     if meta["model_type"] != model.config.model_type.removeprefix("focus_"):
         raise ValueError(
             f"the adapter was trained on a {meta['model_type']} model, "

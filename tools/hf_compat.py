@@ -1,0 +1,219 @@
+"""Run the HF-facing tests against the lowest and the newest supported ``transformers``.
+
+The exported modeling code runs in the user's environment, with whatever ``transformers`` they
+have; the locked run of ``make test`` sees one version. This tool adds, for each version asked
+for (default: the lowest the range in pyproject.toml allows and the newest on the package index):
+
+* **with the package**: the tests marked ``hf`` (import, export, generation, packed documents,
+  sparse decode, the export checks of ``tests/compat``) in the locked environment with that
+  ``transformers`` laid over it: what pip would change for it (``transformers`` and the
+  dependencies it needs at other versions) is installed into ``<work>/overlay-<version>`` and put
+  first on ``PYTHONPATH``; the locked environment itself is not touched. Skipped where the
+  version is the locked one (the main run covers it).
+* **standalone**: ``tests/compat`` in a small environment of its own (``<venv>``: torch, pytest
+  and that ``transformers``, nothing else of ours) on exports the locked environment wrote
+  (``python -m tests.compat.write_exports``), with ``focus_pretrain`` unimportable.
+
+Each run writes a JUnit XML; the tool prints a table of what each run measured and writes it as
+JSON (``<work>/summary.json``); the exit status is non-zero if any run failed.
+
+    .venv/bin/python tools/hf_compat.py                       # lowest and newest (make test-compat)
+    .venv/bin/python tools/hf_compat.py --versions 5.10.0     # one version
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import xml.etree.ElementTree as ElementTree
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def declared_range(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The ``transformers`` specifier pyproject.toml declares, e.g. ``">=5.0,<5.25"``."""
+    for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        requirement = Requirement(dep)
+        if requirement.name == "transformers":
+            return str(requirement.specifier)
+    raise ValueError(f"{pyproject} declares no transformers dependency")
+
+
+def lowest_version(specifier: str) -> str:
+    """The lower bound of ``specifier`` (its ``>=`` clause): the lowest supported release."""
+    bounds = [s.version for s in Requirement(f"x{specifier}").specifier if s.operator == ">="]
+    if len(bounds) != 1:
+        raise ValueError(f"transformers{specifier} has no single '>=' lower bound to test")
+    return bounds[0]
+
+
+def pip_plan(python: str, requirement: str, *, ignore_installed: bool = False) -> dict[str, str]:
+    """``{name: version}`` that ``pip install requirement`` would install into ``python``'s
+    environment (only what it lacks, unless ``ignore_installed``), asked with ``--dry-run``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "report.json"
+        args = [python, "-m", "pip", "install", "--quiet", "--dry-run", "--report", str(report)]
+        args += ["--ignore-installed", "--no-deps"] if ignore_installed else []
+        subprocess.run([*args, requirement], check=True, stdout=subprocess.DEVNULL)
+        items = json.loads(report.read_text())["install"]
+    return {item["metadata"]["name"]: item["metadata"]["version"] for item in items}
+
+
+def newest_version(python: str) -> str:
+    """The newest ``transformers`` release on the package index."""
+    return pip_plan(python, "transformers", ignore_installed=True)["transformers"]
+
+
+def overlay(python: str, version: str, work: Path) -> Path:
+    """A directory holding ``transformers==version`` and the dependencies it needs at versions
+    other than the installed ones (what pip would change), to put first on ``PYTHONPATH``."""
+    target = work / f"overlay-{version}"
+    if not (target / ".complete").is_file():
+        shutil.rmtree(target, ignore_errors=True)
+        plan = pip_plan(python, f"transformers=={version}")
+        pins = [f"{name}=={pinned}" for name, pinned in plan.items()]
+        pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
+        subprocess.run([*pip, *pins], check=True)
+        (target / ".complete").write_text("\n".join(pins) + "\n")
+    return target
+
+
+def small_venv(venv: Path, torch_spec: str, lock: Path | None) -> str:
+    """The standalone environment's python: torch (``torch_spec``), pytest; nothing of ours."""
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").is_file():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        constraints = ["-c", str(lock)] if lock else []
+        subprocess.run([*pip, *constraints, "--upgrade", "pip"], check=True)
+        if torch_spec:
+            subprocess.run([*pip, *constraints, *torch_spec.split()], check=True)
+        subprocess.run([*pip, *constraints, "pytest", "pytest-timeout"], check=True)
+        (venv / ".complete").touch()
+    return str(python)
+
+
+def run_pytest(python: str, args: list[str], env: dict[str, str], junit: Path) -> dict:
+    """Run pytest; ``{passed, failed, skipped, returncode}`` read from its JUnit XML."""
+    cmd = [python, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    print("+", " ".join(cmd), flush=True)
+    code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}).returncode
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "returncode": code}
+    if junit.is_file():
+        for suite in ElementTree.parse(junit).getroot().iter("testsuite"):
+            tests, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+            failed = int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+            counts["failed"] += failed
+            counts["skipped"] += skipped
+            counts["passed"] += tests - failed - skipped
+    return counts
+
+
+def with_package(python: str, version: str, work: Path, pytest_args: list[str]) -> dict:
+    """The ``hf`` tests in the locked environment with ``transformers==version`` over it."""
+    target = overlay(python, version, work)
+    path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "FOCUS_COMPAT_TRANSFORMERS": version, "FOCUS_COMPAT_PACKAGE": "1"}
+    junit = work / f"with-package-{version}.xml"
+    return run_pytest(python, ["-m", "hf", *pytest_args], env, junit)
+
+
+def standalone(venv_python: str, version: str, exports: Path, work: Path) -> dict:
+    """``tests/compat`` in the small environment with ``transformers==version``."""
+    pip = [venv_python, "-m", "pip", "install", "--quiet", f"transformers=={version}"]
+    subprocess.run(pip, check=True)
+    env = {
+        "FOCUS_COMPAT_EXPORTS": str(exports),
+        "FOCUS_COMPAT_TRANSFORMERS": version,
+        "FOCUS_COMPAT_PACKAGE": "0",
+        "PYTHONPATH": "",
+    }
+    args = ["--noconftest", "-o", "addopts=", "tests/compat/test_exports.py", "-q"]
+    return run_pytest(venv_python, args, env, work / f"standalone-{version}.xml")
+
+
+def write_exports(python: str, work: Path) -> Path:
+    exports = work / "exports"
+    shutil.rmtree(exports, ignore_errors=True)
+    subprocess.run([python, "-m", "tests.compat.write_exports", str(exports)], cwd=ROOT, check=True)
+    return exports
+
+
+def table(rows: list[dict]) -> str:
+    header = "| transformers | environment | passed | failed | skipped | result |"
+    lines = [header, "|---" * 6 + "|"]
+    for row in rows:
+        counts = row.get("counts") or {}
+        result = row.get("note") or ("ok" if counts.get("returncode") == 0 else "FAILED")
+        cells = [row["version"], row["environment"]]
+        cells += [str(counts.get(k, "-")) for k in ("passed", "failed", "skipped")]
+        lines.append("| " + " | ".join([*cells, result]) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--versions",
+        nargs="+",
+        default=["lowest", "newest"],
+        help="transformers versions: 'lowest' (pyproject's lower bound), 'newest' (on the index) "
+        "or exact ones",
+    )
+    parser.add_argument("--work", type=Path, default=ROOT / "build" / "hf-compat")
+    parser.add_argument("--venv", type=Path, default=ROOT / ".venv-compat", help="small venv")
+    parser.add_argument("--torch", default="torch==2.13.0", help="torch for the small venv")
+    parser.add_argument(
+        "--lock",
+        default=str(ROOT / "requirements" / "lock.txt"),
+        help="constraints for the small venv's torch and pytest ('' for none)",
+    )
+    parser.add_argument("--pytest-args", default="-q", help="extra arguments of the hf runs")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    python = sys.executable
+    args.work.mkdir(parents=True, exist_ok=True)
+    specifier, locked = declared_range(), metadata.version("transformers")
+    named = {"lowest": lowest_version(specifier), "newest": newest_version(python)}
+    versions = list(dict.fromkeys(named.get(v, v) for v in args.versions))
+    print(f"transformers: declared {specifier}, locked {locked}, checking {versions}", flush=True)
+    rows = []
+    for version in versions:
+        row = {"version": version, "environment": "locked + this transformers (hf tests)"}
+        if Version(version) == Version(locked):
+            row["note"] = "the locked version: covered by the main run"
+        else:
+            row["counts"] = with_package(python, version, args.work, args.pytest_args.split())
+        rows.append(row)
+    exports = write_exports(python, args.work)
+    venv_python = small_venv(args.venv, args.torch, Path(args.lock) if args.lock else None)
+    for version in versions:
+        counts = standalone(venv_python, version, exports, args.work)
+        rows.append({"version": version, "environment": "standalone", "counts": counts})
+    summary = {"declared": specifier, "locked": locked, "runs": rows}
+    (args.work / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(table(rows))
+    failed = [r for r in rows if r.get("counts") and r["counts"]["returncode"] != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
