@@ -2,7 +2,9 @@
 
 The exported modeling code runs in the user's environment, with whatever ``transformers`` they
 have; the locked run of ``make test`` sees one version. This tool adds, for each version asked
-for (default: the lowest the range in pyproject.toml allows and the newest on the package index):
+for (default: the lowest release the range in pyproject.toml allows and the newest release on the
+package index inside that range; ``latest``, the newest of all, tries a release before the range
+is widened):
 
 * **with the package**: the tests marked ``hf`` (import, export, generation, packed documents,
   sparse decode, the export checks of ``tests/compat``) in the locked environment with that
@@ -19,6 +21,7 @@ JSON (``<work>/summary.json``); the exit status is non-zero if any run failed.
 
     .venv/bin/python tools/hf_compat.py                       # lowest and newest (make test-compat)
     .venv/bin/python tools/hf_compat.py --versions 5.10.0     # one version
+    .venv/bin/python tools/hf_compat.py --versions latest     # a release past the range
 """
 
 from __future__ import annotations
@@ -70,9 +73,21 @@ def pip_plan(python: str, requirement: str, *, ignore_installed: bool = False) -
     return {item["metadata"]["name"]: item["metadata"]["version"] for item in items}
 
 
-def newest_version(python: str) -> str:
-    """The newest ``transformers`` release on the package index."""
-    return pip_plan(python, "transformers", ignore_installed=True)["transformers"]
+def release(python: str, specifier: str) -> str:
+    """The newest ``transformers`` release on the package index that ``specifier`` allows
+    (``"==5.0"`` resolves to ``"5.0.0"``; ``""``: the newest of all)."""
+    return pip_plan(python, f"transformers{specifier}", ignore_installed=True)["transformers"]
+
+
+def named_versions(python: str, specifier: str) -> dict[str, str]:
+    """``lowest``: the range's lower bound; ``newest``: the newest release inside the range
+    (a release past the upper bound is not supported until the range is widened, so it must
+    not fail CI overnight); ``latest``: the newest of all (to try one before widening)."""
+    return {
+        "lowest": release(python, f"=={lowest_version(specifier)}"),
+        "newest": release(python, specifier),
+        "latest": release(python, ""),
+    }
 
 
 def overlay(python: str, version: str, work: Path) -> Path:
@@ -172,8 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--versions",
         nargs="+",
         default=["lowest", "newest"],
-        help="transformers versions: 'lowest' (pyproject's lower bound), 'newest' (on the index) "
-        "or exact ones",
+        help="transformers versions: 'lowest' (pyproject's lower bound), 'newest' (the newest "
+        "release inside pyproject's range), 'latest' (the newest of all) or exact ones",
     )
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "hf-compat")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv-compat", help="small venv")
@@ -192,9 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     python = sys.executable
     args.work.mkdir(parents=True, exist_ok=True)
     specifier, locked = declared_range(), metadata.version("transformers")
-    named = {"lowest": lowest_version(specifier), "newest": newest_version(python)}
+    named = named_versions(python, specifier)
     versions = list(dict.fromkeys(named.get(v, v) for v in args.versions))
     print(f"transformers: declared {specifier}, locked {locked}, checking {versions}", flush=True)
+    if named["latest"] != named["newest"]:
+        print(
+            f"note: transformers {named['latest']} is out, past the declared range {specifier}: "
+            "try it with --versions latest, then widen the range and `make lock`",
+            flush=True,
+        )
     rows = []
     for version in versions:
         row = {"version": version, "environment": "locked + this transformers (hf tests)"}
@@ -208,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for version in versions:
         counts = standalone(venv_python, version, exports, args.work)
         rows.append({"version": version, "environment": "standalone", "counts": counts})
-    summary = {"declared": specifier, "locked": locked, "runs": rows}
+    summary = {"declared": specifier, "locked": locked, "named": named, "runs": rows}
     (args.work / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(rows))
     failed = [r for r in rows if r.get("counts") and r["counts"]["returncode"] != 0]

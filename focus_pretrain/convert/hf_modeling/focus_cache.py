@@ -170,6 +170,11 @@ class FocusDynamicLayer(DynamicLayer):
         self._focus_apply(lambda t: t[indices])
 
     def reset(self) -> None:
+        # Dropped rather than zeroed (transformers < 5.24 zeroes them in place and keeps their
+        # length, so a reset cache would still count its old tokens); clearing
+        # ``is_initialized`` first makes ``super().reset()`` skip the zeroing.
+        self.keys = self.values = None
+        self.is_initialized = False
         super().reset()
         self.focus_init()
 
@@ -190,6 +195,17 @@ def returned_cache(output):
     return getattr(output, "cache" if "cache" in fields else "past_key_values", None)
 
 
+def _adopt_dynamic_layer(layer):
+    """A plain ``DynamicLayer`` becomes a :class:`FocusDynamicLayer` (same state, plus the
+    routing; see the module docstring), so that every layer of a Focus export's dynamic cache
+    behaves alike under every transformers release (``reset`` among others); other layer kinds
+    are returned as they are."""
+    if type(layer) is DynamicLayer:
+        layer.__class__ = FocusDynamicLayer
+        layer.focus_init()
+    return layer
+
+
 def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
     """This layer's cache object with routing storage (``None`` without a cache).
 
@@ -200,11 +216,8 @@ def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
     if cache is None:
         return None
     cache = getattr(cache, "self_attention_cache", cache)  # GPT-2's EncoderDecoderCache
-    layer = cache.layers[layer_idx]
-    if type(layer) is DynamicLayer:
-        layer.__class__ = FocusDynamicLayer  # same state, plus the routing (see the docstring)
-        layer.focus_init()
-    elif not isinstance(layer, FocusDynamicLayer):
+    layer = _adopt_dynamic_layer(cache.layers[layer_idx])
+    if not isinstance(layer, FocusDynamicLayer):
         raise ValueError(
             "Focus attention keeps each key's routing in the KV cache, which "
             f"{type(layer).__name__} ({type(cache).__name__}) cannot hold; use the default "
@@ -226,7 +239,7 @@ def check_packed_cache(cache, layer_idx: int, docs: Tensor | None, q_len: int, k
     if cache is None:
         return
     cache = getattr(cache, "self_attention_cache", cache)  # GPT-2's EncoderDecoderCache
-    layer = cache.layers[layer_idx]
+    layer = _adopt_dynamic_layer(cache.layers[layer_idx])  # (window-only layers, too)
     if kv_len == q_len:  # a fresh fill (after reset or crop to nothing, too)
         layer.focus_packed = docs is not None
         return

@@ -137,10 +137,17 @@ def packed_documents(
 
     Raises:
         ValueError: position ids restart among the real tokens of a padded row (the padding's
-            own positions are ignored: left-padded generation restarts there).
+            own positions are ignored: left-padded generation restarts there), or their count
+            is not the number of tokens.
     """
     if position_ids is None or s < 2 or (attention_mask is not None and attention_mask.dim() != 2):
         return None
+    if position_ids.shape[-1] != s:  # generate(use_cache=False) before transformers 5.2
+        raise ValueError(
+            f"position_ids give {position_ids.shape[-1]} positions for {s} tokens: pass one "
+            "per token (generate before transformers 5.2 does not extend position_ids without "
+            "a KV cache: upgrade transformers, generate with the cache, or without position_ids)"
+        )
     pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(b, s)  # [s]|[1, s] -> [b, s]
     new = torch.ones(b, s, dtype=torch.bool, device=pos.device)
     new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # [b, s]
