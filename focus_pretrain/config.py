@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from focus_pretrain.data.datasets import DataConfig
+from focus_pretrain.errors import InputError, as_input_error
 from focus_pretrain.focus.config import check_choice, check_int, check_positive
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.config import ParallelConfig
@@ -265,15 +266,23 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     """Load ``path`` (YAML; ``None`` for all defaults), apply ``overrides``, validate.
 
     Raises:
-        FileNotFoundError: the recipe does not exist.
-        ValueError: a bad override, key, type or value (the message names the dotted key).
+        MissingInputError: (a ``FileNotFoundError``) the recipe does not exist.
+        InputError: (a ``ValueError``) a bad override, key, type or value (the message names
+            the dotted key).
     """
+    return as_input_error(lambda: _load_config(path, overrides))
+
+
+def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Config:
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist (see configs/*.yaml)")
-        loaded = yaml.safe_load(path.read_text())
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise InputError(f"{path} is not valid YAML: {err}".replace("\n", " ")) from err
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded or {}

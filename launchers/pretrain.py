@@ -8,6 +8,7 @@
 Repeatable ``--set section.key=value`` overrides any recipe value, e.g.
 ``--set run.output_dir=runs/x --set train.steps=10``.
 ``--universal-checkpoint`` resumes at another parallel layout (docs/training.md, Resharding).
+A bad recipe, override, layout or checkpoint ends with one line naming it and the fix (status 2).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import sys
 
 from focus_pretrain.config import load_config
+from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train import pretrain
 from focus_pretrain.train.bad_steps import TooManyBadSteps
 from focus_pretrain.train.plan import print_plan
@@ -49,14 +51,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.universal_checkpoint:
         args.overrides.append("train.load_universal=true")
-    config = load_config(args.config, args.overrides)
-    if args.dry_run:
-        print_plan(config)
-        return
-    try:
-        pretrain(config)
-    except TooManyBadSteps as err:  # a checkpoint was saved; the reason, not a traceback
-        sys.exit(f"focus-pretrain: error: {err}")
+    # a bad recipe, override, layout or checkpoint: one line naming it and the fix, status 2;
+    # a real crash keeps its traceback
+    with exit_on_input_error("focus-pretrain"):
+        config = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print_plan(config)
+            return
+        try:
+            pretrain(config)
+        except TooManyBadSteps as err:  # a checkpoint was saved; the reason, not a traceback
+            sys.exit(f"focus-pretrain: error: {err}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from focus_pretrain.convert import export_hf, export_router_adapter
+from focus_pretrain.errors import exit_on_input_error
 
 
 def main() -> None:
@@ -22,10 +23,11 @@ def main() -> None:
     parser.add_argument("--adapter-only", action="store_true", help="export only the routers")
     parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
     args = parser.parse_args()
-    if args.adapter_only:
-        out = export_router_adapter(args.checkpoint, args.out_dir)
-    else:
-        out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
+    with exit_on_input_error("convert_to_hf"):  # bad input: one line and status 2
+        if args.adapter_only:
+            out = export_router_adapter(args.checkpoint, args.out_dir)
+        else:
+            out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -27,6 +27,7 @@ from focus_pretrain.convert.families import HF_MODEL_TYPES, Geometry, rules_for,
 from focus_pretrain.convert.hf_rope import layer_types_for, rope_parameters
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInputError
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 
@@ -55,7 +56,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             return root / (root / "latest").read_text().strip()
     if (path / "config.yaml").is_file() and any(path.glob("*mp_rank_*_model_states.pt")):
         return path
-    raise FileNotFoundError(
+    raise MissingInputError(
         f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
         "directory whose checkpoints/latest names one"
     )
@@ -70,7 +71,7 @@ def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]
     config = load_config(ckpt / "config.yaml", [])
     focus = config.model.focus
     if focus.enabled and focus.balance == "sinkhorn":
-        raise NotImplementedError(
+        raise UnsupportedInputError(
             f"{ckpt} was trained with model.focus.balance={focus.balance}, whose routing is "
             "balanced over the whole sequence (not causal); an export (full model or router "
             "adapter) routes each token on its own, so its logits would differ from the trained "
@@ -87,7 +88,7 @@ def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]
     for rank in range(tp):
         path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
+            raise MissingInputError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
         shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
     return shards
 
@@ -103,7 +104,7 @@ def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
     suffix = f"mp_rank_{tp_rank:02d}_"
     files = sorted(ckpt.glob(f"zero_pp_rank_*_{suffix}*_states.pt"))
     if not files:
-        raise FileNotFoundError(f"{ckpt} has no ZeRO-3 files of tensor-parallel rank {tp_rank}")
+        raise MissingInputError(f"{ckpt} has no ZeRO-3 files of tensor-parallel rank {tp_rank}")
     with tempfile.TemporaryDirectory() as scratch:
         tag = Path(scratch) / ckpt.name
         tag.mkdir()
@@ -159,7 +160,7 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         out.update(
             sliding_window=config.sliding_window,
             layer_types=layer_types_for(config.num_layers, config.local_global_pattern),
-            attn_logit_softcapping=config.attn_softcap,
+            attn_logit_softcapping=None,  # transformers' Gemma-3 applies none (ModelConfig too)
             final_logit_softcapping=config.final_softcap,
             query_pre_attn_scalar=_hf_query_pre_attn_scalar(config),
             hidden_activation="gelu_pytorch_tanh",
@@ -175,7 +176,7 @@ def _hf_query_pre_attn_scalar(config: ModelConfig) -> int:
     if value is None:
         return config.kv_channels
     if not float(value).is_integer():
-        raise ValueError(
+        raise InputError(
             f"model.query_pre_attn_scalar is {value}, not an integer: transformers' Gemma "
             "configs (what the exported config.json loads into) only take an int, and rounding "
             "it would change the attention scale the model was trained with. Export a model "
@@ -190,7 +191,7 @@ def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[
     out: dict[str, Tensor] = {}
     for rule in rules_for(config.family, config.num_layers, config.tied):
         if rule.ours not in shards[0]:
-            raise ValueError(f"the checkpoint lacks {rule.ours}")
+            raise InputError(f"the checkpoint lacks {rule.ours}")
         full = unshard([s[rule.ours].float() for s in shards], rule.shard)
         for key, tensor in zip(rule.hf, rule.to_hf(geometry, full), strict=True):
             out[key] = tensor
@@ -204,7 +205,30 @@ def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[
             ours = f"decoder.layers.{i}.self_attention.router.{name}"
             if ours in shards[0]:
                 out[layer.format(i=i) + name] = shards[0][ours].float().contiguous()
+    _check_router_shapes(out, config)
     return out
+
+
+def _check_router_shapes(tensors: dict[str, Tensor], config: ModelConfig) -> None:
+    """Refuse routers whose shapes are not those ``config.focus`` describes (a checkpoint's
+    ``config.yaml`` edited after training, or another run's), naming the field to restore."""
+    focus = config.focus
+    expected = {
+        "centroids": ((focus.num_groups, focus.group_dim), "num_groups, group_dim"),
+        "balance_offsets": ((focus.num_groups,), "num_groups"),
+        "proj.weight": ((focus.group_dim, config.hidden_size), "group_dim, hidden_size"),
+    }
+    for key, tensor in tensors.items():
+        name = key.rpartition(".router.")[2]
+        if ".router." not in key or tuple(tensor.shape) == expected[name][0]:
+            continue
+        raise InputError(
+            f"the checkpoint's {key} is {list(tensor.shape)} but its config.yaml describes "
+            f"{list(expected[name][0])} (model.focus.num_groups={focus.num_groups}, "
+            f"group_dim={focus.group_dim}, top_k={focus.top_k}): config.yaml was edited after "
+            f"training or belongs to another run; restore its {expected[name][1]} to the "
+            "trained values (top_k at most num_groups), or export the run it belongs to"
+        )
 
 
 def load_modeling():
@@ -237,7 +261,7 @@ def export_hf(
     tensors = hf_state_dict(shards, model_cfg)
     tokenizer = _tokenizer_for(config)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"the run's tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
             f"only {model_cfg.vocab_size} embeddings: it is not the tokenizer this model was "
             "trained with (check data.tokenizer in the checkpoint's config.yaml)"
@@ -315,7 +339,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
-        raise ValueError(f"{ckpt} has no routers (focus disabled or window-only)")
+        raise InputError(f"{ckpt} has no routers (focus disabled or window-only)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(routers, str(out / "focus_adapter.safetensors"))

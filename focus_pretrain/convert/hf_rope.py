@@ -127,7 +127,10 @@ def rope_scaling(
 
 
 def gemma3_fields(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """Gemma-3's window, local/global layer pattern, soft-caps and attention scale."""
+    """Gemma-3's window, local/global layer pattern, final soft-cap and attention scale.
+
+    ``attn_logit_softcapping`` is not read: transformers' Gemma-3 attention ignores it (unlike
+    Gemma-2's), and the import follows what the HF model computes."""
     if hf.get("use_bidirectional_attention"):
         raise ValueError(
             "gemma3_text with use_bidirectional_attention=true (an encoder, e.g. EmbeddingGemma) "
@@ -140,7 +143,6 @@ def gemma3_fields(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
         "head_dim": head_dim,
         "sliding_window": window,
         "sliding_window_pattern": _gemma3_pattern(hf),
-        "attn_softcap": hf.get("attn_logit_softcapping"),
         "final_softcap": hf.get("final_logit_softcapping"),
         "query_pre_attn_scalar": hf.get("query_pre_attn_scalar", 256),
     }

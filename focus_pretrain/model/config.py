@@ -121,7 +121,9 @@ class ModelConfig:
             5, ... local; the only pattern Gemma-2 has), 6 for gemma3 (five local, one global).
         local_rotary_base: gemma3 only: RoPE base of the local layers (HF
             ``rope_local_base_freq``; ``None``: ``rotary_base``); they are never scaled.
-        attn_softcap, final_softcap: gemma2/gemma3 logit soft-capping (``None`` disables).
+        attn_softcap: gemma2 attention-logit soft-capping (``None`` disables; transformers'
+            Gemma-3 has none, whatever its config says).
+        final_softcap: gemma2/gemma3 final-logit soft-capping (``None`` disables).
         query_pre_attn_scalar: gemma2/gemma3 attention scale ``query_pre_attn_scalar ** -0.5``.
         hidden_dropout: dropout on the attention and MLP outputs (attention-probability
             dropout is not supported by Focus attention).
@@ -219,16 +221,18 @@ class ModelConfig:
                 f"model.sliding_window_pattern must be 2 for family gemma2 (alternating local and "
                 f"global layers), got {pattern}"
             )
-        only = {
-            name: GEMMA
-            for name in (
-                "sliding_window",
-                "sliding_window_pattern",
-                "attn_softcap",
-                "final_softcap",
-                "query_pre_attn_scalar",
+        if self.family == "gemma3" and self.attn_softcap is not None:
+            raise ValueError(
+                "model.attn_softcap is not supported for family gemma3: transformers' Gemma-3 "
+                "does not soft-cap attention logits (its config's attn_logit_softcapping is "
+                "ignored), so such a model could not be exported or match an imported one; "
+                "remove it (family gemma2 soft-caps attention logits)"
             )
+        only = {
+            name: GEMMA for name in ("sliding_window", "sliding_window_pattern", "final_softcap")
         }
+        only["query_pre_attn_scalar"] = GEMMA
+        only["attn_softcap"] = ("gemma2",)
         only["local_rotary_base"] = ("gemma3",)
         for name, families in only.items():
             if getattr(self, name) is not None and self.family not in families:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from focus_pretrain.errors import InputError
 from focus_pretrain.parallel.config import ParallelConfig
 from focus_pretrain.parallel.cpu_shim import apply_cpu_shim
 
@@ -41,7 +42,7 @@ def launch_environment(env: Mapping[str, str]) -> dict[str, str]:
     if "SLURM_PROCID" in env and tasks > 1:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
         if missing:
-            raise ValueError(
+            raise InputError(
                 f"running under srun with several tasks but {' and '.join(missing)} "
                 "not set: export the first node's address and a port for the rendezvous, as "
                 "launchers/slurm.sh does"
@@ -105,7 +106,7 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         tp, cp = self.tensor_parallel_size, self.context_parallel_size
         if self.world_size % (tp * cp):
-            raise ValueError(
+            raise InputError(
                 f"world size {self.world_size} is not a multiple of "
                 f"parallel.tensor_parallel_size x context_parallel_size ({tp} x {cp})"
             )

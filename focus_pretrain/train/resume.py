@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from focus_pretrain.config import Config, config_to_dict, load_config
+from focus_pretrain.errors import InputError
 
 GUARDED_SECTIONS = ("model.", "data.")
 GUARDED_KEYS = frozenset({"run.seed", "train.global_batch_size", "train.freeze"})
@@ -92,14 +93,14 @@ def check_resume(
     except ValueError as err:
         if allow:
             return [("<checkpoint recipe>", f"unreadable: {err}", None)]
-        raise ValueError(
+        raise InputError(
             f"cannot compare the recipe with the one checkpoint {checkpoint} was trained with "
             f"({saved_path}: {err}); set train.allow_changes=true to resume anyway"
         ) from err
     changes = recipe_changes(saved, config)
     if changes and not allow:
         listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in changes)
-        raise ValueError(
+        raise InputError(
             f"refusing to resume from {checkpoint}: the recipe differs from the one it was "
             f"trained with in keys that change the model or the data order ({listed}). Restore "
             "them, train into a new run.output_dir, or set train.allow_changes=true to resume "
@@ -185,7 +186,7 @@ def check_layout(checkpoint: Path, config: Config, layout: dict[str, int]) -> bo
         return False
     listed = "; ".join(f"{k}: {a} in the checkpoint, {b} now" for k, a, b in changes)
     if not config.train.load_universal:
-        raise ValueError(
+        raise InputError(
             f"refusing to resume from {checkpoint}: it was saved at another parallel layout "
             f"({listed}), and a plain resume restores ZeRO's optimizer partitions and the "
             "tensor-parallel shards as they were cut for that layout. Set "
@@ -195,7 +196,7 @@ def check_layout(checkpoint: Path, config: Config, layout: dict[str, int]) -> bo
         )
     stages = (saved["zero_stage"], layout["zero_stage"])
     if 0 in stages:
-        raise ValueError(
+        raise InputError(
             f"cannot reshard {checkpoint} ({listed}): train.load_universal needs ZeRO on both "
             f"sides (parallel.zero_stage 1-3), got {stages[0]} in the checkpoint and "
             f"{stages[1]} now"

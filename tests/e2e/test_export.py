@@ -200,6 +200,47 @@ def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(exported, tmp_pat
         export_hf(ckpt, tmp_path / "out")
 
 
+def _edited_checkpoint(exported, tmp_path, **focus):
+    """A copy of the trained checkpoint whose config.yaml says other Focus values."""
+    import shutil
+
+    import yaml
+
+    root, _ = exported
+    ckpt = tmp_path / "step_00000004"
+    shutil.copytree(root / "run" / "checkpoints" / "step_00000004", ckpt)
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config["model"]["focus"].update(focus)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
+    return ckpt
+
+
+def test_the_export_tool_refuses_routers_its_config_does_not_describe(exported, tmp_path):
+    """A checkpoint whose config.yaml was edited after training (more groups than the routers
+    have, ``top_k`` past them): one line naming the tensor and the fields to restore, status 2,
+    no traceback (it was a bare size-mismatch RuntimeError); fewer groups likewise."""
+    import subprocess
+    import sys
+
+    from focus_pretrain.errors import InputError
+    from tests.e2e.runs import ROOT
+
+    ckpt = _edited_checkpoint(exported, tmp_path, num_groups=8, top_k=5)
+    for extra in ([], ["--adapter-only"]):
+        tool = [sys.executable, str(ROOT / "tools" / "convert_to_hf.py"), str(ckpt)]
+        done = subprocess.run(
+            [*tool, str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        (line,) = [x for x in done.stderr.splitlines() if x.startswith("convert_to_hf: error:")]
+        assert "router.centroids is [4, 16] but its config.yaml describes [8, 16]" in line
+        assert "restore its num_groups, group_dim to the trained values" in line
+    fewer = _edited_checkpoint(exported, tmp_path / "fewer", num_groups=2)
+    with pytest.raises(InputError, match=r"centroids is \[4, 16\] but .* describes \[2, 16\]"):
+        export_hf(fewer, tmp_path / "out")
+
+
 def test_export_of_a_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"neither a checkpoint .* nor a run directory"):
         export_hf(tmp_path, tmp_path / "out")

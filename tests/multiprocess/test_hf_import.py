@@ -72,6 +72,8 @@ HF_CONFIGS = {
             head_dim=32,
             sliding_window=8,
             query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,  # ignored by transformers' Gemma-3: the import must too
+            final_logit_softcapping=3.0,  # applied
             rope_parameters=dict(
                 sliding_attention=dict(rope_type="default", rope_theta=10000.0),
                 full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),

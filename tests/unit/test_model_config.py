@@ -28,6 +28,11 @@ ROOT = pathlib.Path(__file__).parents[2]
         (dict(recompute="some"), r"model.recompute must be one of 'none', 'full', 'selective'"),
         (dict(family="gemma2"), r"model.sliding_window is required for family gemma2"),
         (dict(family="llama", attn_softcap=50.0), r"model.attn_softcap is only used by family"),
+        (
+            dict(family="gemma3", sliding_window=8, attn_softcap=50.0),
+            r"model.attn_softcap is not supported for family gemma3: transformers' Gemma-3 does "
+            r"not soft-cap attention logits",
+        ),
         (dict(family="gpt2", num_query_groups=2), r"must equal model.num_attention_heads"),
         (dict(num_layers=0), r"model.num_layers must be >= 1, got 0"),
         (dict(rope_scaling=dict(type="yarn")), r"model.rope_scaling.type must be one of 'llama3'"),
