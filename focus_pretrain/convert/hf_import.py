@@ -30,8 +30,6 @@ _ACTIVATIONS = {
     "gemma2": ("gelu_pytorch_tanh",),
     "gemma3": ("gelu_pytorch_tanh",),
 }
-# transformers' head_dim when config.json has none (others: hidden_size / heads)
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma3": 256}
 # fields of ModelConfig an HF checkpoint determines (the rest is ours: Focus, TP, recompute...)
 ARCHITECTURE_FIELDS = (
     "family",
@@ -88,6 +86,8 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
             f"({hf.get('architectures')}); supported: {', '.join(sorted(FAMILY_RULES))}"
         )
     family = FAMILY_RULES[model_type][0]
+    hf = {**_hf_defaults(model_type), **hf}  # a key config.json lacks: what transformers assumes
+    _check_causal(hf, model_type)
     if family == "gpt2":
         activation = hf.get("activation_function", "gelu_new")
         if activation not in _ACTIVATIONS["gpt2"]:
@@ -105,7 +105,8 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
             "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
             "tie_embeddings": hf.get("tie_word_embeddings", True),
         }
-    activation = hf.get("hidden_activation") or hf.get("hidden_act")
+    # Gemma's MLP reads hidden_activation, the others hidden_act (a stray other key is ignored)
+    activation = hf.get("hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act")
     expected = _ACTIVATIONS.get(family, ("silu",))
     if activation not in expected:
         raise ValueError(f"{model_type} with activation {activation!r} is not supported")
@@ -113,7 +114,7 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get(flag) and family != "qwen2":
             raise ValueError(f"{model_type} with {flag}=true is not supported")
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(family) or hf["hidden_size"] // heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads  # (a class default: _hf_defaults)
     fields_: dict[str, Any] = {
         "family": family,
         "num_layers": hf["num_hidden_layers"],
@@ -147,13 +148,79 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
             final_softcap=hf.get("final_logit_softcapping"),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
         )
-    elif hf.get("sliding_window") and hf.get("use_sliding_window", True):
+    elif _hf_sliding_window_layers(hf, family):
         warnings.warn(
             f"{model_type} sliding_window={hf['sliding_window']} is not reproduced (Focus's window "
             "and groups replace it): logits match the HF model only on shorter sequences",
             stacklevel=3,
         )
     return fields_
+
+
+# config.json keys whose absence means the config class's default (not ``None``): read from the
+# installed transformers' class, as from_pretrained would (e.g. Gemma-2's soft-caps 50 / 30 and
+# query_pre_attn_scalar 256, OLMo-2's rms_norm_eps 1e-5, Mistral's sliding_window 4096)
+_DEFAULTED_KEYS = (
+    "num_key_value_heads",
+    "head_dim",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "hidden_act",
+    "hidden_activation",
+    "tie_word_embeddings",
+)
+
+
+def _hf_defaults(model_type: str) -> dict[str, Any]:
+    """The transformers config class's constant defaults of :data:`_DEFAULTED_KEYS` (a ``None``
+    default is derived from other fields, e.g. Llama's head_dim: left to the import rules)."""
+    import dataclasses
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = {
+        name: param.default
+        for name, param in inspect.signature(config_cls.__init__).parameters.items()
+        if param.default is not inspect.Parameter.empty
+    }
+    if dataclasses.is_dataclass(config_cls):
+        for item in dataclasses.fields(config_cls):
+            if item.default is not dataclasses.MISSING:
+                defaults.setdefault(item.name, item.default)
+    return {k: defaults[k] for k in _DEFAULTED_KEYS if defaults.get(k) is not None}
+
+
+def _check_causal(hf: dict[str, Any], model_type: str) -> None:
+    """Refuse a checkpoint transformers would run with bidirectional attention."""
+    for flag, bidirectional in (("is_causal", False), ("use_bidirectional_attention", True)):
+        if flag in hf and hf[flag] is not None and bool(hf[flag]) == bidirectional:
+            raise ValueError(
+                f"{model_type} with {flag}={str(hf[flag]).lower()} (bidirectional attention, an "
+                "encoder such as an embedding model) is not supported: Focus attention is causal"
+            )
+
+
+def _hf_sliding_window_layers(hf: dict[str, Any], family: str) -> bool:
+    """Whether transformers runs some layers of this non-Gemma checkpoint with a sliding window
+    (Mistral: ``sliding_window`` set; Qwen2/Qwen3: ``use_sliding_window`` and layers past
+    ``max_window_layers``, or ``layer_types``; Llama, OLMo-2: never, whatever the key says)."""
+    if family == "mistral":
+        return hf.get("sliding_window") is not None
+    if family in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+            return False
+        if hf.get("layer_types") is not None:
+            return "sliding_attention" in hf["layer_types"]
+        return hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
+    return False
 
 
 # GPT-2 attention-scale flags: (value that changes the scores, what it does). Our attention

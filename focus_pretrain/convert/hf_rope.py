@@ -131,11 +131,6 @@ def gemma3_fields(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:
 
     ``attn_logit_softcapping`` is not read: transformers' Gemma-3 attention ignores it (unlike
     Gemma-2's), and the import follows what the HF model computes."""
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError(
-            "gemma3_text with use_bidirectional_attention=true (an encoder, e.g. EmbeddingGemma) "
-            "is not supported: Focus attention is causal"
-        )
     window = hf.get("sliding_window", 4096)
     if window is None:
         raise ValueError("gemma3_text with sliding_window=null is not supported")

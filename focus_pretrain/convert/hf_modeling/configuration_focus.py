@@ -15,6 +15,7 @@ mask and cache interfaces): importing this module then raises ``ImportError``.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import transformers
@@ -69,6 +70,97 @@ FOCUS_DEFAULTS = {
 }
 
 
+# The values the shipped code accepts: FocusConfig's rules (focus_pretrain/focus/config.py),
+# copied because this file must load without the package (a test checks the two agree).
+FOCUS_INT_RANGES = {  # name: (low, high or the name of the field bounding it, or None)
+    "num_groups": (1, 64),  # hard membership is an int64 bitmask, one bit per group
+    "group_dim": (1, None),
+    "window": (0, None),
+    "top_k": (1, "num_groups"),
+    "sinks": (0, None),
+}
+FOCUS_POSITIVE = ("tau", "gate_lambda")
+FOCUS_FLAGS = ("enabled", "window_only", "normalize")
+FOCUS_CHOICES = {
+    "inference_mode": ("hard", "soft"),
+    # FocusConfig's names plus "dense": this code's own masked dense path (forced)
+    "backend": ("auto", "reference", "flex", "triton", "dense"),
+    "inference_backend": ("auto", "reference", "decomposed", "flex", "triton", "dense"),
+}
+
+
+def validate_focus(focus: dict) -> None:
+    """Raise ``ValueError`` naming the key, the rule and the value unless ``focus`` holds exactly
+    the Focus settings (:data:`FOCUS_DEFAULTS`' keys) with valid values."""
+    unknown = sorted(set(focus) - set(FOCUS_DEFAULTS), key=str)
+    if unknown:
+        raise ValueError(
+            f"unknown focus key(s) {', '.join(map(str, unknown))}; allowed keys: "
+            f"{', '.join(FOCUS_DEFAULTS)}"
+        )
+    missing = [name for name in FOCUS_DEFAULTS if name not in focus]
+    if missing:
+        raise ValueError(f"focus lacks {', '.join(missing)}")
+    for name in FOCUS_FLAGS:
+        if not isinstance(focus[name], bool):
+            raise ValueError(f"focus.{name} must be true or false, got {focus[name]!r}")
+    for name, (low, high) in FOCUS_INT_RANGES.items():
+        value = focus[name]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"focus.{name} must be an integer, got {value!r}")
+        if value < low:
+            raise ValueError(f"focus.{name} must be >= {low}, got {value}")
+        bound = focus[high] if isinstance(high, str) else high
+        if bound is not None and value > bound:
+            named = f"{high} ({bound})" if isinstance(high, str) else str(bound)
+            raise ValueError(f"focus.{name} must be <= {named}, got {value}")
+    for name in FOCUS_POSITIVE:
+        value = focus[name]
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if not number or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"focus.{name} must be a finite number > 0, got {value!r}")
+    for name, choices in FOCUS_CHOICES.items():
+        if focus[name] not in choices:
+            raise ValueError(
+                f"focus.{name} must be one of {', '.join(map(repr, choices))}; got {focus[name]!r}"
+            )
+    _validate_focus_backends(focus)
+
+
+def _validate_focus_backends(focus: dict) -> None:
+    """The inference backends that compute one pattern only."""
+    backend, mode, top_k = focus["inference_backend"], focus["inference_mode"], focus["top_k"]
+    if backend == "decomposed" and (top_k != 1 or mode != "hard"):
+        raise ValueError(
+            "focus.inference_backend 'decomposed' computes hard top-1 attention only, got "
+            f"top_k={top_k}, inference_mode={mode!r}; use 'auto' or 'flex'"
+        )
+    if backend == "triton" and mode != "soft":
+        raise ValueError(
+            "focus.inference_backend 'triton' computes the soft pattern only, got "
+            f"inference_mode={mode!r}; use 'auto', 'flex' or 'decomposed'"
+        )
+
+
+_VALID_FOCUS: set[tuple] = set()  # settings already validated (checked again on any change)
+
+
+def checked_focus(focus: dict) -> dict:
+    """``focus`` after :func:`validate_focus`, run once per distinct content: the model checks
+    its settings at each call, so an edit after loading (``model.config.focus["top_k"] = 0``)
+    is refused instead of silently running another pattern."""
+    try:
+        snapshot = tuple(sorted(focus.items(), key=lambda item: str(item[0])))
+        hash(snapshot)
+    except TypeError:  # an unhashable value: invalid anyway
+        snapshot = None
+    if snapshot is None or snapshot not in _VALID_FOCUS:
+        validate_focus(focus)
+        if snapshot is not None:
+            _VALID_FOCUS.add(snapshot)
+    return focus
+
+
 _WARNED: set[tuple[str, str]] = set()  # (installed version, tested range) already warned about
 
 
@@ -102,7 +194,7 @@ def _with_focus(self, focus, kwargs, base) -> None:
     """``focus``: the method's settings over :data:`FOCUS_DEFAULTS`. ``focus_transformers``
     (in ``kwargs``): :func:`export_record` of the export this config is loaded from, checked
     against the installed transformers; ``None`` for a config built in code."""
-    self.focus = {**FOCUS_DEFAULTS, **(focus or {})}
+    self.focus = checked_focus({**FOCUS_DEFAULTS, **(focus or {})})
     self.focus_transformers = kwargs.pop("focus_transformers", None)
     check_transformers_version((self.focus_transformers or {}).get("tested"))
     base.__init__(self, **kwargs)

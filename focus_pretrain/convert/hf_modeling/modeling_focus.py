@@ -72,6 +72,7 @@ from .configuration_focus import (
     FocusOlmo2Config,
     FocusQwen2Config,
     FocusQwen3Config,
+    checked_focus,
 )
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
 
@@ -267,9 +268,9 @@ def focus_attention_forward(
     check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
     allowed = _allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
-    focus = router.focus if router is not None else getattr(module.config, "focus", {})
-    mode = "soft" if module.training else focus.get("inference_mode", "hard")
-    backend = focus.get("backend" if mode == "soft" else "inference_backend", "auto")
+    focus = checked_focus(router.focus if router is not None else module.config.focus)
+    mode = "soft" if module.training else focus["inference_mode"]
+    backend = focus["backend" if mode == "soft" else "inference_backend"]
     routing = None
     if router is not None:
         routing = _route(module, allowed, q_len, kv_len)
@@ -550,7 +551,7 @@ def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:
 
     from safetensors.torch import load_file
 
-    from .configuration_focus import FOCUS_DEFAULTS, check_transformers_version
+    from .configuration_focus import FOCUS_DEFAULTS, check_transformers_version, checked_focus
 
     adapter = Path(adapter_dir)
     meta = json.loads((adapter / "focus_adapter.json").read_text())
@@ -560,7 +561,7 @@ def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:
             f"the adapter was trained on a {meta['model_type']} model, "
             f"not {model.config.model_type}"
         )
-    model.config.focus = {**FOCUS_DEFAULTS, **meta["focus"]}
+    model.config.focus = checked_focus({**FOCUS_DEFAULTS, **meta["focus"]})
     _attach_routers(model, model.config)
     tensors = load_file(str(adapter / "focus_adapter.safetensors"))
     own = model.state_dict()

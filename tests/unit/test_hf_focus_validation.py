@@ -1,0 +1,108 @@
+"""The shipped (standalone) code validates its ``focus`` settings as strictly as ``FocusConfig``:
+the same values accepted and refused, at load and when edited on a loaded model."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+import torch
+
+from focus_pretrain.convert.hf_export import EXPORTED_FOCUS_FIELDS, load_modeling
+from focus_pretrain.focus import FocusConfig
+from tests.unit.test_hf_generation import focus_model
+
+pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
+
+modeling = load_modeling()
+configuration = sys.modules[modeling.FocusLlamaConfig.__module__]  # configuration_focus
+
+# values to try per field: valid ones, edge ones and wrong types
+TRIALS = {
+    "num_groups": [1, 2, 4, 8, 64, 65, 0, -3, 2.0, "8", None, True],
+    "group_dim": [1, 16, 0, -1, 16.0, None],
+    "window": [0, 1, 128, -1, 3.5, "128", None],
+    "top_k": [1, 2, 3, 4, 8, 9, 0, -1, 1.0, None, False],
+    "sinks": [0, 1, 4, -1, 0.5, None],
+    "tau": [0.1, 1, 1e-6, 0, -0.1, float("inf"), float("nan"), "0.1", None, True],
+    "gate_lambda": [10.0, 1, 0.0, -5.0, float("inf"), None],
+    "inference_mode": ["hard", "soft", "hrad", "HARD", "", None],
+    "backend": ["auto", "reference", "flex", "triton", "decomposed", "fast", None],
+    "inference_backend": ["auto", "reference", "flex", "decomposed", "triton", "fast", None],
+}
+
+
+def _package_accepts(focus: dict) -> bool:
+    try:
+        FocusConfig(**{k: v for k, v in focus.items() if k in EXPORTED_FOCUS_FIELDS})
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _shipped_accepts(focus: dict) -> bool:
+    try:
+        configuration.validate_focus(focus)
+    except ValueError:
+        return False
+    return True
+
+
+def _cases(seed: int, count: int) -> list[dict]:
+    """Defaults with one to three fields changed (several together reach the cross rules:
+    top_k vs num_groups, backends vs mode and top_k)."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        focus = dict(configuration.FOCUS_DEFAULTS)
+        for name in rng.sample(sorted(TRIALS), rng.randint(1, 3)):
+            focus[name] = rng.choice(TRIALS[name])
+        cases.append(focus)
+    return cases
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_shipped_copy_accepts_and_refuses_what_focus_config_does(seed):
+    cases = _cases(seed, 400)
+    verdicts = [(_package_accepts(c), _shipped_accepts(c)) for c in cases]
+    differ = [c for c, (ours, shipped) in zip(cases, verdicts, strict=True) if ours != shipped]
+    assert not differ, differ[:3]
+    assert any(a for a, _ in verdicts) and not all(a for a, _ in verdicts)  # both kinds seen
+
+
+def test_the_shipped_code_is_stricter_only_where_it_must_be():
+    """Flags must be booleans (the recipe loader checks them for FocusConfig); unknown keys are
+    refused; ``dense`` is the shipped code's own backend."""
+    base = dict(configuration.FOCUS_DEFAULTS)
+    for flag in ("enabled", "window_only", "normalize"):
+        with pytest.raises(ValueError, match=rf"focus.{flag} must be true or false, got 'yes'"):
+            configuration.validate_focus({**base, flag: "yes"})
+    with pytest.raises(ValueError, match=r"unknown focus key\(s\) topk; allowed keys: enabled"):
+        configuration.validate_focus({**base, "topk": 2})
+    configuration.validate_focus({**base, "backend": "dense", "inference_backend": "dense"})
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(top_k=0), r"focus.top_k must be >= 1, got 0"),
+        (dict(window=-1), r"focus.window must be >= 0, got -1"),
+        (dict(inference_mode="hrad"), r"focus.inference_mode must be one of 'hard', 'soft'"),
+        (dict(top_k=5), r"focus.top_k must be <= num_groups \(4\), got 5"),
+    ],
+)
+def test_bad_settings_are_refused_at_load_and_when_edited(change, message):
+    """At config construction (what ``from_pretrained`` of an edited config.json does) and on a
+    loaded model whose ``config.focus`` is edited (it ran the soft pattern silently before)."""
+    with pytest.raises(ValueError, match=message):
+        focus_model(**change)
+    model = focus_model()
+    ids = torch.randint(0, 50, (1, 6))
+    with torch.no_grad():
+        model(ids)
+        model.config.focus.update(change)
+        with pytest.raises(ValueError, match=message):
+            model(ids)
+        model.config.focus.update({k: focus_model().config.focus[k] for k in change})
+        model(ids)  # restored: runs again
