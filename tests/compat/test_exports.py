@@ -175,3 +175,37 @@ def test_left_padded_batch_generates_each_prompt_as_alone(exports, name):
         for row, prompt in enumerate(prompts):
             alone = greedy(model, prompt[None], pad_token_id=0)[0, len(prompt) :]
             assert batched[row].tolist() == alone.tolist()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(top_k=0), r"focus.top_k must be >= 1, got 0"),
+        (dict(window=-1), r"focus.window must be >= 0, got -1"),
+        (dict(inference_mode="hrad"), r"focus.inference_mode must be one of 'hard', 'soft'"),
+    ],
+)
+def test_bad_focus_settings_are_refused_without_the_package(exports, tmp_path, change, message):
+    """An export's config.json edited by hand, and a loaded model's settings edited: a clear
+    error, not another pattern silently (standalone, the package's checks are absent)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    edited = tmp_path / "edited"
+    shutil.copytree(exports / "llama", edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["focus"].update(change)
+    (edited / "config.json").write_text(json.dumps(config))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with pytest.raises(ValueError, match=message):
+        AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)
+    model, _ = load(exports, "llama")
+    saved = dict(model.config.focus)
+    model.config.focus.update(change)
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=message):
+            model(tokens(1, 6, seed=0))
+    finally:
+        model.config.focus.clear()
+        model.config.focus.update(saved)
