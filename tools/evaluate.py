@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 
+from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train.evaluate import evaluate_checkpoint
 
 
@@ -31,7 +32,8 @@ def main() -> None:
     )
     parser.add_argument("--out", help="write the result as JSON to this file")
     args = parser.parse_args()
-    result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
+    with exit_on_input_error("evaluate"):  # a bad override or checkpoint: one line, status 2
+        result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -19,6 +19,7 @@ import yaml
 
 from focus_pretrain.convert import hf_model_config, import_hf
 from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS
+from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 
 def main() -> None:
@@ -27,8 +28,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
     parser.add_argument("--window", type=int, default=128, help="Focus local window")
     args = parser.parse_args()
-    config = hf_model_config(args.hf_dir)
-    state = import_hf(args.hf_dir, config, tp_rank=0)
+    with exit_on_input_error("import_hf"):  # what the checkpoint lacks: one line, status 2
+        config = as_input_error(lambda: hf_model_config(args.hf_dir))
+        state = as_input_error(lambda: import_hf(args.hf_dir, config, tp_rank=0))
     params = sum(t.numel() for t in state.values())
     print(f"# {args.hf_dir}: {len(state)} tensors, {params:,} parameters", file=sys.stderr)
     model = {

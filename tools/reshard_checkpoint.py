@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from focus_pretrain.convert import resolve_checkpoint
+from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train.reshard import convert_to_universal
 
 
@@ -28,7 +29,8 @@ def main() -> None:
         help="processes extracting ZeRO fragments (default: 1 under 1 GiB, else up to 8)",
     )
     args = parser.parse_args()
-    out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.workers)
+    with exit_on_input_error("reshard_checkpoint"):  # a missing checkpoint: one line, status 2
+        out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.workers)
     print(f"universal checkpoint: {out}")
 
 

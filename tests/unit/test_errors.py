@@ -61,3 +61,26 @@ def test_the_launcher_prints_a_config_error_on_one_line(args, message):
     assert "Traceback" not in done.stderr
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("focus-pretrain: error:")]
     assert re.search(message, line), line
+
+
+@pytest.mark.parametrize(
+    "tool,args,message",
+    [
+        ("import_hf.py", ["{missing}"], r"config.json does not exist: point at a HuggingFace"),
+        ("reshard_checkpoint.py", ["{missing}"], r"is neither a checkpoint .* nor a run"),
+        ("evaluate.py", ["--checkpoint", "{missing}"], r"is neither a checkpoint .* nor a run"),
+    ],
+)
+def test_the_tools_print_a_missing_input_on_one_line(tmp_path, tool, args, message):
+    missing = str(tmp_path / "absent")
+    command = [
+        sys.executable,
+        str(ROOT / "tools" / tool),
+        *(a.format(missing=missing) for a in args),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    prefix = f"{tool.removesuffix('.py')}: error:"
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith(prefix)]
+    assert re.search(message, line), line
