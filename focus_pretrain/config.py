@@ -37,9 +37,9 @@ import yaml
 
 from focus_pretrain.data.datasets import DataConfig
 from focus_pretrain.errors import InputError, as_input_error
-from focus_pretrain.focus.config import check_choice, check_int, check_positive
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.config import ParallelConfig
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torch import Tensor
 from focus_pretrain.bench.report import DTYPES, elapsed_ms
 from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.attention import focus_attention
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import pattern_density
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout

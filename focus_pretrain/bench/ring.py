@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.bench.report import DTYPES, elapsed_ms
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.parallel import ring

@@ -18,7 +18,7 @@ from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize
 from focus_pretrain.data.shards import find_manifest, manifest_shards
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
-from focus_pretrain.focus.config import check_int, check_positive
+from focus_pretrain.validation import check_int, check_positive
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.focus import flex
-from focus_pretrain.focus.config import ATTENTION_MODES, check_choice, check_int, check_positive
+from focus_pretrain.focus.config import ATTENTION_MODES
 from focus_pretrain.focus.decomposed import (
     decomposed_attention,
     flash_attn_available,
@@ -55,6 +55,7 @@ from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.soft_triton import runs_on, supports, triton_focus_attention
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BackendFn = Callable[..., tuple[Tensor, Tensor]]
 

@@ -12,8 +12,8 @@ pattern into disjoint parts, computed separately and merged exactly:
 :func:`band_attention` computes B (or the whole window of a sliding-window layer) block by block:
 the queries of block ``[t, t + B)`` against keys ``[t - window, t + B)``, all blocks of a chunk
 in one batched matmul, so time and memory are ``O(n (B + w))``. :func:`sink_attention` computes C
-(every query against the first ``S`` keys, masked). :func:`merge_by_lse` combines partial results
-``(out, lse)`` of disjoint key sets into the attention over their union.
+(every query against the first ``S`` keys, masked); :mod:`focus_pretrain.focus.lse` combines
+partial results ``(out, lse)`` of disjoint key sets into the attention over their union.
 
 **Packed documents** (``documents``: ``[b, n]`` int64 document starts ``d``,
 :func:`~focus_pretrain.focus.pattern.document_starts`): the band keeps only pairs of one
@@ -27,12 +27,11 @@ Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local, sink_only_pairs
 from focus_pretrain.focus.reference import softmax_with_lse
 
@@ -285,32 +284,3 @@ def with_sinks(
         documents=documents,
     )
     return merge_by_lse(result, extra)
-
-
-def merge_by_lse(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Attention over the union of two disjoint key sets from each one's ``(out, lse)``.
-
-    ``out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b)``; a part with ``lse = -inf``
-    (no key) contributes nothing. Shapes: ``out [b, n, H, D]``, ``lse [b, n, H]``; the result is
-    in ``out_a``'s dtype with an at-least-fp32 ``lse``. On CUDA without autograd the same
-    arithmetic runs as one compiled kernel (one pass over the outputs instead of six).
-    """
-    tensors = (*a, *b)
-    if a[0].is_cuda and not any(t.requires_grad for t in tensors):
-        return _compiled_merge()(*tensors)
-    return _merge(*tensors)
-
-
-def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    lse_a, lse_b = at_least_fp32(lse_a), at_least_fp32(lse_b)
-    lse = torch.logaddexp(lse_a, lse_b)  # [b, n, H]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - safe)[..., None]  # [b, n, H, 1]; 0 where lse_a = -inf
-    w_b = torch.exp(lse_b - safe)[..., None]
-    out = w_a * at_least_fp32(out_a) + w_b * at_least_fp32(out_b)
-    return out.to(out_a.dtype), lse
-
-
-@functools.cache
-def _compiled_merge():
-    return torch.compile(_merge, dynamic=True)

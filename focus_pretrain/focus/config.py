@@ -8,8 +8,9 @@ builds this dataclass from the ``focus:`` section). Defaults follow the paper's 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
 ATTENTION_MODES = ("soft", "hard")
@@ -109,35 +110,3 @@ class FocusConfig:
                 "focus.inference_backend 'triton' computes the soft pattern only, got "
                 f"inference_mode={self.inference_mode!r}; use 'auto', 'flex' or 'decomposed'"
             )
-
-
-def check_int(
-    name: str,
-    value: object,
-    *,
-    low: int | None = None,
-    high: int | None = None,
-    high_name: str | None = None,
-) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is an int in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        bound = f"{high_name} ({high})" if high_name else str(high)
-        raise ValueError(f"{name} must be <= {bound}, got {value}")
-
-
-def check_positive(name: str, value: object) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
-def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

@@ -45,7 +45,8 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.focus import flex
-from focus_pretrain.focus.band import band_attention, merge_by_lse, with_sinks
+from focus_pretrain.focus.band import band_attention, with_sinks
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 

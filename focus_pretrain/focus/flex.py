@@ -55,7 +55,7 @@ try:  # PyTorch >= 2.9 asks for auxiliary outputs this way (return_lse is deprec
 except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32, compute_dtype, member_bits
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 

@@ -42,15 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from focus_pretrain.focus.config import (
-    BALANCE_MODES,
-    MAX_GROUPS,
-    FocusConfig,
-    check_choice,
-    check_int,
-    check_positive,
-)
+from focus_pretrain.focus.config import BALANCE_MODES, MAX_GROUPS, FocusConfig
 from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 ColumnLogSumExp = Callable[[Tensor], Tensor]
 GatherTokens = Callable[[Tensor], Tensor]

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from focus_pretrain.focus import FocusConfig
-from focus_pretrain.focus.config import check_choice, check_int, check_positive
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3")
 RECOMPUTE = ("none", "full", "selective")

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from focus_pretrain.focus.config import check_choice, check_int, check_positive
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.deepspeed_overrides import check_deepspeed_overrides
+from focus_pretrain.validation import check_choice, check_int, check_positive
 
 CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
 RING_BACKENDS = ("auto", "reference", "triton")  # triton: the ring steps' kernel is triton

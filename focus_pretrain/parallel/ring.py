@@ -57,8 +57,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.attention import check_documents, check_dtypes, raise_if_not_finite
-from focus_pretrain.focus.band import merge_by_lse
-from focus_pretrain.focus.config import check_int
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32, member_bits
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.parallel.ring_kernels import (
@@ -68,6 +67,7 @@ from focus_pretrain.parallel.ring_kernels import (
     triton_attend_block,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
+from focus_pretrain.validation import check_int
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
 FUSED_KERNELS = {"flex": flex_attend_block, "triton": triton_attend_block}  # one call per step

@@ -21,8 +21,9 @@ from focus_pretrain.focus.attention import (
     AttentionRequest,
     select_backend,
 )
-from focus_pretrain.focus.band import band_attention, merge_by_lse, sink_attention
+from focus_pretrain.focus.band import band_attention, sink_attention
 from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 from tests.helpers import random_probs, random_qkv

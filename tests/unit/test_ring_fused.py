@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from focus_pretrain.focus.band import merge_by_lse
+from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.focus.router import Routing
