@@ -1,12 +1,8 @@
 """HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
 
+from focus_pretrain.convert.checkpoints import megatron_state_dict, resolve_checkpoint
 from focus_pretrain.convert.families import FAMILY_RULES, Geometry, Rule, rules_for, shard
-from focus_pretrain.convert.hf_export import (
-    attach_focus_adapter,
-    export_hf,
-    export_router_adapter,
-    resolve_checkpoint,
-)
+from focus_pretrain.convert.hf_export import attach_focus_adapter, export_hf, export_router_adapter
 from focus_pretrain.convert.hf_import import (
     check_compatible,
     check_tokenizer_matches,
@@ -30,6 +26,7 @@ __all__ = [
     "import_hf",
     "load_hf_tensors",
     "load_hf_weights",
+    "megatron_state_dict",
     "read_hf_config",
     "resolve_checkpoint",
     "rules_for",

@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from focus_pretrain.config import Config, load_config
+from focus_pretrain.config import Config
+from focus_pretrain.convert.checkpoints import checkpoint_config, load_tp_shards, resolve_checkpoint
 from focus_pretrain.convert.families import HF_MODEL_TYPES, Geometry, rules_for, unshard
 from focus_pretrain.convert.hf_rope import layer_types_for, rope_parameters
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInputError
+from focus_pretrain.errors import InputError, UnsupportedInputError
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 
@@ -47,28 +48,13 @@ _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
 SHIPPED_MODELING_FILES = ("configuration_focus.py", "modeling_focus.py", "focus_cache.py")
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory (``.../checkpoints/step_N``) from it, a run directory or its
-    ``checkpoints`` directory (the checkpoint ``latest`` names)."""
-    path = Path(path)
-    for root in (path / "checkpoints", path):
-        if (root / "latest").is_file():
-            return root / (root / "latest").read_text().strip()
-    if (path / "config.yaml").is_file() and any(path.glob("*mp_rank_*_model_states.pt")):
-        return path
-    raise MissingInputError(
-        f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
-        "directory whose checkpoints/latest names one"
-    )
-
-
 def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:
     """The checkpoint directory and its config, refusing what an export (full model or router
     adapter) cannot reproduce. The one place for that rule: the shipped modeling code routes
     each token on its own (``balance=causal``: softmax of its logits plus the saved offsets;
     ``balance=none``: the same with offsets that stay zero)."""
     ckpt = resolve_checkpoint(checkpoint)
-    config = load_config(ckpt / "config.yaml", [])
+    config = checkpoint_config(ckpt)
     focus = config.model.focus
     if focus.enabled and focus.balance == "sinkhorn":
         raise UnsupportedInputError(
@@ -79,44 +65,6 @@ def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]
             "fine-tune this one's routers with it"
         )
     return ckpt, config
-
-
-def _load_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]]:
-    if zero_stage == 3:
-        return [_consolidate_zero3(ckpt, rank) for rank in range(tp)]
-    shards = []
-    for rank in range(tp):
-        path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
-        if not path.is_file():
-            raise MissingInputError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
-        shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
-    return shards
-
-
-def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
-    """One tensor-parallel rank's full (data-parallel-gathered) fp32 state from a ZeRO-3
-    checkpoint. DeepSpeed's consolidation reads every ``*_states.pt`` of a directory, so the
-    rank's files are linked, as ``mp_rank_00``, into a scratch directory first."""
-    import tempfile
-
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    suffix = f"mp_rank_{tp_rank:02d}_"
-    files = sorted(ckpt.glob(f"zero_pp_rank_*_{suffix}*_states.pt"))
-    if not files:
-        raise MissingInputError(f"{ckpt} has no ZeRO-3 files of tensor-parallel rank {tp_rank}")
-    with tempfile.TemporaryDirectory() as scratch:
-        tag = Path(scratch) / ckpt.name
-        tag.mkdir()
-        for path in files:
-            (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
-        state = dict(get_fp32_state_dict_from_zero_checkpoint(scratch, tag=ckpt.name))
-    first = ckpt / f"zero_pp_rank_0_{suffix}model_states.pt"
-    module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
-    for key, value in module.items():  # buffers (router balance offsets) are not partitioned
-        if key not in state and torch.is_tensor(value) and value.numel() > 0:
-            state[key] = value
-    return state
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
@@ -257,7 +205,7 @@ def export_hf(
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
     ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
-    shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
+    shards = load_tp_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     tensors = hf_state_dict(shards, model_cfg)
     tokenizer = _tokenizer_for(config)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
@@ -336,7 +284,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     from safetensors.torch import save_file
 
     ckpt, config = _exportable_checkpoint(checkpoint)
-    shards = _load_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
+    shards = load_tp_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
         raise InputError(f"{ckpt} has no routers (focus disabled or window-only)")

@@ -2,7 +2,7 @@
 
 :func:`load_checkpoint_model` builds the Megatron model of a checkpoint in this process group
 (any tensor-parallel size: shards are merged and re-cut, see
-:func:`~focus_pretrain.convert.checkpoint_state.megatron_state_dict`; context parallelism
+:func:`~focus_pretrain.convert.checkpoints.megatron_state_dict`; context parallelism
 installed when ``parallel.context_parallel_size > 1``). :func:`evaluate_checkpoint` runs the
 trainer's :class:`~focus_pretrain.train.validate.Validator` on it (loss, loss by distance,
 retrieval probes, demo recall), optionally on another corpus (``data.sources`` override: the
@@ -23,9 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from focus_pretrain.config import Config, config_to_dict, load_config
-from focus_pretrain.convert.checkpoint_state import megatron_state_dict
-from focus_pretrain.convert.hf_export import resolve_checkpoint
+from focus_pretrain.config import Config, config_to_dict
+from focus_pretrain.convert.checkpoints import (
+    checkpoint_config,
+    megatron_state_dict,
+    resolve_checkpoint,
+)
 from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
@@ -78,7 +81,7 @@ def load_checkpoint_model(
         ValueError: a bad override, or a checkpoint that does not fit the model.
     """
     ckpt = resolve_checkpoint(checkpoint)
-    trained = load_config(ckpt / "config.yaml", [])
+    trained = checkpoint_config(ckpt)
     extra = list(overrides)
     if _world_size() == 1 and not any(o.strip().startswith("parallel.") for o in extra):
         extra = [
@@ -90,7 +93,7 @@ def load_checkpoint_model(
     if not any(o.strip().startswith("data.tokenizer=") for o in extra):
         token_file = tokenizer_path_for(trained.data, trained.run.seed)
         extra.append(f"data.tokenizer={token_file}")
-    config = load_config(ckpt / "config.yaml", extra)
+    config = checkpoint_config(ckpt, extra)
     layout = ParallelLayout.initialize(config.parallel, config.run.seed)
     device = torch.device("cpu")
     if torch.cuda.is_available():

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from focus_pretrain.config import Config, load_config
+from focus_pretrain.config import Config
+from focus_pretrain.convert.checkpoints import checkpoint_config
 from focus_pretrain.convert.families import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.model.config import ModelConfig
 
@@ -113,7 +114,7 @@ def convert_to_universal(checkpoint: str | os.PathLike, workers: int | None = No
     out = universal_path(ckpt)
     if out.is_dir():
         return out
-    config = load_config(ckpt / "config.yaml")
+    config = checkpoint_config(ckpt)
     if config.parallel.zero_stage == 0:
         raise ValueError(
             f"{ckpt} was saved without ZeRO (parallel.zero_stage=0); train.load_universal "
@@ -247,7 +248,7 @@ def _extras(ckpt: Path, optimized: set[str], model: ModelConfig) -> dict[str, to
     modules = [torch.load(p, map_location="cpu", weights_only=False)["module"] for _, p in files]
     names = [n for n, v in modules[0].items() if n not in optimized and torch.is_tensor(v)]
     if any(modules[0][n].numel() == 0 for n in names):
-        from focus_pretrain.convert.checkpoint_state import megatron_state_dict
+        from focus_pretrain.convert.checkpoints import megatron_state_dict
 
         state, _ = megatron_state_dict(ckpt, tp_size=1, tp_rank=0)
         return {n: state[n].clone() for n in names}

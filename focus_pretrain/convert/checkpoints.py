@@ -1,0 +1,126 @@
+"""Reading a training checkpoint: where it is, the recipe it was trained with, its tensors.
+
+One module for every reader (the HuggingFace export, evaluation, analysis, resharding):
+
+* :func:`resolve_checkpoint`: a run directory, its ``checkpoints`` directory or a ``step_N``
+  directory -> the ``step_N`` directory (the one ``latest`` names);
+* :func:`checkpoint_config`: the resolved recipe saved with it (``config.yaml``), validated;
+* :func:`load_tp_shards`: one Megatron state dict per saved tensor-parallel rank (DeepSpeed's
+  ``mp_rank_XX_model_states.pt``; ZeRO-3 partitions consolidated with DeepSpeed's
+  ``zero_to_fp32``);
+* :func:`megatron_state_dict`: the state at any tensor-parallel size, merged over the saved
+  ranks and cut again with the declarative rules of :mod:`focus_pretrain.convert.families` (the
+  same key map the HuggingFace export uses), so a TP=2 run can be evaluated in one process and
+  a TP=1 run under TP=2.
+
+(DeepSpeed's universal checkpoints, for resuming at another layout, are written and read by
+:mod:`focus_pretrain.train.reshard`.)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from focus_pretrain.config import Config, load_config
+from focus_pretrain.convert.families import rules_for, shard, unshard
+from focus_pretrain.errors import InputError, MissingInputError
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory (``.../checkpoints/step_N``) from it, a run directory or its
+    ``checkpoints`` directory (the checkpoint ``latest`` names)."""
+    path = Path(path)
+    for root in (path / "checkpoints", path):
+        if (root / "latest").is_file():
+            return root / (root / "latest").read_text().strip()
+    if (path / "config.yaml").is_file() and any(path.glob("*mp_rank_*_model_states.pt")):
+        return path
+    raise MissingInputError(
+        f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
+        "directory whose checkpoints/latest names one"
+    )
+
+
+def checkpoint_config(ckpt: Path, overrides: Sequence[str] = ()) -> Config:
+    """The recipe ``ckpt`` (a ``step_N`` directory) was trained with, with ``overrides``."""
+    return load_config(ckpt / "config.yaml", list(overrides))
+
+
+def load_tp_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tensor]]:
+    """The model state dict of each of the ``tp`` tensor-parallel ranks of ``ckpt`` (a ZeRO-3
+    checkpoint is consolidated per rank first, in fp32).
+
+    Raises:
+        MissingInputError: a rank's file is missing.
+    """
+    if zero_stage == 3:
+        return [_consolidate_zero3(ckpt, rank) for rank in range(tp)]
+    shards = []
+    for rank in range(tp):
+        path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
+        if not path.is_file():
+            raise MissingInputError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
+        shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
+    return shards
+
+
+def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
+    """One tensor-parallel rank's full (data-parallel-gathered) fp32 state from a ZeRO-3
+    checkpoint. DeepSpeed's consolidation reads every ``*_states.pt`` of a directory, so the
+    rank's files are linked, as ``mp_rank_00``, into a scratch directory first."""
+    import tempfile
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tp_rank:02d}_"
+    files = sorted(ckpt.glob(f"zero_pp_rank_*_{suffix}*_states.pt"))
+    if not files:
+        raise MissingInputError(f"{ckpt} has no ZeRO-3 files of tensor-parallel rank {tp_rank}")
+    with tempfile.TemporaryDirectory() as scratch:
+        tag = Path(scratch) / ckpt.name
+        tag.mkdir()
+        for path in files:
+            (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
+        state = dict(get_fp32_state_dict_from_zero_checkpoint(scratch, tag=ckpt.name))
+    first = ckpt / f"zero_pp_rank_0_{suffix}model_states.pt"
+    module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
+    for key, value in module.items():  # buffers (router balance offsets) are not partitioned
+        if key not in state and torch.is_tensor(value) and value.numel() > 0:
+            state[key] = value
+    return state
+
+
+def megatron_state_dict(
+    checkpoint: str | os.PathLike, tp_size: int = 1, tp_rank: int = 0
+) -> tuple[dict[str, Tensor], Config]:
+    """Tensor-parallel rank ``tp_rank`` of ``tp_size``'s Megatron state of ``checkpoint``
+    (a checkpoint or run directory), and the config the checkpoint was trained with.
+
+    Tensors a rule names are merged over the saved ranks and re-sharded; every other entry
+    (routers, their balance offsets, replicated norms, Transformer Engine's extra states) is
+    taken from saved rank 0. ZeRO-3 checkpoints are consolidated first (fp32).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``checkpoint``, or one of its shards is missing.
+        ValueError: the checkpoint lacks a tensor its family needs.
+    """
+    ckpt = resolve_checkpoint(checkpoint)
+    config = checkpoint_config(ckpt)
+    saved_tp = config.parallel.tensor_parallel_size
+    shards = load_tp_shards(ckpt, saved_tp, config.parallel.zero_stage)
+    model = config.model
+    if tp_size == saved_tp:
+        return dict(shards[tp_rank]), config
+    model.check_tensor_parallel(tp_size)
+    state = dict(shards[0])
+    for rule in rules_for(model.family, model.num_layers, model.tied):
+        if rule.ours not in shards[0]:
+            raise InputError(f"the checkpoint {ckpt} lacks {rule.ours}")
+        full = unshard([s[rule.ours] for s in shards], rule.shard)
+        state[rule.ours] = shard(full, rule.shard, tp_rank, tp_size)
+    return state, config
