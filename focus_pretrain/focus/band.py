@@ -1,5 +1,4 @@
-"""The local band in ``O(n w)``, the sink keys in ``O(n S)`` and the log-sum-exp merge of partial
-attentions (plain PyTorch).
+"""The local band in ``O(n w)`` and the sink keys in ``O(n S)`` (plain PyTorch).
 
 The decomposition of hard Focus attention (:mod:`focus_pretrain.focus.decomposed`) splits the
 pattern into disjoint parts, computed separately and merged exactly:
