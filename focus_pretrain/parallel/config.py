@@ -112,7 +112,7 @@ class ParallelConfig:
                 if chosen not in RING_BACKENDS:
                     raise ValueError(
                         f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring "
-                        "step runs the exact per-block attention); use 'auto', 'triton' or "
+                        f"step runs the exact per-block attention); use one of {RING_BACKENDS} or "
                         "parallel.cp_mode 'a2a'"
                     )
 

@@ -170,16 +170,34 @@ def context_parallel_attention(
             q, k, v, probs, group=group, documents=documents, **attention_kwargs
         )
     backend = attention_kwargs.pop("backend", "auto")
-    if backend not in RING_BACKENDS:
+    kernel = ring_block_kernel(backend)
+    given = attention_kwargs.setdefault("block_kernel", kernel)
+    if kernel != "auto" and given != kernel:
+        raise ValueError(
+            f"backend {backend!r} runs the ring's {kernel!r} block kernel, not "
+            f"block_kernel={given!r}: name one of them"
+        )
+    return ring_focus_attention(
+        q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
+    )
+
+
+def ring_block_kernel(backend: str) -> str:
+    """The ring steps' per-block kernel for the attention ``backend`` a recipe names: the one
+    it names, never another. ``"reference"``: the reference's exact blockwise PyTorch
+    attention (on CUDA too); ``"triton"``: the fused Triton kernels (soft and sliding-window
+    steps); ``"auto"``: the ring's own choice (FlexAttention on CUDA, blockwise elsewhere).
+
+    Raises:
+        ValueError: a backend that has no per-block form in the ring.
+    """
+    kernels = {"auto": "auto", "reference": "blockwise", "triton": "triton"}
+    if backend not in kernels or backend not in RING_BACKENDS:
         raise ValueError(
             f"backend {backend!r} cannot run inside the ring (each ring step runs the exact "
             f"per-block attention); use one of {', '.join(RING_BACKENDS)} or cp_mode 'a2a'"
         )
-    if backend == "triton":  # the ring steps run the fused kernels (soft, sliding window)
-        attention_kwargs["block_kernel"] = "triton"
-    return ring_focus_attention(
-        q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
-    )
+    return kernels[backend]
 
 
 def _column_logsumexp(group: dist.ProcessGroup):

@@ -202,3 +202,17 @@ def test_a_vocabulary_too_large_for_the_corpus_names_the_key(tmp_path):
     texts = ["a tiny corpus of a few words, repeated"] * 20
     with pytest.raises(ValueError, match=r"data\.vocab_size=3000 .* lower data\.vocab_size"):
         train_tokenizer(texts, tmp_path / "tok", 3000)
+
+
+def test_the_ring_runs_the_backend_the_recipe_names():
+    """``reference`` runs the reference's blockwise attention in the ring (on CUDA too: it ran
+    FlexAttention there, a backend nobody asked for); names without a per-block form are
+    refused."""
+    from focus_pretrain.parallel.context_parallel import ring_block_kernel
+
+    assert ring_block_kernel("reference") == "blockwise"
+    assert ring_block_kernel("triton") == "triton"
+    assert ring_block_kernel("auto") == "auto"
+    for other in ("flex", "decomposed", "fast"):
+        with pytest.raises(ValueError, match=rf"backend '{other}' cannot run inside the ring"):
+            ring_block_kernel(other)
