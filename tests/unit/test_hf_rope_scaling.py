@@ -259,7 +259,17 @@ def test_unsupported_variants_of_the_new_families_are_refused(
 
 
 def test_qwen3_sliding_window_warns(tmp_path):
-    _config_json(tmp_path, "qwen3", use_sliding_window=True, sliding_window=8)
+    # layers from max_window_layers on slide (the to_dict() layer_types, computed without a
+    # window, are dropped: transformers recomputes them)
+    _config_json(
+        tmp_path,
+        "qwen3",
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        layer_types=None,
+    )
+    assert "sliding_attention" in transformers.AutoConfig.from_pretrained(tmp_path).layer_types
     with pytest.warns(UserWarning, match=r"qwen3 sliding_window=8 is not reproduced"):
         hf_model_config(tmp_path)
 
