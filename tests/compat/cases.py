@@ -30,3 +30,18 @@ CASES = {
 def tokens(rows: int, length: int, seed: int) -> torch.Tensor:
     """Token ids ``[rows, length]`` in ``[1, VOCAB)`` (0 is the pad id)."""
     return torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def expected_outputs(model) -> dict[str, torch.Tensor]:
+    """Hard and soft logits of two rows and 24 greedy tokens of the first (KV cache)."""
+    ids = tokens(2, PROMPT, seed=1)
+    focus = model.config.focus
+    with torch.no_grad():
+        hard = model(ids).logits
+        focus["inference_mode"] = "soft"
+        soft = model(ids).logits
+        focus["inference_mode"] = "hard"
+        greedy = model.generate(
+            ids[:1], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    return {"hard": hard, "soft": soft, "greedy": greedy}

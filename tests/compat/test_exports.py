@@ -29,7 +29,7 @@ import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from tests.compat.cases import CASES, NEW_TOKENS, PROMPT, tokens
+from tests.compat.cases import CASES, NEW_TOKENS, PROMPT, expected_outputs, tokens
 
 pytestmark = pytest.mark.hf
 if os.environ.get("FOCUS_COMPAT_PACKAGE") == "0":  # standalone: as if it were not installed
@@ -117,14 +117,8 @@ def test_logits_and_greedy_tokens_are_the_exporters(exports, name):
     if package is not None:  # the export's code found focus_pretrain's fast path, or not
         assert (modeling._package_focus_attention is not None) == (package == "1")
     expected = torch.load(exports / name / "expected.pt", weights_only=True)
-    ids = tokens(2, PROMPT, seed=1)
-    focus = model.config.focus
-    with torch.no_grad():
-        hard = model(ids).logits
-        focus["inference_mode"] = "soft"
-        soft = model(ids).logits
-        focus["inference_mode"] = "hard"
-        tokens_out = greedy(model, ids[:1])
+    outputs = expected_outputs(model)  # what the exporter computed, computed here
+    hard, soft, tokens_out = outputs["hard"], outputs["soft"], outputs["greedy"]
     assert not torch.allclose(hard, soft, atol=1e-3)  # the two patterns differ here
     torch.testing.assert_close(hard, expected["hard"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(soft, expected["soft"], rtol=1e-4, atol=1e-4)

@@ -20,23 +20,8 @@ import torch
 from focus_pretrain.convert import hf_model_config, load_hf_tensors
 from focus_pretrain.convert.hf_export import hf_export_config, save_export
 from focus_pretrain.focus import FocusConfig
-from tests.compat.cases import CASES, NEW_TOKENS, PROMPT, tokens
+from tests.compat.cases import CASES, expected_outputs
 from tests.multiprocess.test_hf_import import make_hf_model
-
-
-def expected_outputs(model) -> dict[str, torch.Tensor]:
-    """Hard and soft logits of two rows and 24 greedy tokens of the first (KV cache)."""
-    ids = tokens(2, PROMPT, seed=1)
-    focus = model.config.focus
-    with torch.no_grad():
-        hard = model(ids).logits
-        focus["inference_mode"] = "soft"
-        soft = model(ids).logits
-        focus["inference_mode"] = "hard"
-        greedy = model.generate(
-            ids[:1], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-        )
-    return {"hard": hard, "soft": soft, "greedy": greedy}
 
 
 def write_export(name: str, out: Path, scratch: Path) -> Path:

@@ -55,7 +55,7 @@ def test_a_run_is_counted_from_its_junit_report(tool, tmp_path):
         "def test_a(): pass\n"
         "def test_b(): pass\n"
         "def test_c(): assert 1 == 2\n"
-        "@pytest.mark.skip(reason='x')\n"
+        "@pytest.mark.skip(reason='a sample skip: the report must count it as skipped')\n"
         "def test_d(): pass\n"
     )
     args = ["--noconftest", "-o", "addopts=", "-q", str(tests)]
