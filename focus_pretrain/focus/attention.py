@@ -174,7 +174,8 @@ def focus_attention(
         top_k: groups per token in hard mode, ``1 <= top_k <= K``.
         backend: ``"auto"`` or one of :func:`available_backends`.
         gate_lambda: sharpness of the soft gate (soft mode).
-        softcap: Gemma-2 logit soft-capping ``c * tanh(score / c)``, applied before the pattern.
+        softcap: Gemma-2 logit soft-capping ``c`` (:func:`~focus_pretrain.focus.pattern.soft_cap`),
+            applied before the pattern.
         scale: score scale, default ``1 / sqrt(head_dim)``.
         local_only: sliding-window-only layer.
         return_lse: also return the per-query log-sum-exp ``[batch, seq, heads]`` (fp32).

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.focus.lse import merge_by_lse
-from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local, sink_only_pairs
+from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local, sink_only_pairs, soft_cap
 from focus_pretrain.focus.reference import softmax_with_lse
 
 DEFAULT_BAND_BLOCK = 64
@@ -97,8 +97,7 @@ def band_attention(
     for c0 in range(0, nb, chunk):  # chunks of query blocks bound the memory, not a group loop
         c1 = min(nb, c0 + chunk)
         scores = torch.einsum("btqhgd,bthdk->bthgqk", q5[:, c0:c1], k_win[:, c0:c1]) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
+        scores = soft_cap(scores, softcap)
         allowed = in_band[None, None] & key_exists[None, c0:c1, None, :]  # [1, c, block, span]
         if member is not None:
             cross = (m_q[:, c0:c1, :, None] & m_k[:, c0:c1, None, :]) == 0  # [b, c, block, span]
@@ -192,8 +191,7 @@ def _shared_sinks(
     positions = torch.arange(r1, device=k.device)
     k_s, v_s = at_least_fp32(k[:, :s]), at_least_fp32(v[:, :s])  # [b, S, Hkv, D]
     scores = torch.einsum("bqhgd,bkhd->bhgqk", q5[:, r0:r1], k_s) * scale  # [b, Hkv, G, r, S]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = soft_cap(scores, softcap)
     allowed = sink_only_pairs(
         positions[r0:r1],
         positions[:s],
@@ -245,8 +243,7 @@ def _document_sinks(
     k_s = at_least_fp32(k[sample, rows, head])  # [b, r, Hkv, S, D]
     v_s = at_least_fp32(v[sample, rows, head])
     scores = torch.matmul(q5[:, r0:r1], k_s.transpose(-1, -2)) * scale  # [b, r, Hkv, G, S]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = soft_cap(scores, softcap)
     scores = scores.masked_fill(~allowed[:, :, None, None], float("-inf"))
     weights, lse = softmax_with_lse(scores)  # [b, r, Hkv, G, S], [b, r, Hkv, G]
     part = torch.matmul(weights, v_s)  # [b, r, Hkv, G, D]

@@ -39,8 +39,8 @@ class FocusConfig:
         top_k: groups kept per token by the hard (inference) pattern, 1 or 2.
         inference_mode: the pattern a model uses in ``eval()``: ``"hard"`` (default) or
             ``"soft"`` (training always uses the soft gate).
-        gate_lambda: sharpness ``lambda`` of the soft gate
-            ``log sigmoid(lambda * (g_i . g_j - 1/2))`` on pairs beyond the window.
+        gate_lambda: sharpness ``lambda`` of the soft gate on pairs beyond the window
+            (:func:`~focus_pretrain.focus.pattern.soft_gate`).
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
             lie in ``[-1/tau, 1/tau]``); ``False`` uses the plain dot product. **Decision**: cosine
             by default; with plain dot products 10 Sinkhorn iterations at ``tau = 0.1`` leave

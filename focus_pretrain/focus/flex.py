@@ -12,7 +12,7 @@
   the 28 bitmask segments: the pair-count ideal, at block granularity. Block masks are built
   from per-block summaries (``O(n / B)`` work per block row; no ``n x n`` pair evaluation).
 * **soft** (training): one causal call whose ``score_mod`` adds the gate
-  ``log sigmoid(lambda (g_i . g_j - 1/2))`` to pairs beyond the window (sink keys excepted),
+  (:func:`~focus_pretrain.focus.pattern.soft_gate`) to pairs beyond the window (sinks excepted),
   reading the soft assignments ``[K, b, n]`` by index: nothing ``n x n`` is materialised, and on
   GPU the gradient flows to ``q``, ``k``, ``v`` and the assignments.
 * **local only**: one sliding-window call (with the sink keys).
@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,7 +55,21 @@ except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
 from focus_pretrain.focus.lse import merge_by_lse
-from focus_pretrain.focus.pattern import at_least_fp32, compute_dtype, member_bits
+from focus_pretrain.focus.pattern import (
+    at_least_fp32,
+    compute_dtype,
+    groups_intersect,
+    member_bits,
+    pair_rule,
+    soft_cap,
+    soft_gate,
+)
+from focus_pretrain.focus.pattern_blocks import (
+    block_bounds,
+    block_predicates,
+    ranges_overlap,
+    summarise_blocks,
+)
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 DEFAULT_BLOCK = 128  # FlexAttention's sparse block size
@@ -112,17 +125,23 @@ def _call(
     return out.transpose(1, 2), lse  # [B, L, H, D], [B, L, H]
 
 
-def _block_mask(
-    candidate: Tensor, full: Tensor | None, mask_mod, seq_len: int, block: int
+def block_mask_from_predicates(
+    candidate: Tensor,
+    full: Tensor | None,
+    mask_mod,
+    block: int,
+    q_len: int,
+    k_len: int | None = None,
 ) -> BlockMask:
-    """A ``BlockMask`` from dense block predicates ``[nb, nb]`` (one mask for every sample) or
-    ``[B, nb, nb]`` (one per sample); partial blocks are ``candidate & ~full``."""
+    """A ``BlockMask`` from dense block predicates ``[nq, nk]`` (one mask for every sample) or
+    ``[B, nq, nk]`` (one per sample; :func:`~focus_pretrain.focus.pattern_blocks.
+    block_predicates`); partial blocks are ``candidate & ~full``, visited with ``mask_mod``."""
 
     def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
-        dense = dense if dense.dim() == 3 else dense[None]  # [B, nb, nb]
-        num = dense.sum(dim=-1, dtype=torch.int32)  # [B, nb]
+        dense = dense if dense.dim() == 3 else dense[None]  # [B, nq, nk]
+        num = dense.sum(dim=-1, dtype=torch.int32)  # [B, nq]
         idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[:, None], idx.to(torch.int32)[:, None]  # [B, 1, nb], [B, 1, nb, nb]
+        return num[:, None], idx.to(torch.int32)[:, None]  # [B, 1, nq], [B, 1, nq, nk]
 
     partial = candidate if full is None else candidate & ~full
     kv_num, kv_idx = ordered(partial)
@@ -134,65 +153,8 @@ def _block_mask(
         full_idx,
         BLOCK_SIZE=block,
         mask_mod=mask_mod,
-        seq_lengths=(seq_len, seq_len),
+        seq_lengths=(q_len, q_len if k_len is None else k_len),
     )
-
-
-def _block_ends(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """``([..., nb], [..., nb])`` minimum and maximum of ``values [..., L]`` per block of
-    ``block`` (the last block is padded with its own last value, which changes neither)."""
-    nb = -(-values.shape[-1] // block)
-    pad = nb * block - values.shape[-1]
-    edge = values[..., -1:].expand(*values.shape[:-1], pad)  # [..., pad]
-    blocks = torch.cat([values, edge], dim=-1).view(*values.shape[:-1], nb, block)
-    return blocks.amin(dim=-1), blocks.amax(dim=-1)  # [..., nb] each
-
-
-def _overlap(q_low: Tensor, q_high: Tensor, k_low: Tensor, k_high: Tensor) -> Tensor:
-    """``[..., nq, nk]``: do the ranges ``[q_low, q_high]`` (``[..., nq]``) and ``[k_low, k_high]``
-    (``[..., nk]``) intersect?"""
-    return (k_low[..., None, :] <= q_high[..., :, None]) & (
-        q_low[..., :, None] <= k_high[..., None, :]
-    )
-
-
-class _BlockDocuments(NamedTuple):
-    """Per-block document summaries of ``[b, n]`` document starts (``[b, nb]`` each).
-
-    ``first``/``last``: the document starts of a block's first and last token (document starts
-    never decrease, so the block holds exactly the documents starting in ``[first, last]``);
-    ``sink_low``/``sink_high``: the same range over the block's sink tokens (empty when
-    ``sink_low > sink_high``)."""
-
-    first: Tensor
-    last: Tensor
-    sink_low: Tensor
-    sink_high: Tensor
-
-    @classmethod
-    def of(cls, documents: Tensor, block: int, sinks: int) -> _BlockDocuments:
-        n = documents.shape[1]
-        big = torch.iinfo(torch.int64).max
-        first, last = _block_ends(documents, block)  # [b, nb] each
-        positions = torch.arange(n, device=documents.device)
-        is_sink = positions - documents < sinks  # [b, n]
-        sink_low, _ = _block_ends(torch.where(is_sink, documents, big), block)
-        _, sink_high = _block_ends(torch.where(is_sink, documents, -1), block)
-        return cls(first, last, sink_low, sink_high)
-
-    def shared(self) -> Tensor:
-        """``[b, nb, nb]``: does a (query block, key block) pair hold a same-document pair?"""
-        return _overlap(self.first, self.last, self.first, self.last)
-
-    def one_document(self) -> Tensor:
-        """``[b, nb, nb]``: both blocks hold only tokens of one same document."""
-        single = self.first == self.last  # [b, nb]
-        same = self.first[:, :, None] == self.first[:, None, :]  # [b, nb, nb]
-        return same & single[:, :, None] & single[:, None, :]
-
-    def sink_shared(self) -> Tensor:
-        """``[b, nb, nb]``: the key block holds a sink of a document of the query block."""
-        return _overlap(self.first, self.last, self.sink_low, self.sink_high)
 
 
 def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK) -> BlockMask:
@@ -207,9 +169,11 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     doc = layout.position.new_zeros(()) if layout.document is None else layout.document
     unit = layout.sample * layout.seq + doc  # [T] (sample, document) key
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        shares = (member[q_idx] & member[kv_idx]) != 0
-        return shares & (unit[q_idx] == unit[kv_idx]) & (gpos[q_idx] >= gpos[kv_idx])
+    def mask_mod(b, h, q_idx, kv_idx):  # the sorted layout: positions and documents by index
+        shares = groups_intersect(member[q_idx], member[kv_idx])
+        units = dict(q_doc=unit[q_idx], k_doc=unit[kv_idx])
+        causal, _ = pair_rule(gpos[q_idx], gpos[kv_idx], window=0, **units)
+        return shares & causal
 
     # OR of the bitmasks in each block, through segments (a block holds few of them)
     seg_member = member[layout.cu_seqlens[:-1].long()]  # [S]
@@ -222,13 +186,10 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     block_bits = torch.cumsum(delta[:nb], dim=0) > 0  # [nb, 64]
     shares = (block_bits.to(torch.float32) @ block_bits.t().to(torch.float32)) > 0  # [nb, nb]
 
-    gpos_min, gpos_max = _block_ends(gpos, block)  # [nb] each
-    unit_min, unit_max = _block_ends(unit, block)  # a range for any sort order
-    candidate = (
-        shares
-        & _overlap(unit_min, unit_max, unit_min, unit_max)
-        & (gpos_min[None, :] <= gpos_max[:, None])
-    )
+    (gpos_min,), (gpos_max,) = block_bounds(gpos[None], block)  # [nb] each
+    (unit_min,), (unit_max,) = block_bounds(unit.expand(total)[None], block)  # any sort order
+    units = ranges_overlap(unit_min[None], unit_max[None], unit_min[None], unit_max[None])
+    candidate = shares & units[0] & (gpos_min[None, :] <= gpos_max[:, None])
     seg_first = layout.segment[torch.arange(nb, device=device) * block]
     seg_last = layout.segment[
         torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1
@@ -238,7 +199,7 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     one_unit = unit_min[:, None] == unit_min[None, :]
     full = candidate & pure[:, None] & pure[None, :] & one_unit
     full &= gpos_max[None, :] <= gpos_min[:, None]
-    return _block_mask(candidate, full, mask_mod, total, block)
+    return block_mask_from_predicates(candidate, full, mask_mod, block, total)
 
 
 def band_block_mask(
@@ -254,39 +215,29 @@ def band_block_mask(
     """Block mask of ``0 <= i - j <= window`` or a sink key (``j < sinks``; ``j - d_j < sinks``
     with document starts ``documents [b, n]``, which also require one document) and, with
     ``member [b, n]``, disjoint groups."""
-    nb = -(-seq_len // block)
-    first = torch.arange(nb, device=device) * block  # [nb] first position of each block
-    last = first + block - 1
-    causal = first[None, :] <= last[:, None]  # [nb, nb]
-    candidate = causal & (last[None, :] >= first[:, None] - window)
-    full = None
-    if member is None:  # every pair of these blocks is in the window
-        full = candidate & (last[None, :] <= first[:, None])
-        full &= last[:, None] - first[None, :] <= window
-    if documents is None:
-        if sinks:
-            candidate = candidate | (causal & (first[None, :] < sinks))
-    else:
-        blocks = _BlockDocuments.of(documents, block, sinks)
-        candidate = candidate & blocks.shared()  # [b, nb, nb]
-        if sinks:
-            candidate = candidate | (causal & blocks.sink_shared())
-        if full is not None:
-            full = full & blocks.one_document()
+    positions = torch.arange(seq_len, device=device)  # [n]
+    blocks = summarise_blocks(positions, None, documents, block=block, sinks=sinks)
+    candidate, full = block_predicates(blocks, blocks, kind="local", window=window, sinks=sinks)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        near = q_idx - kv_idx <= window
-        if sinks:
-            key = kv_idx if documents is None else kv_idx - documents[b, kv_idx]
-            near = near | (key < sinks)
-        allowed = (q_idx >= kv_idx) & near
-        if documents is not None:
-            allowed = allowed & (documents[b, q_idx] == documents[b, kv_idx])
-        if member is not None:
-            allowed = allowed & ((member[b, q_idx] & member[b, kv_idx]) == 0)
-        return allowed
+        docs = _pair_documents(documents, b, q_idx, kv_idx)
+        causal, near = pair_rule(q_idx, kv_idx, window=window, sinks=sinks, **docs)
+        if member is None:
+            return causal & near
+        return causal & near & ~groups_intersect(member[b, q_idx], member[b, kv_idx])
 
-    return _block_mask(candidate, full, mask_mod, seq_len, block)
+    # the cross-group band (``member``): the groups decide inside every block, none is full
+    return block_mask_from_predicates(
+        candidate, full if member is None else None, mask_mod, block, seq_len
+    )
+
+
+def _pair_documents(documents: Tensor | None, b, q_idx, kv_idx) -> dict:
+    """Inside a ``mask_mod`` / ``score_mod``: the pair's document starts for
+    :func:`~focus_pretrain.focus.pattern.pair_rule` (none without ``documents [b, n]``)."""
+    if documents is None:
+        return {}
+    return dict(q_doc=documents[b, q_idx], k_doc=documents[b, kv_idx])
 
 
 def causal_block_mask(
@@ -298,21 +249,14 @@ def causal_block_mask(
 ) -> BlockMask:
     """Block mask of causal attention (blocks strictly below the diagonal are full), inside each
     document with document starts ``documents [b, n]``."""
-    nb = -(-seq_len // block)
-    blocks = torch.arange(nb, device=device)
-    candidate = blocks[None, :] <= blocks[:, None]  # [nb, nb]
-    full = blocks[None, :] < blocks[:, None]
-    if documents is not None:
-        spans = _BlockDocuments.of(documents, block, 0)
-        candidate = candidate & spans.shared()  # [b, nb, nb]
-        full = full & spans.one_document()
+    positions = torch.arange(seq_len, device=device)  # [n]
+    blocks = summarise_blocks(positions, None, documents, block=block, sinks=0)
+    candidate, full = block_predicates(blocks, blocks, kind="causal", window=0, sinks=0)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        if documents is None:
-            return q_idx >= kv_idx
-        return (q_idx >= kv_idx) & (documents[b, q_idx] == documents[b, kv_idx])
+        return pair_rule(q_idx, kv_idx, window=0, **_pair_documents(documents, b, q_idx, kv_idx))[0]
 
-    return _block_mask(candidate, full, mask_mod, seq_len, block)
+    return block_mask_from_predicates(candidate, full, mask_mod, block, seq_len)
 
 
 def score_constant(value: float | None, like: Tensor) -> Tensor | None:
@@ -325,13 +269,14 @@ def score_constant(value: float | None, like: Tensor) -> Tensor | None:
 
 
 def softcap_mod(softcap: float | None, like: Tensor):
-    """Soft-capping ``cap * tanh(score / cap)`` as a ``score_mod`` (``None`` without)."""
+    """Soft-capping (:func:`~focus_pretrain.focus.pattern.soft_cap`) as a ``score_mod``
+    (``None`` without)."""
     cap = score_constant(softcap, like)
     if cap is None:
         return None
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
+        return soft_cap(score, cap)
 
     return score_mod
 
@@ -394,14 +339,13 @@ def gate_tables(probs_q: Tensor, probs_k: Tensor | None = None) -> tuple[list, l
     return tables_q, tables_k
 
 
-def log_sigmoid_gate(g_q: list, g_k: list, lam: Tensor, b, q_idx, kv_idx) -> Tensor:
-    """Inside a ``score_mod``: the gate ``log sigmoid(lam (g_i . g_j - 1/2))`` of the pair
-    ``(q_idx, kv_idx)`` of sample ``b``, from :func:`gate_tables`' per-group tables."""
+def pair_gate(g_q: list, g_k: list, lam: Tensor, b, q_idx, kv_idx) -> Tensor:
+    """Inside a ``score_mod``: the gate (:func:`~focus_pretrain.focus.pattern.soft_gate`) of
+    the pair ``(q_idx, kv_idx)`` of sample ``b``, from :func:`gate_tables`' per-group tables."""
     affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
     for c in range(1, len(g_q)):
         affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
-    x = lam * (affinity - 0.5)
-    return torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
+    return soft_gate(affinity, lam)
 
 
 def soft(
@@ -426,14 +370,11 @@ def soft(
     cap, lam = score_constant(softcap, q), score_constant(gate_lambda, q)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if cap is not None:
-            score = cap * torch.tanh(score / cap)
-        gate = log_sigmoid_gate(g_q, g_k, lam, b, q_idx, kv_idx)
-        gated = q_idx - kv_idx > window
-        if sinks:
-            key = kv_idx if documents is None else kv_idx - documents[b, kv_idx]
-            gated = gated & (key >= sinks)
-        return score + torch.where(gated, gate, torch.zeros_like(gate))
+        score = soft_cap(score, cap)
+        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
+        k_doc = None if documents is None or not sinks else documents[b, kv_idx]
+        _, near = pair_rule(q_idx, kv_idx, window=window, sinks=sinks, k_doc=k_doc)
+        return score + torch.where(near, torch.zeros_like(gate), gate)  # the mask is causal
 
     mask = causal_block_mask(q.shape[1], q.device, block, documents=documents)
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)

@@ -60,9 +60,15 @@ def member_bits(member: Tensor) -> Tensor:
     return ((member[..., None] >> bits) & 1).bool()
 
 
+def groups_intersect(member_q: Tensor, member_k: Tensor) -> Tensor:
+    """Elementwise (broadcasting) bool: do the int64 membership bitmasks intersect? The one
+    definition of "shares a group" (hard mode)."""
+    return (member_q & member_k) != 0
+
+
 def shares_group(member_q: Tensor, member_k: Tensor) -> Tensor:
     """``[b, Lq, Lk]`` bool: do the membership bitmasks ``[b, Lq]`` and ``[b, Lk]`` intersect?"""
-    return (member_q[:, :, None] & member_k[:, None, :]) != 0
+    return groups_intersect(member_q[:, :, None], member_k[:, None, :])
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -80,9 +86,27 @@ def group_affinity(probs_q: Tensor, probs_k: Tensor) -> Tensor:
     return torch.einsum("bqk,bjk->bqj", at_least_fp32(probs_q), at_least_fp32(probs_k))
 
 
-def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
-    """The soft gate ``log sigmoid(lambda * (affinity - 1/2))``, elementwise, at least fp32."""
-    return F.logsigmoid(gate_lambda * (at_least_fp32(affinity) - 0.5))
+def soft_gate(affinity: Tensor, gate_lambda: float | Tensor) -> Tensor:
+    """The soft gate ``log sigmoid(lambda * (affinity - 1/2))``, elementwise, at least fp32.
+
+    The one definition of the gate: the reference applies it to ``[b, Lq, Lk]`` affinities,
+    FlexAttention ``score_mod`` s (:mod:`~focus_pretrain.focus.flex`, the ring's fused kernel)
+    to one pair's (``gate_lambda`` a 0-dim tensor there). ``log sigmoid(x)`` is written as
+    ``min(x, 0) - log1p(exp(-|x|))``: ``F.logsigmoid``'s own formula (the same values), in
+    pointwise ops every compiler lowers inside a ``score_mod``; ``torch.minimum`` splits the
+    gradient of a tie, so the derivative at ``x = 0`` is ``sigmoid(0) = 1/2``, as it should."""
+    x = gate_lambda * (at_least_fp32(affinity) - 0.5)
+    return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+
+
+def soft_cap(scores: Tensor, cap: float | Tensor | None) -> Tensor:
+    """Logit soft-capping ``cap * tanh(scores / cap)`` (Gemma-2 attention logits, Gemma's
+    final logits); ``cap=None``: ``scores`` unchanged. The one definition, applied to scores
+    before the pattern by every torch backend and inside ``score_mod`` s (``cap`` a 0-dim
+    tensor there)."""
+    if cap is None:
+        return scores
+    return cap * torch.tanh(scores / cap)
 
 
 def document_starts(documents: Tensor) -> Tensor:
@@ -101,9 +125,34 @@ def document_starts(documents: Tensor) -> Tensor:
     return torch.where(new, positions, 0).cummax(dim=1).values
 
 
-def same_document(q_doc: Tensor, k_doc: Tensor) -> Tensor:
-    """``[b, Lq, Lk]`` bool: are query and key in one document (document starts ``[b, L]``)?"""
-    return q_doc[:, :, None] == k_doc[:, None, :]
+def pair_rule(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The pair rule, elementwise: ``(causal, near)`` bool of broadcast-compatible query and key
+    positions (and document starts, ``None``: one document; ``k_doc`` alone places the sinks
+    without testing the documents, for a caller whose mask already did).
+
+    ``causal``: ``j <= i`` in one document; ``near``: the key is inside the window (``i - j <=
+    window``) or a sink (``j - d_j < sinks``, the first ``sinks`` tokens of its document). The
+    always-attended pairs are ``causal & near``; the rest of ``causal`` is gated (soft mode),
+    routed (hard mode: a shared group) or cut (sliding-window layers). The one definition of the
+    window, the sinks and the documents: the masks below apply it to ``[Lq, Lk]`` grids, the
+    FlexAttention ``mask_mod`` / ``score_mod`` s to one pair's indices.
+    """
+    causal = k_pos <= q_pos
+    offset = k_pos if k_doc is None else k_pos - k_doc  # the key's position in its document
+    if q_doc is not None and k_doc is not None:
+        causal = causal & (q_doc == k_doc)
+    near = q_pos - k_pos <= window
+    if sinks:
+        near = near | (offset < sinks)
+    return causal, near
 
 
 def causal_and_local(
@@ -125,18 +174,18 @@ def causal_and_local(
     document, the sinks are the first ``S`` tokens of each document (``j - d_j < S``), and the
     masks are ``[b, Lq, Lk]``; without, ``[Lq, Lk]``.
     """
-    distance = q_pos[:, None] - k_pos[None, :]  # [Lq, Lk]
-    causal = distance >= 0
-    local = distance <= window
     if q_doc is None or k_doc is None:
-        if sinks:
-            local = local | (k_pos < sinks)[None, :]
-        return causal, causal & local
-    causal = causal[None] & same_document(q_doc, k_doc)  # [b, Lq, Lk]
-    local = local[None]
-    if sinks:
-        local = local | ((k_pos[None, :] - k_doc) < sinks)[:, None, :]  # [b, 1, Lk]
-    return causal, causal & local
+        causal, near = pair_rule(q_pos[:, None], k_pos[None, :], window=window, sinks=sinks)
+        return causal, causal & near  # [Lq, Lk]
+    causal, near = pair_rule(
+        q_pos[None, :, None],
+        k_pos[None, None, :],
+        window=window,
+        sinks=sinks,
+        q_doc=q_doc[:, :, None],
+        k_doc=k_doc[:, None, :],
+    )  # [b, Lq, Lk]
+    return causal, causal & near
 
 
 def _batched(mask: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from focus_pretrain.focus.pattern import at_least_fp32, pair_bias
+from focus_pretrain.focus.pattern import at_least_fp32, pair_bias, soft_cap
 
 DEFAULT_Q_BLOCK = 128
 
@@ -64,8 +64,7 @@ def attend_block(
     hkv = k.shape[2]
     q5 = at_least_fp32(q).reshape(b, lq, hkv, h // hkv, d)  # [b, Lq, Hkv, G, D]
     scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, at_least_fp32(k)) * scale  # [b, Hkv, G, Lq, Lk]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = soft_cap(scores, softcap)
     bias = pair_bias(
         q_pos,
         k_pos,

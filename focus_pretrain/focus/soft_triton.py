@@ -6,9 +6,9 @@ adds per score: on an H100 that made a 1B Focus training step 4x its dense twin'
 (docs/benchmarks.md). Here the gate is part of the tile computation
 (:mod:`~focus_pretrain.focus.soft_triton_kernels`): the affinities ``G_q G_k^T`` and the
 assignment gradients ``dA G_k``, ``dA^T G_q`` are small matrix products in the tile, with no
-atomics. The function is exactly the reference's: causal attention, the gate
-``log sigmoid(lambda (g_i . g_j - 1/2))`` on pairs beyond the window whose key is not a sink,
-optional soft-capping before the gate, packed documents (no pair across documents; the sinks
+atomics. The function is exactly the reference's: causal attention, the soft gate
+(:func:`~focus_pretrain.focus.pattern.soft_gate`) on pairs beyond the window whose key is not a
+sink, optional soft-capping before the gate, packed documents (no pair across documents; the sinks
 are each document's first ``S`` tokens). Sliding-window layers (``local_only``: no router; the
 dense twin is one with an unlimited window) run through the same kernels without the gate, so a
 model configured with ``focus.backend: triton`` runs every layer on them.

@@ -5,11 +5,12 @@ key block for ``dK, dV`` and a pass per query block for ``dQ``) with the Focus g
 the tile: for the ``[BM, BN]`` tile of queries ``i`` and keys ``j``
 
     a_ij  = g_i . g_j                        (tl.dot of the [BM, KP] and [BN, KP] assignments)
-    x_ij  = lambda (a_ij - 1/2)
-    t_ij  = softcap(scale q_i . k_j) + [gated_ij] log sigmoid(x_ij),   gated: i - j > window
-                                                                        and j is not a sink
+    t_ij  = softcap(scale q_i . k_j) + [gated_ij] gate(a_ij),   gated: i - j > window
+                                                                 and j is not a sink
 
-and in the backward ``dA_ij = dT_ij [gated_ij] lambda sigmoid(-x_ij)``, reduced on tensor cores
+(``softcap`` and ``gate``: the rules of :mod:`~focus_pretrain.focus.pattern_triton`, the Triton
+copy of :mod:`~focus_pretrain.focus.pattern`) and in the backward ``dA_ij = dT_ij [gated_ij]
+gate'(a_ij)``, reduced on tensor cores
 into ``dG_q = dA G_k`` (the dQ pass) and ``dG_k = dA^T G_q`` (the dK/dV pass). Nothing
 ``Lq x Lk`` is stored and nothing is reduced with atomics: the assignment gradients are written
 per head and summed by the caller. ``LOCAL`` (a sliding-window layer) drops the gate and cuts
@@ -34,6 +35,16 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from focus_pretrain.focus.pattern_triton import (
+    key_range,
+    pair_masks,
+    query_range,
+    soft_cap,
+    soft_cap_grad,
+    soft_gate,
+    soft_gate_grad,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # compiled kernels read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
@@ -68,20 +79,58 @@ def _tile(
     raw = tl.dot(q, tl.trans(k), input_precision=QK_PREC) * scale  # [BM, BN] fp32
     th = raw
     if SOFTCAP:
-        th = 1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0)  # tanh(raw / cap)
-        raw = cap * th
-    allowed = (pos_k[None, :] <= pos_q[:, None]) & rows[:, None] & cols[None, :]
-    key = pos_k  # the key's position inside its document
-    if HAS_DOCS:
-        allowed = allowed & (doc_q[:, None] == doc_k[None, :])
-        key = pos_k - doc_k
-    beyond = (pos_q[:, None] - pos_k[None, :] > window) & (key[None, :] >= sinks)
+        raw, th = soft_cap(raw, cap)
+    allowed, beyond = pair_masks(pos_q, pos_k, rows, cols, doc_q, doc_k, window, sinks, HAS_DOCS)
     if LOCAL:
         return raw, allowed & ~beyond, beyond, raw, th  # (no gate: beyond and x unused)
     affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
-    x = lam * (affinity - 0.5)
-    gate = tl.minimum(x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(x)))  # log sigmoid(x)
+    gate, x = soft_gate(affinity, lam)
     return raw + tl.where(beyond, gate, 0.0), allowed, beyond, x, th
+
+
+@triton.jit
+def _tile_grads(
+    q,
+    k,
+    v,
+    do,
+    g_q,
+    g_k,
+    pos_q,
+    pos_k,
+    rows,
+    cols,
+    doc_q,
+    doc_k,
+    lse,
+    delta,
+    scale,
+    lam,
+    window,
+    sinks,
+    cap,
+    HAS_DOCS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    LOCAL: tl.constexpr,
+    QK_PREC: tl.constexpr,
+    GATE_PREC: tl.constexpr,
+):
+    """The backward of a ``[BM, BN]`` tile, shared by both backward passes: ``(p, ds,
+    d_aff)``, the probabilities, the gradient of the raw (pre-cap) score and the gradient of the
+    affinity ``g_i . g_j`` (zeros when ``LOCAL``)."""
+    t, allowed, gated, x, th = _tile(
+        q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
+        cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+    )  # fmt: skip
+    p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)  # [BM, BN]
+    dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
+    ds = p * (dp - delta[:, None])  # gradient of the score t
+    d_aff = tl.zeros_like(ds)
+    if not LOCAL:
+        d_aff = tl.where(gated & allowed, ds * soft_gate_grad(x, lam), 0.0)
+    if SOFTCAP:
+        ds = ds * soft_cap_grad(th)
+    return p, ds, d_aff
 
 
 @triton.jit
@@ -122,35 +171,6 @@ def _rows(PTR, bi, offs, h, stride_b, stride_n, stride_h, offs_d, mask):
     """The ``[rows, D]`` tile of head ``h`` at tokens ``offs`` of sample ``bi`` (0 where masked)."""
     ptrs = PTR + bi * stride_b + offs[:, None] * stride_n + h * stride_h + offs_d[None, :]
     return tl.load(ptrs, mask=mask[:, None], other=0.0)
-
-
-@triton.jit
-def _key_range(
-    DOC_Q,
-    pid_m,
-    bi,
-    LQ,
-    LK,
-    window,
-    sinks,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """``[lo, hi)``: the key blocks query block ``pid_m`` may see. With positions, all; on one
-    sequence, up to its diagonal, from its first query's document start and window."""
-    lo = pid_m * 0
-    hi = LK + pid_m * 0
-    if not HAS_POS:
-        hi = (pid_m + 1) * BM  # keys past Lk (last block) are masked
-        if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
-            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
-        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): no key before the window
-            if sinks == 0:
-                lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
-    return lo, hi
 
 
 @triton.jit
@@ -214,7 +234,7 @@ def soft_forward_kernel(
     g_q, pos_q, doc_q = _side(
         G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
     )
-    lo, hi = _key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
+    lo, hi = key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -315,16 +335,9 @@ def soft_backward_kv_kernel(
     g_k, pos_k, doc_k = _side(
         G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
     )
-    lo = pid_n * 0
-    hi = LQ + pid_n * 0
-    if not HAS_POS:  # one sequence: causal, and the last key's document and window
-        lo = (pid_n * BN // BM) * BM
-        if HAS_DOCS:
-            last = tl.minimum(pid_n * BN + BN, LK) - 1
-            hi = tl.load(DOC_END + bi * LK + last).to(tl.int32)  # its document's end
-        if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): none past the window
-            if sinks == 0:
-                hi = tl.minimum(hi, pid_n * BN + BN + window)
+    lo, hi = query_range(
+        DOC_END, pid_n, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL
+    )
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
     dg_k = tl.zeros([BN, KP], dtype=tl.float32)
@@ -343,19 +356,13 @@ def soft_backward_kv_kernel(
             )  # fmt: skip
             lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
             delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
-            t, allowed, gated, x, th = _tile(
-                q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window,
-                sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+            p, ds, d_aff = _tile_grads(
+                q, k, v, do, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, lse, delta,
+                scale, lam, window, sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
             )  # fmt: skip
-            p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)  # [BM, BN]
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=QK_PREC)
-            dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
-            ds = p * (dp - delta[:, None])  # gradient of the score t
             if not LOCAL:
-                d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
                 dg_k += tl.dot(tl.trans(d_aff), g_q, input_precision=GATE_PREC)  # [BN, KP]
-            if SOFTCAP:
-                ds = ds * (1.0 - th * th)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=QK_PREC)
     kv_rows = ((bi * LK + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, Lk, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
@@ -432,7 +439,7 @@ def soft_backward_q_kernel(
     )
     lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
     delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
-    lo, hi = _key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
+    lo, hi = key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
     for start_n in range(lo, hi, BN):
@@ -443,18 +450,12 @@ def soft_backward_q_kernel(
         g_k, pos_k, doc_k = _side(
             G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
         )
-        t, allowed, gated, x, th = _tile(
-            q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
-            cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+        _, ds, d_aff = _tile_grads(
+            q, k, v, do, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, lse, delta, scale,
+            lam, window, sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
         )  # fmt: skip
-        p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)
-        ds = p * (dp - delta[:, None])
         if not LOCAL:
-            d_aff = tl.where(gated & allowed, ds * lam * tl.sigmoid(-x), 0.0)
             dg_q += tl.dot(d_aff, g_k, input_precision=GATE_PREC)  # [BM, KP]
-        if SOFTCAP:
-            ds = ds * (1.0 - th * th)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=QK_PREC)
     tl.store(DQ + q_rows, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
     if not LOCAL:

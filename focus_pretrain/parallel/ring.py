@@ -58,7 +58,8 @@ from torch import Tensor
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.attention import check_documents, check_dtypes, raise_if_not_finite
 from focus_pretrain.focus.lse import merge_by_lse
-from focus_pretrain.focus.pattern import at_least_fp32, member_bits
+from focus_pretrain.focus.pattern import at_least_fp32
+from focus_pretrain.focus.pattern_blocks import block_has_pair
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.parallel.ring_kernels import (
     backward_block_kernel,
@@ -80,60 +81,6 @@ class RingStats:
 
     computed: int = 0
     skipped: int = 0
-
-
-def block_has_pair(
-    q_pos: Tensor,
-    k_pos: Tensor,
-    window: int,
-    *,
-    member_q: Tensor | None,
-    member_k: Tensor | None,
-    local_only: bool,
-    sinks: int = 0,
-    q_doc: Tensor | None = None,
-) -> bool:
-    """Whether any (query, key) pair of a block is allowed, exactly, in ``O((Lq + Lk) K)``.
-
-    Args:
-        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions.
-        member_q, member_k: ``[b, Lq|Lk]`` int64 membership bitmasks (hard mode) or ``None``.
-        q_doc: ``[b, Lq]`` the queries' document starts (of the full sequence), or ``None``
-            (one document: every start is ``0``).
-
-    Documents are contiguous runs of positions, so the keys of query ``i``'s document that it
-    may see causally are exactly the keys at positions in ``[d_i, i]`` (the keys' own starts
-    are not needed). Hence a causal
-    same-document pair exists iff the last key ``<= i`` is ``>= d_i``; a local one iff it is
-    also ``>= i - window``; a sink pair iff the first key ``>= d_i`` is ``<= min(i, d_i +
-    sinks - 1)``; a pair sharing group ``g`` iff the last key ``<= i`` in group ``g`` is
-    ``>= d_i`` for a query ``i`` in group ``g``. Soft mode (no memberships) allows every
-    causal same-document pair.
-    """
-    lk = k_pos.shape[0]
-    k_sorted, order = torch.sort(k_pos)
-    start = torch.zeros_like(q_pos)[None] if q_doc is None else q_doc  # [b|1, Lq]
-    before = torch.searchsorted(k_sorted, q_pos, right=True) - 1  # [Lq]: last key <= i
-    nearest = k_sorted[before.clamp(min=0)]  # [Lq]
-    causal = (before >= 0) & (nearest >= start)  # [b|1, Lq]: a same-document key <= i
-    if bool((causal & (q_pos - nearest <= window)).any()):
-        return True
-    if sinks:
-        after = torch.searchsorted(k_sorted, start)  # [b|1, Lq]: first key >= d_i
-        first = k_sorted[after.clamp(max=lk - 1)]
-        last_sink = torch.minimum(q_pos, start + sinks - 1)  # [b|1, Lq]
-        if bool(((after < lk) & (first <= last_sink)).any()):
-            return True
-    if local_only:
-        return False
-    if member_q is None or member_k is None:  # soft: any causal same-document pair
-        return bool(causal.any())
-    in_q = member_bits(member_q)  # [b, Lq, 64]
-    in_k = member_bits(member_k.index_select(1, order))  # [b, Lk, 64], keys sorted
-    latest = torch.where(in_k, k_sorted[None, :, None], -1).cummax(dim=1).values  # [b, Lk, 64]
-    seen = latest.index_select(1, before.clamp(min=0))  # [b, Lq, 64]: last key <= i per group
-    shared = in_q & (seen >= start[..., None]) & (before >= 0)[None, :, None]
-    return bool(shared.any())
 
 
 def _exchange(tensors: list[Tensor], group: dist.ProcessGroup) -> tuple[list, list[Tensor]]:

@@ -9,8 +9,9 @@ in one FlexAttention call:
 * ``mask_mod`` reads the positions, memberships and document starts **by index**
   (``q_pos[b, q_idx]``, ``k_pos[b, kv_idx]``): causal (``k_pos <= q_pos``), one document, and
   the window, the sink keys (``k_pos - d_k < sinks``) or a shared group (hard mode);
-* ``score_mod`` soft-caps and, in soft mode, adds the gate ``log sigmoid(lambda (g_i . g_j -
-  1/2))`` to pairs beyond the window that are not sinks, reading the assignments by index;
+* ``score_mod`` soft-caps and, in soft mode, adds the gate
+  (:func:`~focus_pretrain.focus.pattern.soft_gate`) to pairs beyond the window that are not
+  sinks, reading the assignments by index;
 * the ``BlockMask`` keeps a (query block, key block) only when it may hold an allowed pair,
   decided from per-block summaries (``O(L / B)`` per block row, never ``L x L``): minimum and
   maximum positions, document-start ranges, the sinks' positions and documents and, in hard
@@ -46,16 +47,17 @@ from torch.nn.attention.flex_attention import BlockMask
 from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.flex import (
     DEFAULT_BLOCK,
+    block_mask_from_predicates,
     gate_tables,
-    log_sigmoid_gate,
+    pair_gate,
     score_constant,
     softcap_mod,
 )
-from focus_pretrain.focus.pattern import member_bits
+from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rule, soft_cap
+from focus_pretrain.focus.pattern_blocks import block_predicates, summarise_blocks
 
 BLOCK_KERNELS = ("auto", "blockwise", "flex", "triton")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
-_BIG = torch.iinfo(torch.int64).max
 
 
 def resolve_block_kernel(block_kernel: str, q: Tensor) -> str:
@@ -111,24 +113,6 @@ class _Side(NamedTuple):
     order: Tensor | None
 
 
-class _Summary(NamedTuple):
-    """Per-block summaries of a side: ``[B, nb]`` (``B`` is 1 when shared by the samples);
-    ``group_*``: ``[b, nb, G]`` over the groups in use. Empty sets give ``_BIG`` minima and
-    ``-1`` maxima."""
-
-    pos_lo: Tensor
-    pos_hi: Tensor
-    doc_lo: Tensor | None
-    doc_hi: Tensor | None
-    sink_pos_lo: Tensor | None  # the first sink token's position
-    sink_doc_lo: Tensor | None  # the sink tokens' document range
-    sink_doc_hi: Tensor | None
-    offset_hi: Tensor | None  # the largest position inside its document (all sinks: < sinks)
-    group_lo: Tensor | None  # the first position of each group
-    group_hi: Tensor | None  # the last position of each group
-    group_all: Tensor | None  # every token of the block is in the group
-
-
 class BlockPlan(NamedTuple):
     """The two sides in kernel order and the block predicates ``[B, nq, nk]`` bool: ``candidate``
     (may hold an allowed pair: kept) and ``full`` (every pair allowed: no ``mask_mod``)."""
@@ -162,92 +146,6 @@ def _arrange(pos: Tensor, member: Tensor | None, doc: Tensor | None, sort: bool)
     )
 
 
-def _per_block(values: Tensor, block: int, fill) -> Tensor:
-    """``[B, L, ...] -> [B, nb, block, ...]``, the last block padded with ``fill``."""
-    b, length = values.shape[:2]
-    nb = -(-length // block)
-    pad = nb * block - length
-    if pad:
-        filler = values.new_full((b, pad, *values.shape[2:]), fill)
-        values = torch.cat([values, filler], dim=1)  # [B, nb * block, ...]
-    return values.reshape(b, nb, block, *values.shape[2:])  # [B, nb, block, ...]
-
-
-def _lo(values: Tensor, block: int) -> Tensor:
-    return _per_block(values, block, _BIG).amin(dim=2)  # [B, nb, ...]
-
-
-def _hi(values: Tensor, block: int) -> Tensor:
-    return _per_block(values, block, -_BIG).amax(dim=2)  # [B, nb, ...]
-
-
-def _summarise(side: _Side, block: int, sinks: int, groups: Tensor | None) -> _Summary:
-    """Block summaries of ``side``; ``groups``: ``[G]`` the group bits in use (hard mode)."""
-    pos = side.pos if side.pos.dim() == 2 else side.pos[None]  # [B, L]
-    doc = side.doc
-    doc_lo = doc_hi = sink_pos_lo = sink_doc_lo = sink_doc_hi = offset_hi = None
-    if doc is not None:
-        doc_lo, doc_hi = _lo(doc, block), _hi(doc, block)
-    if sinks:
-        offset = pos if doc is None else pos - doc  # [B, L]: position inside the document
-        is_sink = offset < sinks
-        sink_pos_lo = _lo(torch.where(is_sink, pos, _BIG), block)
-        offset_hi = _hi(offset, block)
-        if doc is not None:
-            sink_doc_lo = _lo(torch.where(is_sink, doc, _BIG), block)
-            sink_doc_hi = _hi(torch.where(is_sink, doc, -1), block)
-    group_lo = group_hi = group_all = None
-    if groups is not None and side.member is not None:
-        in_group = member_bits(side.member)[..., groups]  # [b, L, G]
-        at = pos[..., None]  # [B, L, 1]
-        group_lo = _lo(torch.where(in_group, at, _BIG), block)  # [b, nb, G]
-        group_hi = _hi(torch.where(in_group, at, -1), block)
-        group_all = _per_block(in_group, block, True).all(dim=2)
-    return _Summary(
-        _lo(pos, block), _hi(pos, block), doc_lo, doc_hi, sink_pos_lo, sink_doc_lo,
-        sink_doc_hi, offset_hi, group_lo, group_hi, group_all,
-    )  # fmt: skip
-
-
-def _overlap(q_lo: Tensor, q_hi: Tensor, k_lo: Tensor, k_hi: Tensor) -> Tensor:
-    """``[B, nq, nk]``: do the ranges ``[q_lo, q_hi]`` ``[B, nq]`` and ``[k_lo, k_hi]``
-    ``[B, nk]`` intersect?"""
-    return (k_lo[:, None, :] <= q_hi[:, :, None]) & (q_lo[:, :, None] <= k_hi[:, None, :])
-
-
-def _predicates(
-    qs: _Summary, ks: _Summary, *, kind: str, window: int, sinks: int
-) -> tuple[Tensor, Tensor]:
-    """``(candidate, full)`` ``[B, nq, nk]`` from the summaries (see :class:`BlockPlan`)."""
-    q_lo, q_hi = qs.pos_lo[:, :, None], qs.pos_hi[:, :, None]  # [B, nq, 1]
-    k_lo, k_hi = ks.pos_lo[:, None, :], ks.pos_hi[:, None, :]  # [B, 1, nk]
-    causal = k_lo <= q_hi  # some key precedes some query
-    all_causal = k_hi <= q_lo
-    if qs.doc_lo is not None:
-        causal = causal & _overlap(qs.doc_lo, qs.doc_hi, ks.doc_lo, ks.doc_hi)
-        single_q, single_k = qs.doc_lo == qs.doc_hi, ks.doc_lo == ks.doc_hi  # [B, n]
-        same = qs.doc_lo[:, :, None] == ks.doc_lo[:, None, :]
-        all_causal = all_causal & same & single_q[:, :, None] & single_k[:, None, :]
-    if kind == "causal":
-        return causal, all_causal
-    reach = k_hi >= q_lo - window  # some pair within the window
-    all_reach = q_hi - k_lo <= window
-    if sinks:
-        all_reach = all_reach | (ks.offset_hi < sinks)[:, None, :]  # every key a sink
-    if kind == "hard":
-        shares = ks.group_lo[:, None, :, :] <= qs.group_hi[:, :, None, :]  # [b, nq, nk, G]
-        reach = reach | shares.any(dim=-1)
-        common = qs.group_all[:, :, None, :] & ks.group_all[:, None, :, :]  # [b, nq, nk, G]
-        all_reach = all_reach | common.any(dim=-1)
-    candidate = causal & reach
-    if sinks:  # a sink key of a query's document, not after it
-        sink = ks.sink_pos_lo[:, None, :] <= q_hi
-        if qs.doc_lo is not None:
-            sink = sink & _overlap(qs.doc_lo, qs.doc_hi, ks.sink_doc_lo, ks.sink_doc_hi)
-        candidate = candidate | sink
-    return candidate, all_causal & all_reach
-
-
 def plan_block(
     q_pos: Tensor,
     k_pos: Tensor,
@@ -278,30 +176,12 @@ def plan_block(
         used = member_bits(member_q).flatten(0, 1).any(0)  # [b, Lq, 64] -> [b * Lq, 64] -> [64]
         used = used | member_bits(member_k).flatten(0, 1).any(0)
         groups = used.nonzero().squeeze(1)  # [G] the group bits in use
-    qs = _summarise(q_side, block, sinks, groups)
-    ks = _summarise(k_side, block, sinks, groups)
-    candidate, full = _predicates(qs, ks, kind=kind, window=window, sinks=sinks)
-    full = full & candidate
-    if k_pos.shape[0] % block:  # never a padded key block without mask_mod
-        full[..., -1] = False
+    qs, ks = (
+        summarise_blocks(side.pos, side.member, side.doc, block=block, sinks=sinks, groups=groups)
+        for side in (q_side, k_side)
+    )
+    candidate, full = block_predicates(qs, ks, kind=kind, window=window, sinks=sinks)
     return BlockPlan(q_side, k_side, candidate, full)
-
-
-def _from_predicates(plan: BlockPlan, mask_mod, lq: int, lk: int, block: int) -> BlockMask:
-    """A ``BlockMask`` (``[B, 1, nq, nk]``) of the plan; partial blocks are
-    ``candidate & ~full``."""
-
-    def ordered(dense: Tensor) -> tuple[Tensor, Tensor]:  # [B, nq, nk]
-        num = dense.sum(dim=-1, dtype=torch.int32)  # [B, nq]
-        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-        return num[:, None], idx.to(torch.int32)[:, None]  # [B, 1, nq], [B, 1, nq, nk]
-
-    kv_num, kv_idx = ordered(plan.candidate & ~plan.full)
-    full_num, full_idx = ordered(plan.full)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,
-        seq_lengths=(lq, lk),
-    )  # fmt: skip
 
 
 def _at(t: Tensor, b: Tensor, idx: Tensor) -> Tensor:
@@ -313,21 +193,14 @@ def _mask_mod(q: _Side, k: _Side, kind: str, window: int, sinks: int):
     """The allowed pairs of :func:`~focus_pretrain.focus.pattern.allowed_pairs`, by index."""
 
     def mask_mod(b, h, q_idx, kv_idx):
+        docs = {} if q.doc is None else dict(q_doc=q.doc[b, q_idx], k_doc=k.doc[b, kv_idx])
         q_pos, k_pos = _at(q.pos, b, q_idx), _at(k.pos, b, kv_idx)
-        allowed = k_pos <= q_pos
-        offset = k_pos
-        if q.doc is not None:
-            k_doc = k.doc[b, kv_idx]
-            allowed = allowed & (q.doc[b, q_idx] == k_doc)
-            offset = k_pos - k_doc
+        causal, near = pair_rule(q_pos, k_pos, window=window, sinks=sinks, **docs)
         if kind == "causal":
-            return allowed
-        near = q_pos - k_pos <= window
-        if sinks:
-            near = near | (offset < sinks)
+            return causal
         if kind == "hard":
-            near = near | ((q.member[b, q_idx] & k.member[b, kv_idx]) != 0)
-        return allowed & near
+            near = near | groups_intersect(q.member[b, q_idx], k.member[b, kv_idx])
+        return causal & near
 
     return mask_mod
 
@@ -340,15 +213,12 @@ def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lamb
     cap, lam = score_constant(softcap, g_q[0]), score_constant(gate_lambda, g_q[0])
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if cap is not None:
-            score = cap * torch.tanh(score / cap)
-        gate = log_sigmoid_gate(g_q, g_k, lam, b, q_idx, kv_idx)
-        k_pos = _at(k.pos, b, kv_idx)
-        gated = _at(q.pos, b, q_idx) - k_pos > window
-        if sinks:
-            offset = k_pos if k.doc is None else k_pos - k.doc[b, kv_idx]
-            gated = gated & (offset >= sinks)
-        return score + torch.where(gated, gate, torch.zeros_like(gate))
+        score = soft_cap(score, cap)
+        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
+        k_doc = None if k.doc is None or not sinks else k.doc[b, kv_idx]
+        q_pos, k_pos = _at(q.pos, b, q_idx), _at(k.pos, b, kv_idx)
+        _, near = pair_rule(q_pos, k_pos, window=window, sinks=sinks, k_doc=k_doc)
+        return score + torch.where(near, torch.zeros_like(gate), gate)  # the mask is causal
 
     return score_mod
 
@@ -418,7 +288,9 @@ def fused_call(
             plan.q, plan.k, probs_q, probs_k, gate_lambda=gate_lambda, softcap=softcap,
             window=window, sinks=sinks,
         )  # fmt: skip
-    block_mask = _from_predicates(plan, mask_mod, q.shape[1], k.shape[1], block)
+    block_mask = block_mask_from_predicates(
+        plan.candidate, plan.full, mask_mod, block, q.shape[1], k.shape[1]
+    )
     return FusedCall(q, k, v, block_mask, score_mod, plan.q.order, plan)
 
 

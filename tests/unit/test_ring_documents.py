@@ -1,9 +1,10 @@
 """The ring's block test and document-start check with packed documents (no processes).
 
-:func:`~focus_pretrain.parallel.ring.block_has_pair` decides whether a (query shard, key shard)
-block holds any allowed pair without an ``n x n`` mask; here it is compared with the brute-force
-whole-sequence pattern on random documents, memberships, windows and sinks. The ring and the
-all-to-all against the single process run in ``tests/multiprocess/test_context_parallel.py``.
+:func:`~focus_pretrain.focus.pattern_blocks.block_has_pair` decides whether a (query shard, key
+shard) block holds any allowed pair without an ``n x n`` mask; here it is compared with the
+brute-force whole-sequence pattern on random documents, memberships, windows and sinks. The ring
+and the all-to-all against the single process run in
+``tests/multiprocess/test_context_parallel.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts, membership_bitmask
-from focus_pretrain.parallel.ring import block_has_pair, check_document_starts
+from focus_pretrain.focus.pattern_blocks import block_has_pair
+from focus_pretrain.parallel.ring import check_document_starts
 from focus_pretrain.parallel.sharding import shard_sequence, zigzag_positions
 
 
