@@ -1,7 +1,7 @@
 """HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
 
 from focus_pretrain.convert.checkpoints import megatron_state_dict, resolve_checkpoint
-from focus_pretrain.convert.families import FAMILY_RULES, Geometry, Rule, rules_for, shard
+from focus_pretrain.convert.families import Geometry, Rule, rules_for, shard
 from focus_pretrain.convert.hf_export import attach_focus_adapter, export_hf, export_router_adapter
 from focus_pretrain.convert.hf_import import (
     check_compatible,
@@ -14,7 +14,6 @@ from focus_pretrain.convert.hf_import import (
 )
 
 __all__ = [
-    "FAMILY_RULES",
     "Geometry",
     "Rule",
     "attach_focus_adapter",

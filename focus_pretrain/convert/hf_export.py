@@ -24,25 +24,15 @@ from torch import Tensor
 
 from focus_pretrain.config import Config
 from focus_pretrain.convert.checkpoints import checkpoint_config, load_tp_shards, resolve_checkpoint
-from focus_pretrain.convert.families import HF_MODEL_TYPES, Geometry, rules_for, unshard
-from focus_pretrain.convert.hf_rope import layer_types_for, rope_parameters
+from focus_pretrain.convert.families import Geometry, unshard
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.errors import InputError, UnsupportedInputError
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.families import family as family_description
 
 MODELING_DIR = Path(__file__).with_name("hf_modeling")
-_CLASS = {
-    "gpt2": "GPT2",
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "olmo2": "Olmo2",
-    "gemma2": "Gemma2",
-    "gemma3": "Gemma3",
-}
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
 # the remote code an export ships (loaded by ``trust_remote_code``; imports only torch/transformers)
 SHIPPED_MODELING_FILES = ("configuration_focus.py", "modeling_focus.py", "focus_cache.py")
@@ -68,86 +58,23 @@ def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
-    """The family's HF ``config.json`` fields for ``config`` (inverse of the import map)."""
-    if config.family == "gpt2":
-        return {
-            "n_layer": config.num_layers,
-            "n_embd": config.hidden_size,
-            "n_head": config.num_attention_heads,
-            "n_inner": config.ffn_hidden_size,
-            "vocab_size": config.vocab_size,
-            "n_positions": config.max_seq_length,
-            "layer_norm_epsilon": config.norm_epsilon,
-            "activation_function": "gelu_new",
-            "tie_word_embeddings": config.tied,
-        }
-    out = {
-        "num_hidden_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.kv_heads,
-        "intermediate_size": config.ffn_hidden_size,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_seq_length,
-        "head_dim": config.kv_channels,
-        "rms_norm_eps": config.norm_epsilon,
-        "rope_parameters": rope_parameters(config),  # scaling; Gemma-3: per layer type
-        "tie_word_embeddings": config.tied,
-    }
-    if config.family == "mistral":
-        out["sliding_window"] = None
-    if config.family == "gemma2":
-        out.update(
-            sliding_window=config.sliding_window,
-            attn_logit_softcapping=config.attn_softcap,
-            final_logit_softcapping=config.final_softcap,
-            query_pre_attn_scalar=_hf_query_pre_attn_scalar(config),
-            hidden_activation="gelu_pytorch_tanh",
-        )
-    if config.family == "gemma3":
-        out.update(
-            sliding_window=config.sliding_window,
-            layer_types=layer_types_for(config.num_layers, config.local_global_pattern),
-            attn_logit_softcapping=None,  # transformers' Gemma-3 applies none (ModelConfig too)
-            final_logit_softcapping=config.final_softcap,
-            query_pre_attn_scalar=_hf_query_pre_attn_scalar(config),
-            hidden_activation="gelu_pytorch_tanh",
-        )
-    return out
-
-
-def _hf_query_pre_attn_scalar(config: ModelConfig) -> int:
-    """Gemma's ``query_pre_attn_scalar`` as the int ``transformers``' Gemma2Config (and
-    Gemma3TextConfig) requires (a recipe stores it as a float: 256 comes back from config.yaml as
-    256.0)."""
-    value = config.query_pre_attn_scalar
-    if value is None:
-        return config.kv_channels
-    if not float(value).is_integer():
-        raise InputError(
-            f"model.query_pre_attn_scalar is {value}, not an integer: transformers' Gemma "
-            "configs (what the exported config.json loads into) only take an int, and rounding "
-            "it would change the attention scale the model was trained with. Export a model "
-            "trained with an integral model.query_pre_attn_scalar (HF Gemma checkpoints use one)"
-        )
-    return int(value)
+    """The family's HF ``config.json`` fields for ``config`` (inverse of the import map: the
+    family description's ``config_to_hf``)."""
+    return config.family_spec.config_to_hf(config)
 
 
 def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[str, Tensor]:
     """HF tensors (family names + routers) from our per-TP-rank state dicts."""
     geometry = Geometry(config.num_attention_heads, config.kv_heads, config.kv_channels)
     out: dict[str, Tensor] = {}
-    for rule in rules_for(config.family, config.num_layers, config.tied):
+    family = config.family_spec
+    for rule in family.rules(config.num_layers, config.tied):
         if rule.ours not in shards[0]:
             raise InputError(f"the checkpoint lacks {rule.ours}")
         full = unshard([s[rule.ours].float() for s in shards], rule.shard)
         for key, tensor in zip(rule.hf, rule.to_hf(geometry, full), strict=True):
             out[key] = tensor
-    layer = (
-        "transformer.h.{i}.attn.router."
-        if config.family == "gpt2"
-        else ("model.layers.{i}.self_attn.router.")
-    )
+    layer = family.hf_router_prefix
     for i in range(config.num_layers):
         for name in _ROUTER_KEYS:
             ours = f"decoder.layers.{i}.self_attention.router.{name}"
@@ -222,14 +149,19 @@ def export_hf(
     return save_export(model, out_dir, tokenizer, record, max_shard_size=max_shard_size)
 
 
+def shipped_classes(family: str) -> tuple[type, type]:
+    """``(Focus<stem>Config, Focus<stem>ForCausalLM)`` of the shipped modeling code for our
+    family ``family`` (``stem``: the description's ``class_stem``)."""
+    stem = family_description(family).class_stem
+    modeling = load_modeling()
+    return getattr(modeling, f"Focus{stem}Config"), getattr(modeling, f"Focus{stem}ForCausalLM")
+
+
 def hf_export_config(model_cfg: ModelConfig, tokenizer=None):
     """``(model class, config)`` of the shipped Focus HF model of ``model_cfg``: the config is
     what the export's ``config.json`` holds (the family's fields, the ``focus`` section, the
     auto_map to the shipped code and the tested transformers range)."""
-    family = _CLASS[model_cfg.family]
-    modeling = load_modeling()
-    config_cls = getattr(modeling, f"Focus{family}Config")
-    model_cls = getattr(modeling, f"Focus{family}ForCausalLM")
+    config_cls, model_cls = shipped_classes(model_cfg.family)
     hf_config = config_cls(
         focus=_focus_section(model_cfg.focus),
         focus_transformers=sys.modules[config_cls.__module__].export_record(),
@@ -292,7 +224,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     out.mkdir(parents=True, exist_ok=True)
     save_file(routers, str(out / "focus_adapter.safetensors"))
     meta = {
-        "model_type": HF_MODEL_TYPES[config.model.family],  # gemma3: gemma3_text
+        "model_type": config.model.family_spec.hf_model_type,  # gemma3: gemma3_text
         "focus": _focus_section(config.model.focus),
         "parameters": sum(t.numel() for k, t in routers.items() if "balance" not in k),
         "focus_transformers": _shipped_configuration().export_record(),

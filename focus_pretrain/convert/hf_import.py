@@ -2,7 +2,8 @@
 
 ``hf_model_config(hf_dir)`` reads ``config.json`` into a :class:`ModelConfig`;
 ``import_hf(hf_dir, config)`` returns our state dict (this tensor-parallel rank's shards) through
-the key maps of :mod:`focus_pretrain.convert.families`; ``load_hf_weights(model, hf_dir, config)``
+the key maps of the family descriptions (:mod:`focus_pretrain.model.families`, whose
+``config_from_hf`` also maps ``config.json``); ``load_hf_weights(model, hf_dir, config)``
 loads it and checks that every non-router weight came from the checkpoint. Routers keep their
 initialisation: they are what a retrofit trains.
 """
@@ -21,15 +22,10 @@ import torch
 from megatron.core import parallel_state
 from torch import Tensor
 
-from focus_pretrain.convert.families import FAMILY_RULES, Geometry, rules_for, shard
-from focus_pretrain.convert.hf_rope import REFUSED_MODEL_TYPES, gemma3_fields, rope_fields
+from focus_pretrain.convert.families import Geometry, rules_for, shard
 from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.families import hf_family, hf_model_types, refused_hf_model_types
 
-_ACTIVATIONS = {
-    "gpt2": ("gelu_new", "gelu_pytorch_tanh"),
-    "gemma2": ("gelu_pytorch_tanh",),
-    "gemma3": ("gelu_pytorch_tanh",),
-}
 # fields of ModelConfig an HF checkpoint determines (the rest is ours: Focus, TP, recompute...)
 ARCHITECTURE_FIELDS = (
     "family",
@@ -64,7 +60,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
         )
     hf = json.loads(path.read_text())
     base = str(hf.get("model_type", "")).removeprefix("focus_")
-    if hf.get("model_type", "").startswith("focus_") and base in FAMILY_RULES:
+    if hf.get("model_type", "").startswith("focus_") and base in hf_model_types():
         hf["model_type"] = base  # our own export: its family's tensors plus routers (not loaded)
     return hf
 
@@ -78,77 +74,19 @@ def hf_model_config(hf_dir: str | os.PathLike, **overrides: Any) -> ModelConfig:
 def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields from an HF ``config.json`` (raises on what we cannot reproduce)."""
     model_type = hf.get("model_type")
-    if model_type in REFUSED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
-    if model_type not in FAMILY_RULES:
+    refused = refused_hf_model_types()
+    if model_type in refused:
+        raise ValueError(f"model_type={model_type!r}: {refused[model_type]}")
+    if model_type not in hf_model_types():
         raise ValueError(
             f"unsupported HuggingFace architecture model_type={model_type!r} "
-            f"({hf.get('architectures')}); supported: {', '.join(sorted(FAMILY_RULES))}"
+            f"({hf.get('architectures')}); supported: {', '.join(hf_model_types())}"
         )
-    family = FAMILY_RULES[model_type][0]
+    family = hf_family(model_type)
     hf = {**_hf_defaults(model_type), **hf}  # a key config.json lacks: what transformers assumes
     _check_causal(hf, model_type)
-    if family == "gpt2":
-        activation = hf.get("activation_function", "gelu_new")
-        if activation not in _ACTIVATIONS["gpt2"]:
-            raise ValueError(f"GPT-2 activation_function={activation!r} is not supported")
-        _check_gpt2_attention_scale(hf)
-        return {
-            "family": family,
-            "num_layers": hf["n_layer"],
-            "hidden_size": hf["n_embd"],
-            "num_attention_heads": hf["n_head"],
-            "num_query_groups": hf["n_head"],
-            "ffn_hidden_size": hf.get("n_inner") or 4 * hf["n_embd"],
-            "vocab_size": hf["vocab_size"],
-            "max_seq_length": hf["n_positions"],
-            "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
-            "tie_embeddings": hf.get("tie_word_embeddings", True),
-        }
-    # Gemma's MLP reads hidden_activation, the others hidden_act (a stray other key is ignored)
-    activation = hf.get("hidden_activation" if family in ("gemma2", "gemma3") else "hidden_act")
-    expected = _ACTIVATIONS.get(family, ("silu",))
-    if activation not in expected:
-        raise ValueError(f"{model_type} with activation {activation!r} is not supported")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag) and family != "qwen2":
-            raise ValueError(f"{model_type} with {flag}=true is not supported")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads  # (a class default: _hf_defaults)
-    fields_: dict[str, Any] = {
-        "family": family,
-        "num_layers": hf["num_hidden_layers"],
-        "hidden_size": hf["hidden_size"],
-        "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads") or heads,
-        "ffn_hidden_size": hf["intermediate_size"],
-        "vocab_size": hf["vocab_size"],
-        "max_seq_length": hf.get("max_position_embeddings", 4096),
-        "head_dim": None if head_dim * heads == hf["hidden_size"] else head_dim,
-        **rope_fields(hf, model_type),  # rotary_base, rope_scaling (refuses other RoPE)
-        "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
-        "tie_embeddings": hf.get("tie_word_embeddings", family in ("gemma2", "gemma3")),
-    }
-    if family == "gemma3":
-        fields_.update(gemma3_fields(hf, head_dim))
-    elif family == "gemma2":
-        layer_types = hf.get("layer_types")
-        alternating = [
-            "sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(hf["num_hidden_layers"])
-        ]
-        if layer_types is not None and list(layer_types) != alternating:
-            raise ValueError(
-                f"gemma2 layer_types {layer_types} are not the alternating sliding/full pattern"
-            )
-        fields_.update(
-            head_dim=head_dim,
-            sliding_window=hf["sliding_window"],
-            attn_softcap=hf.get("attn_logit_softcapping"),
-            final_softcap=hf.get("final_logit_softcapping"),
-            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
-        )
-    elif _hf_sliding_window_layers(hf, family):
+    fields_ = family.config_from_hf(hf)
+    if family.hf_slides is not None and family.hf_slides(hf):
         warnings.warn(
             f"{model_type} sliding_window={hf['sliding_window']} is not reproduced (Focus's window "
             "and groups replace it): logits match the HF model only on shorter sequences",
@@ -208,46 +146,6 @@ def _check_causal(hf: dict[str, Any], model_type: str) -> None:
             )
 
 
-def _hf_sliding_window_layers(hf: dict[str, Any], family: str) -> bool:
-    """Whether transformers runs some layers of this non-Gemma checkpoint with a sliding window
-    (Mistral: ``sliding_window`` set; Qwen2/Qwen3: ``use_sliding_window`` and layers past
-    ``max_window_layers``, or ``layer_types``; Llama, OLMo-2: never, whatever the key says)."""
-    if family == "mistral":
-        return hf.get("sliding_window") is not None
-    if family in ("qwen2", "qwen3"):
-        if not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
-            return False
-        if hf.get("layer_types") is not None:
-            return "sliding_attention" in hf["layer_types"]
-        return hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
-    return False
-
-
-# GPT-2 attention-scale flags: (value that changes the scores, what it does). Our attention
-# divides every layer's scores by sqrt(head_dim), i.e. HF's defaults. ``reorder_and_upcast_attn``
-# only computes the same scores in fp32, so it is accepted.
-_GPT2_SCALE_FLAGS = {
-    "scale_attn_by_inverse_layer_idx": (
-        True,
-        "divides layer i's attention scores by a further i + 1 (as in Stanford CRFM's GPT-2 runs)",
-    ),
-    "scale_attn_weights": (False, "leaves the attention scores unscaled (no 1/sqrt(head_dim))"),
-}
-
-
-def _check_gpt2_attention_scale(hf: dict[str, Any]) -> None:
-    """Refuse GPT-2 checkpoints whose softmax scale differs from 1/sqrt(head_dim)."""
-    for flag, (odd, effect) in _GPT2_SCALE_FLAGS.items():
-        if hf.get(flag, not odd) == odd:
-            raise ValueError(
-                f"GPT-2 with {flag}={str(odd).lower()} is not supported: it {effect}, while our "
-                "attention scales every layer by 1/sqrt(head_dim), so the imported model's logits "
-                f"would differ. Editing {flag} in config.json does not help (the weights were "
-                "trained with that scale); import a GPT-2 checkpoint with the default "
-                "scale_attn_weights=true and scale_attn_by_inverse_layer_idx=false"
-            )
-
-
 def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
     """Raise when ``config``'s architecture differs from the checkpoint's (names both)."""
     wanted = _architecture(hf)
@@ -271,10 +169,11 @@ def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
                 f"{wanted[name]!r} (its config.json); take the architecture from the checkpoint "
                 "(focus_pretrain.convert.hf_model_config) or fix the recipe"
             )
-    if config.family == "gpt2" and config.max_seq_length != wanted["max_seq_length"]:
+    learned = config.family_spec.positions == "learned_absolute"
+    if learned and config.max_seq_length != wanted["max_seq_length"]:
         raise ValueError(
-            f"model.max_seq_length is {config.max_seq_length} but GPT-2's learned position table "
-            f"has n_positions={wanted['max_seq_length']} rows"
+            f"model.max_seq_length is {config.max_seq_length} but the {config.family} checkpoint's "
+            f"learned position table has {wanted['max_seq_length']} rows"
         )
 
 
@@ -357,7 +256,7 @@ def _expected_shape(rule, config: ModelConfig, geo: Geometry) -> tuple[int, ...]
         "linear_qkv.weight": (qkv, h),
         "linear_qkv.bias": (qkv,),
         "linear_proj.weight": (h, geo.heads * geo.head_dim),
-        "linear_fc1.weight": (f if config.family == "gpt2" else 2 * f, h),
+        "linear_fc1.weight": (2 * f if config.family_spec.gated_mlp else f, h),
         "linear_fc2.weight": (h, f),
         "word_embeddings.weight": (config.vocab_size, h),
         "output_layer.weight": (config.vocab_size, h),

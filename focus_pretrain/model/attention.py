@@ -34,6 +34,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
 from focus_pretrain.model.packing import DocumentParams, rope_for_positions
+from focus_pretrain.model.rope import RopeScaling, set_rope_frequencies
 
 UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: dense causal attention
 
@@ -175,9 +176,12 @@ class FocusSelfAttention(SelfAttention):
 
     ``focus.enabled = False`` or a sliding-window layer (``local_window`` set on the core
     attention) builds no router. ``post_norm`` (a norm class) normalises the attention output
-    before the residual add (OLMo-2, Gemma). ``local_rotary_base`` (Gemma-3's local layers)
-    rotates q/k with this layer's own RoPE base instead of the model's (scaled) one. Training
-    uses the soft gate; ``eval()`` uses ``focus.inference_mode``.
+    before the residual add (OLMo-2, Gemma). The layer's RoPE comes at construction:
+    ``rotary_base`` and ``rope_scaling`` are the model's (this layer's rotary embedding then
+    serves the per-token positions of packed documents, the model's table everything else);
+    ``local_rotary_base`` (Gemma-3's local layers) rotates q/k with this layer's own unscaled
+    RoPE instead of the model's; neither: no RoPE (learned positions). Training uses the soft
+    gate; ``eval()`` uses ``focus.inference_mode``.
     """
 
     def __init__(
@@ -191,6 +195,8 @@ class FocusSelfAttention(SelfAttention):
         *,
         focus: FocusConfig,
         post_norm: type | None = None,
+        rotary_base: float | None = None,
+        rope_scaling: RopeScaling | None = None,
         local_rotary_base: float | None = None,
     ) -> None:
         super().__init__(
@@ -209,15 +215,13 @@ class FocusSelfAttention(SelfAttention):
                 hidden_size=config.hidden_size,
                 eps=config.layernorm_epsilon,
             )
-        self.local_rotary = None
-        if local_rotary_base is not None:  # no parameters, no buffers: nothing in the state
-            self.local_rotary = RotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=1.0,
-                rotary_base=local_rotary_base,
-                use_cpu_initialization=config.use_cpu_initialization,
-                cp_group=self.pg_collection.cp,
+        # this layer's RoPE (no parameters, no buffers: nothing in the state)
+        self.rotary = None
+        if local_rotary_base is not None or rotary_base is not None:
+            self.rotary = self._rotary_embedding(
+                local_rotary_base or rotary_base, None if local_rotary_base else rope_scaling
             )
+        self.own_rope = local_rotary_base is not None  # replaces the model's table too
         local = getattr(self.core_attention, "local_window", None) is not None
         self.router = None
         if focus.enabled and not local:
@@ -239,9 +243,26 @@ class FocusSelfAttention(SelfAttention):
         # Context parallelism sets this from outside: ``fn(local_seq_len) -> router kwargs``
         # (Sinkhorn's column reduction over the whole sequence).
         self.route_options = None
-        # The model's RotaryEmbedding (set by build_model; kept out of the module tree): the
-        # frequencies of per-token RoPE positions (DocumentParams.rope_positions).
-        self.__dict__["model_rotary"] = None
+
+    @property
+    def local_rotary(self) -> RotaryEmbedding | None:
+        """A local layer's own RoPE (Gemma-3), used instead of the model's; else ``None``."""
+        return self.rotary if self.own_rope else None
+
+    def _rotary_embedding(self, base: float, scaling: RopeScaling | None) -> RotaryEmbedding:
+        """A megatron-core ``RotaryEmbedding`` as ``GPTModel`` builds its own (same inverse
+        frequencies), with HF's scaled frequencies when ``scaling`` is given."""
+        rotary = RotaryEmbedding(
+            kv_channels=self.config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=self.config.rotary_interleaved,
+            rotary_base=base,
+            use_cpu_initialization=self.config.use_cpu_initialization,
+            cp_group=self.pg_collection.cp,
+        )
+        if scaling is not None:
+            set_rope_frequencies(rotary, self.config.kv_channels, base, scaling)
+        return rotary
 
     def route(self, hidden_states: Tensor, documents: Tensor | None = None) -> Routing | None:
         """Route the normalised layer input ``[s, b, hidden]`` (``[s / tp, b, hidden]`` under
@@ -305,13 +326,12 @@ class FocusSelfAttention(SelfAttention):
         query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, d]
         positions = None if packed_seq_params is None else packed_seq_params.rope_positions
         if rotary_pos_emb is not None and positions is not None:
-            rotary = self.local_rotary if self.local_rotary is not None else self.model_rotary
-            if rotary is None:
+            if self.rotary is None:
                 raise ValueError(
-                    "per-token RoPE positions (DocumentParams.rope_positions) need the model's "
+                    "per-token RoPE positions (DocumentParams.rope_positions) need the layer's "
                     "rotary embedding: build the model with focus_pretrain.model.build_model"
                 )
-            rotary_pos_emb = rope_for_positions(rotary, positions)  # [s, b, 1, d]
+            rotary_pos_emb = rope_for_positions(self.rotary, positions)  # [s, b, 1, d]
         elif rotary_pos_emb is not None and self.local_rotary is not None:
             rotary_pos_emb = self._local_rotary_emb(rotary_pos_emb)
         if rotary_pos_emb is not None:

@@ -31,11 +31,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
-from focus_pretrain.model.config import GEMMA, QK_NORM_PER_HEAD, ModelConfig
+from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.families import Family
 from focus_pretrain.model.layers import FullWidthQKNorm, PerHeadQKNorm, PostNormMLP, TorchNorm
 from focus_pretrain.model.rope import set_rope_frequencies
 
-_RMS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", *GEMMA)
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def parallel_sizes() -> tuple[int, int]:
@@ -57,7 +58,7 @@ def transformer_config(
     """The megatron-core ``TransformerConfig`` for ``config`` (unfused, portable kernels) at
     the parallel state's tensor- and context-parallel sizes, with Megatron sequence parallelism
     if ``sequence_parallel`` (Megatron refuses it without tensor parallelism)."""
-    family = config.family
+    spec = config.family_spec
     tp, cp = parallel_sizes()
     config.check_tensor_parallel(tp)
     recompute = {}
@@ -80,15 +81,13 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
-        normalization=_normalization(config),
+        normalization=spec.norm,
         layernorm_epsilon=config.norm_epsilon,
-        gated_linear_unit=family != "gpt2",
-        activation_func=partial(F.gelu, approximate="tanh")
-        if family in ("gpt2", *GEMMA)
-        else F.silu,
-        add_bias_linear=family == "gpt2",
-        add_qkv_bias=family in ("gpt2", "qwen2"),
-        qk_layernorm=family in QK_NORM_PER_HEAD,
+        gated_linear_unit=spec.gated_mlp,
+        activation_func=_ACTIVATIONS[spec.activation],
+        add_bias_linear=spec.linear_bias,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm == "per_head",
         softmax_scale=scale,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=0.0,
@@ -108,59 +107,72 @@ def transformer_config(
 
 def layer_spec(config: ModelConfig, layer_number: int) -> ModuleSpec:
     """Megatron's local GPT layer spec with Focus self-attention and the family's norms."""
-    family = config.family
-    spec = get_gpt_layer_local_spec(normalization=_normalization(config))
+    spec = config.family_spec
+    layer = get_gpt_layer_local_spec(normalization=spec.norm)
     norm = TorchNorm  # Megatron's torch norm, usable under sequence parallelism
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm  # also post-norms
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+    layer.submodules.self_attention = ModuleSpec(
+        module=FocusSelfAttention,
+        params={
+            "attn_mask_type": AttnMaskType.causal,
+            "focus": config.focus,
+            "post_norm": norm if spec.post_norms else None,
+            **_rope_params(config, layer_number),
+        },
+        submodules=type(layer.submodules.self_attention.submodules)(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=_core_attention(config, layer_number),
+            linear_proj=RowParallelLinear,
+            q_layernorm=_qk_norm(spec, "q"),
+            k_layernorm=_qk_norm(spec, "k"),
+        ),
+    )
+    if not spec.pre_norms:  # norms after attention and MLP only (OLMo-2)
+        layer.submodules.input_layernorm = IdentityOp
+        layer.submodules.pre_mlp_layernorm = IdentityOp
+    if spec.post_norms:
+        mlp = layer.submodules.mlp
+        layer.submodules.mlp = ModuleSpec(
+            module=PostNormMLP, params={"post_norm": norm}, submodules=mlp.submodules
+        )
+    return layer
+
+
+def _core_attention(config: ModelConfig, layer_number: int) -> partial:
+    """Focus core attention of one layer: a family's local layer keeps its sliding window (no
+    sinks); otherwise Focus, or the window-only ablation twin's window."""
+    family_local = config.is_local_layer(layer_number)
     local_window = None
-    if config.is_local_layer(layer_number):
+    if family_local:
         local_window = config.sliding_window - 1
     elif config.focus.enabled and config.focus.window_only:
         local_window = config.focus.window  # the sliding-window ablation twin
-    family_local = config.is_local_layer(layer_number)  # the family's window: no sinks
-    core = partial(
+    return partial(
         FocusCoreAttention,
         focus=config.focus,
         softcap=config.attn_softcap,
         local_window=local_window,
         sinks=config.focus.sinks if config.focus.enabled and not family_local else 0,
     )
-    post_norm = family in ("olmo2", *GEMMA)
-    local_rotary_base = None  # Gemma-3's local layers: their own, unscaled RoPE
-    if config.is_local_layer(layer_number):
-        local_rotary_base = config.local_rope_base  # None for gemma2 (one RoPE)
-    spec.submodules.self_attention = ModuleSpec(
-        module=FocusSelfAttention,
-        params={
-            "attn_mask_type": AttnMaskType.causal,
-            "focus": config.focus,
-            "post_norm": norm if post_norm else None,
-            "local_rotary_base": local_rotary_base,
-        },
-        submodules=type(spec.submodules.self_attention.submodules)(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=core,
-            linear_proj=RowParallelLinear,
-            q_layernorm=_qk_norm(family, "q"),
-            k_layernorm=_qk_norm(family, "k"),
-        ),
-    )
-    if family == "olmo2":  # norms after attention and MLP only
-        spec.submodules.input_layernorm = IdentityOp
-        spec.submodules.pre_mlp_layernorm = IdentityOp
-    if post_norm:
-        mlp = spec.submodules.mlp
-        spec.submodules.mlp = ModuleSpec(
-            module=PostNormMLP, params={"post_norm": norm}, submodules=mlp.submodules
-        )
-    return spec
 
 
-def _qk_norm(family: str, which: str) -> ModuleSpec | type:
-    """OLMo-2: one RMSNorm over all heads; Qwen3, Gemma-3: one per head; others: none."""
-    if family == "olmo2":
+def _rope_params(config: ModelConfig, layer_number: int) -> dict:
+    """The layer's own RoPE, given at construction: the model's base and scaling (per-token
+    positions of packed documents), or a local layer's own unscaled base (Gemma-3); none for
+    learned absolute positions."""
+    if config.family_spec.positions != "rope":
+        return {}
+    local_base = config.local_rope_base if config.is_local_layer(layer_number) else None
+    if local_base is not None:
+        return {"local_rotary_base": local_base}
+    return {"rotary_base": config.rotary_base, "rope_scaling": config.rope_scaling}
+
+
+def _qk_norm(spec: Family, which: str) -> ModuleSpec | type:
+    """One RMSNorm over all heads (OLMo-2), one per head (Qwen3, Gemma-3), or none."""
+    if spec.qk_norm == "full_width":
         return ModuleSpec(module=FullWidthQKNorm, params={"which": which})
-    if family in QK_NORM_PER_HEAD:
+    if spec.qk_norm == "per_head":
         return PerHeadQKNorm
     return IdentityOp
 
@@ -169,10 +181,6 @@ def block_spec(config: ModelConfig) -> TransformerBlockSubmodules:
     """One layer spec per layer (Gemma interleaves local and global layers)."""
     specs = [layer_spec(config, n) for n in range(1, config.num_layers + 1)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TorchNorm)
-
-
-def _normalization(config: ModelConfig) -> str:
-    return "RMSNorm" if config.family in _RMS else "LayerNorm"
 
 
 def build_model(
@@ -188,16 +196,17 @@ def build_model(
     their gradients summed over the tensor-parallel group
     (:func:`focus_pretrain.parallel.sequence_parallel.reduce_sequence_parallel_grads`).
     """
+    spec = config.family_spec
     model = GPTModel(
         config=transformer_config(config, params_dtype, sequence_parallel),
         transformer_layer_spec=block_spec(config),
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_seq_length,
-        position_embedding_type="learned_absolute" if config.family == "gpt2" else "rope",
+        position_embedding_type=spec.positions,
         rotary_base=config.rotary_base,
         share_embeddings_and_output_weights=config.tied,
     )
-    if config.family == "gpt2":
+    if spec.positions == "learned_absolute":
         # megatron-core makes the learned position table a plain fp32 nn.Embedding whatever
         # params_dtype says; fp32 positions added to bf16 words would turn every activation
         # after them fp32 and fail in the first bf16 linear
@@ -206,19 +215,15 @@ def build_model(
         set_rope_frequencies(
             model.rotary_pos_emb, config.kv_channels, config.rotary_base, config.rope_scaling
         )
-    rotary = getattr(model, "rotary_pos_emb", None)
-    for module in model.modules():  # per-token RoPE positions of packed documents
-        if isinstance(module, FocusSelfAttention):
-            module.__dict__["model_rotary"] = rotary  # a reference, not a submodule
-    if config.family in GEMMA:
+    if spec.scale_embeddings:
         model.embedding.register_forward_hook(_scale_embeddings(config.hidden_size**0.5))
-        if config.final_softcap is not None:
-            model.output_layer.register_forward_hook(_softcap_logits(config.final_softcap))
+    if config.final_softcap is not None:
+        model.output_layer.register_forward_hook(_softcap_logits(config.final_softcap))
     return model
 
 
 def _scale_embeddings(factor: float):
-    """Gemma multiplies the embeddings by ``sqrt(hidden)`` (rounded to their dtype)."""
+    """Embeddings multiplied by ``sqrt(hidden)`` (rounded to their dtype; Gemma)."""
 
     def hook(module, args, output):
         return output * torch.tensor(factor, dtype=output.dtype, device=output.device)
@@ -227,7 +232,7 @@ def _scale_embeddings(factor: float):
 
 
 def _softcap_logits(cap: float):
-    """Gemma's final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)``."""
+    """Final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)`` (Gemma)."""
 
     def hook(module, args, output):
         logits, bias = output

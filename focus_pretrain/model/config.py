@@ -1,18 +1,8 @@
 """The ``model:`` section of a recipe: architecture and attention family.
 
-Families (each a real switch in the built model):
-
-| family | positions | norm | MLP | biases | attention extras |
-|---|---|---|---|---|---|
-| ``gpt2`` | learned absolute | LayerNorm (pre) | GELU (tanh) | all linears | MHA, tied embeddings |
-| ``llama``/``mistral`` | RoPE | RMSNorm (pre) | SwiGLU | none | GQA |
-| ``qwen2`` | RoPE | RMSNorm (pre) | SwiGLU | Q/K/V only | GQA |
-| ``olmo2`` | RoPE | RMSNorm *after* attention and MLP | SwiGLU | none | full-width QK-norm |
-| ``qwen3`` | RoPE | RMSNorm (pre) | SwiGLU | none | GQA, per-head QK-norm |
-| ``gemma2`` | RoPE | RMSNorm before *and* after | GeGLU (tanh) | none | local/global, caps |
-| ``gemma3`` | RoPE, local base | as gemma2 | GeGLU (tanh) | none | as gemma2, QK-norm |
-
-Gemma-2 and -3 also scale their input embeddings by ``sqrt(hidden)``; "caps" are logit soft-caps.
+Families (``model.family``) are described once each in :mod:`focus_pretrain.model.families`
+(positions, norms, MLP, biases, QK-norm, local/global layers, soft-caps, embedding scaling,
+tied default, the HF mapping); this module validates a recipe against its family's description.
 Every RoPE family takes Llama-3.x (``llama3``) or ``linear`` RoPE scaling (:class:`RopeScaling`).
 
 Validation happens at construction, before anything is allocated, and names the key. How the
@@ -23,84 +13,15 @@ the built model reads its tensor- and context-parallel sizes from Megatron's ``p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from focus_pretrain.focus import FocusConfig
+from focus_pretrain.model.families import FAMILIES, REGISTRY, Family, family
+from focus_pretrain.model.rope import ROPE_SCALING_TYPES, RopeScaling
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3")
 RECOMPUTE = ("none", "full", "selective")
-GEMMA = ("gemma2", "gemma3")  # local/global layers, sandwich norms, soft-caps, scaled embeddings
-QK_NORM_PER_HEAD = ("qwen3", "gemma3")
-ROPE_SCALING_TYPES = ("llama3", "linear")
-_LLAMA3_KEYS = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# 1-based layer n is global iff n % pattern == 0 (HF ``sliding_window_pattern``)
-DEFAULT_SLIDING_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling, HuggingFace semantics (``rope_parameters`` of ``config.json``).
-
-    The scaled inverse frequencies are computed as ``transformers`` computes them
-    (``_compute_llama3_parameters``, ``_compute_linear_scaling_rope_parameters``) and written
-    into the model's rotary embedding, so the logits equal the HF model's.
-
-    Attributes:
-        type: ``llama3`` (Llama-3.1/3.2: low frequencies divided by ``factor``, high ones kept,
-            a smooth ramp between) or ``linear`` (every frequency divided by ``factor``).
-        factor: the scaling factor (> 0; 1 leaves ``linear`` unchanged).
-        low_freq_factor, high_freq_factor, original_max_position_embeddings: ``llama3`` only
-            (required there): wavelengths above ``original / low_freq_factor`` are divided by
-            ``factor``, those below ``original / high_freq_factor`` kept.
-    """
-
-    type: str = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
-
-    def __post_init__(self) -> None:
-        check_choice("model.rope_scaling.type", self.type, ROPE_SCALING_TYPES)
-        check_positive("model.rope_scaling.factor", self.factor)
-        given = [k for k in _LLAMA3_KEYS if getattr(self, k) is not None]
-        if self.type == "linear" and given:
-            raise ValueError(
-                f"model.rope_scaling.{given[0]} is only used by type llama3, got it for linear"
-            )
-        if self.type == "llama3":
-            missing = [k for k in _LLAMA3_KEYS if getattr(self, k) is None]
-            if missing:
-                raise ValueError(
-                    f"model.rope_scaling.{missing[0]} is required for type llama3 (Llama-3.1 "
-                    "uses low_freq_factor 1, high_freq_factor 4, "
-                    "original_max_position_embeddings 8192)"
-                )
-            check_positive("model.rope_scaling.low_freq_factor", self.low_freq_factor)
-            check_positive("model.rope_scaling.high_freq_factor", self.high_freq_factor)
-            check_int(
-                "model.rope_scaling.original_max_position_embeddings",
-                self.original_max_position_embeddings,
-                low=1,
-            )
-            if self.high_freq_factor <= self.low_freq_factor:
-                raise ValueError(
-                    f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must be > "
-                    f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
-                )
-
-    @classmethod
-    def from_mapping(cls, values: Mapping) -> RopeScaling:
-        """From a plain mapping (``ModelConfig(rope_scaling={...})``), unknown keys refused."""
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) {', '.join('model.rope_scaling.' + k for k in unknown)}; "
-                f"allowed keys: {', '.join(allowed)}"
-            )
-        return cls(**values)
+__all__ = ["FAMILIES", "RECOMPUTE", "ROPE_SCALING_TYPES", "ModelConfig", "RopeScaling"]
 
 
 @dataclass(frozen=True)
@@ -168,9 +89,11 @@ class ModelConfig:
                 f"model.rope_scaling must be a mapping of RopeScaling fields, got "
                 f"{self.rope_scaling!r}"
             )
-        if self.rope_scaling is not None and self.family == "gpt2":
+        spec = self.family_spec
+        if self.rope_scaling is not None and spec.positions != "rope":
             raise ValueError(
-                "model.rope_scaling is for RoPE families; gpt2 has learned absolute positions"
+                f"model.rope_scaling is for RoPE families; {self.family} has learned absolute "
+                "positions"
             )
         for name in (
             "num_layers",
@@ -202,42 +125,36 @@ class ModelConfig:
                 f"model.num_attention_heads ({heads}) must be divisible by "
                 f"model.num_query_groups ({groups})"
             )
-        if self.family == "gpt2" and groups != heads:
+        if spec.multi_head_only and groups != heads:
             raise ValueError(
                 "model.num_query_groups must equal model.num_attention_heads for "
-                "family gpt2 (multi-head attention)"
+                f"family {self.family} (multi-head attention)"
             )
-        self._check_family_fields()
+        self._check_family_fields(spec)
 
-    def _check_family_fields(self) -> None:
-        """Fields only some families use, and Gemma's required window."""
-        if self.family in GEMMA and self.sliding_window is None:
+    def _check_family_fields(self, spec: Family) -> None:
+        """Fields only some families use (as their descriptions say), and a required window."""
+        local = spec.local_layers
+        if local is not None and self.sliding_window is None:
             raise ValueError(
                 f"model.sliding_window is required for family {self.family} (e.g. 4096)"
             )
         pattern = self.sliding_window_pattern
-        if self.family == "gemma2" and pattern not in (None, 2):
+        if local is not None and local.fixed and pattern not in (None, local.default_pattern):
             raise ValueError(
-                f"model.sliding_window_pattern must be 2 for family gemma2 (alternating local and "
-                f"global layers), got {pattern}"
+                f"model.sliding_window_pattern must be {local.default_pattern} for family "
+                f"{self.family} (its only layout: every {local.default_pattern}-th layer global, "
+                f"the others local), got {pattern}"
             )
-        if self.family == "gemma3" and self.attn_softcap is not None:
-            raise ValueError(
-                "model.attn_softcap is not supported for family gemma3: transformers' Gemma-3 "
-                "does not soft-cap attention logits (its config's attn_logit_softcapping is "
-                "ignored), so such a model could not be exported or match an imported one; "
-                "remove it (family gemma2 soft-caps attention logits)"
-            )
-        only = {
-            name: GEMMA for name in ("sliding_window", "sliding_window_pattern", "final_softcap")
-        }
-        only["query_pre_attn_scalar"] = GEMMA
-        only["attn_softcap"] = ("gemma2",)
-        only["local_rotary_base"] = ("gemma3",)
-        for name, families in only.items():
-            if getattr(self, name) is not None and self.family not in families:
+        for name, why in spec.refused.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"model.{name} is not supported for family {self.family}: {why}")
+        accepted = {f.name: f.accepted_fields for f in REGISTRY.values()}
+        for name in sorted(set().union(*accepted.values())):
+            if getattr(self, name) is not None and name not in spec.accepted_fields:
+                users = [f for f in FAMILIES if name in accepted[f]]
                 raise ValueError(
-                    f"model.{name} is only used by family {'/'.join(families)}, "
+                    f"model.{name} is only used by family {'/'.join(users)}, "
                     f"got it for family {self.family!r}"
                 )
 
@@ -262,29 +179,39 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def family_spec(self) -> Family:
+        """The family's description (:class:`~focus_pretrain.model.families.Family`)."""
+        return family(self.family)
+
+    @property
     def tied(self) -> bool:
+        """Whether input and output embeddings are shared (``tie_embeddings`` or the family's
+        default)."""
         if self.tie_embeddings is not None:
             return self.tie_embeddings
-        return self.family in ("gpt2", *GEMMA)
+        return self.family_spec.tied_embeddings
 
     @property
     def local_global_pattern(self) -> int | None:
-        """Gemma: every ``P``-th layer is global (``sliding_window_pattern`` or the family's
-        default); ``None`` for the other families (no local layers)."""
-        if self.family not in GEMMA:
+        """Every ``P``-th layer is global (``sliding_window_pattern`` or the family's default)
+        in families with local layers; ``None`` for the others."""
+        local = self.family_spec.local_layers
+        if local is None:
             return None
-        return self.sliding_window_pattern or DEFAULT_SLIDING_WINDOW_PATTERN[self.family]
+        return self.sliding_window_pattern or local.default_pattern
 
     @property
     def local_rope_base(self) -> float | None:
-        """Gemma-3: the local layers' RoPE base (``local_rotary_base`` or ``rotary_base``);
-        ``None`` for the other families (every layer uses the model's RoPE)."""
-        if self.family != "gemma3":
+        """The local layers' RoPE base (``local_rotary_base`` or ``rotary_base``) in families
+        whose local layers have their own RoPE (Gemma-3); ``None`` for the others (every layer
+        uses the model's RoPE)."""
+        local = self.family_spec.local_layers
+        if local is None or not local.own_rope:
             return None
         return self.local_rotary_base or self.rotary_base
 
     def is_local_layer(self, layer_number: int) -> bool:
-        """Gemma interleaving: 1-based layer ``n`` is a sliding-window layer unless
-        ``n % sliding_window_pattern == 0`` (Gemma-2: odd layers; Gemma-3: 5 of every 6)."""
+        """Local/global interleaving: 1-based layer ``n`` is a sliding-window layer unless
+        ``n % pattern == 0`` (Gemma-2: odd layers; Gemma-3: 5 of every 6)."""
         pattern = self.local_global_pattern
         return pattern is not None and layer_number % pattern != 0

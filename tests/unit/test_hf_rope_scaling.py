@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from focus_pretrain.convert import hf_model_config
-from focus_pretrain.convert.hf_export import _CLASS, hf_config_dict, load_modeling
+from focus_pretrain.convert.hf_export import hf_config_dict, shipped_classes
 from focus_pretrain.model.config import RopeScaling
 from focus_pretrain.model.rope import hf_inv_freq
 from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model, tokens
@@ -152,12 +152,9 @@ def test_exported_config_gives_the_same_hf_model(tmp_path, model_type):
     weights: the original HF model's logits."""
     original, path = make_hf_model(model_type, tmp_path)
     config = hf_model_config(path)
-    modeling = load_modeling()
-    family = _CLASS[config.family]
-    hf_config = getattr(modeling, f"Focus{family}Config")(
-        focus=dict(enabled=False), **hf_config_dict(config)
-    )
-    exported = getattr(modeling, f"Focus{family}ForCausalLM")(hf_config).eval()
+    config_cls, model_cls = shipped_classes(config.family)
+    hf_config = config_cls(focus=dict(enabled=False), **hf_config_dict(config))
+    exported = model_cls(hf_config).eval()
     missing, unexpected = exported.load_state_dict(original.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     if config.tied:
