@@ -158,3 +158,13 @@ def document_spans(documents: Tensor) -> list[list[tuple[int, int]]]:
         cuts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]] + [len(row)]
         spans.append(list(itertools.pairwise(cuts)))
     return spans
+
+
+def reference_call(q, k, v, *, q_block: int | None = None, **pattern):
+    """The reference backend called with the pattern's fields as keywords (window, mode, probs,
+    member, ...: :class:`~focus_pretrain.focus.backends.AttentionPattern`)."""
+    from focus_pretrain.focus.backends import AttentionPattern
+    from focus_pretrain.focus.reference import DEFAULT_Q_BLOCK, reference_attention
+
+    block = DEFAULT_Q_BLOCK if q_block is None else q_block
+    return reference_attention(q, k, v, AttentionPattern(**pattern), q_block=block)

@@ -37,13 +37,19 @@ is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measure
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from focus_pretrain.focus import flex
+from focus_pretrain.focus.backends import (
+    AttentionPattern,
+    AttentionRequest,
+    Backend,
+    Capabilities,
+    available_backends,
+    register_backend,
+    select_backend,
+)
 from focus_pretrain.focus.config import ATTENTION_MODES
 from focus_pretrain.focus.decomposed import (
     decomposed_attention,
@@ -57,90 +63,16 @@ from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.soft_triton import runs_on, supports, triton_focus_attention
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
-BackendFn = Callable[..., tuple[Tensor, Tensor]]
-
-
-@dataclass(frozen=True)
-class AttentionRequest:
-    """What a backend is asked to compute (enough to decide whether it can, and how fast).
-
-    Attributes:
-        device: ``"cpu"``, ``"cuda"``, ...; dtype: the inputs' dtype.
-        batch, seq, heads, heads_kv, head_dim: the shapes.
-        mode: ``"soft"`` or ``"hard"``; top_k: groups per token (hard mode).
-        local_only: a sliding-window layer; window: the local window.
-        softcap: whether Gemma-2 soft-capping is on.
-        needs_grad: whether autograd will differentiate through the call.
-        sinks: attention sinks (every built-in backend is exact for any number).
-        documents: whether the sequences are packed documents (``documents=`` given).
-    """
-
-    device: str
-    dtype: torch.dtype
-    batch: int
-    seq: int
-    heads: int
-    heads_kv: int
-    head_dim: int
-    mode: str
-    top_k: int
-    local_only: bool
-    window: int
-    softcap: bool
-    needs_grad: bool
-    sinks: int = 0
-    documents: bool = False
-
-
-@dataclass(frozen=True)
-class Backend:
-    """An attention backend.
-
-    Attributes:
-        name: what ``backend=`` selects.
-        fn: ``fn(q, k, v, *, probs, member, window, mode, gate_lambda, softcap, scale,
-            local_only, sinks, documents) -> (out [b, s, H, D], lse [b, s, H] fp32)``;
-            ``sinks`` is passed only when non-zero, ``documents`` (``[b, s]`` int64 document
-            starts, :func:`~focus_pretrain.focus.pattern.document_starts`) only when given.
-        priority: ``priority(request) -> int | None``: ``None`` when the backend cannot run the
-            :class:`AttentionRequest` exactly; otherwise ``auto`` picks the highest.
-    """
-
-    name: str
-    fn: BackendFn
-    priority: Callable[[AttentionRequest], int | None]
-
-
-_BACKENDS: dict[str, Backend] = {}
-
-
-def register_backend(backend: Backend) -> None:
-    """Add (or replace) a backend under ``backend.name``."""
-    _BACKENDS[backend.name] = backend
-
-
-def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` (besides ``"auto"``)."""
-    return sorted(_BACKENDS)
-
-
-def select_backend(name: str, request: AttentionRequest) -> Backend:
-    """The backend ``name`` (checked to support ``request``), or for ``"auto"`` the fastest."""
-    if name == "auto":
-        ranked = [(b.priority(request), b.name) for b in _BACKENDS.values()]
-        return _BACKENDS[max((p, n) for p, n in ranked if p is not None)[1]]
-    if name not in _BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
-    chosen = _BACKENDS[name]
-    if chosen.priority(request) is None:
-        raise ValueError(
-            f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
-            f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
-            f"documents={request.documents}, needs_grad={request.needs_grad}, "
-            f"head_dim={request.head_dim} on {request.device} with {request.dtype}; "
-            "use backend='auto'"
-        )
-    return chosen
+__all__ = [
+    "AttentionPattern",
+    "AttentionRequest",
+    "Backend",
+    "Capabilities",
+    "available_backends",
+    "focus_attention",
+    "register_backend",
+    "select_backend",
+]
 
 
 def focus_attention(
@@ -195,23 +127,14 @@ def focus_attention(
         ValueError: before any backend runs, on a bad shape or argument, on mixed dtypes
             (:func:`check_dtypes`: one dtype for ``q``, ``k``, ``v``; routing probabilities
             at most as precise as their compute dtype, e.g. fp32 with bf16) and, with
-            ``check_finite``, on NaN/inf inputs.
+            ``check_finite``, on NaN/inf inputs; and when the named ``backend`` cannot run the
+            call (the reason is named; nothing is substituted).
     """
     probs = routing.probs if isinstance(routing, Routing) else routing
     _validate(
-        q,
-        k,
-        v,
-        probs,
-        window=window,
-        mode=mode,
-        top_k=top_k,
-        gate_lambda=gate_lambda,
-        softcap=softcap,
-        scale=scale,
-        local_only=local_only,
-        check_finite=check_finite,
-    )
+        q, k, v, probs, window=window, mode=mode, top_k=top_k, gate_lambda=gate_lambda,
+        softcap=softcap, scale=scale, local_only=local_only, check_finite=check_finite,
+    )  # fmt: skip
     check_int("sinks", sinks, low=0)
     if documents is not None:
         check_documents(documents, q)
@@ -222,7 +145,21 @@ def focus_attention(
     elif mode == "hard":
         member = Routing(probs).membership(top_k)  # [b, s] int64
         probs = None
-    request = AttentionRequest(
+    pattern = AttentionPattern(
+        window=window, mode=mode, local_only=local_only, gate_lambda=gate_lambda,
+        softcap=softcap, scale=q.shape[-1] ** -0.5 if scale is None else scale, sinks=sinks,
+        probs=probs, member=member, documents=documents,
+    )  # fmt: skip
+    chosen = select_backend(backend, _request(q, k, v, pattern, top_k))
+    out, lse = chosen.fn(q, k, v, pattern)
+    return (out, lse) if return_lse else out
+
+
+def _request(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, top_k: int
+) -> AttentionRequest:
+    """What the call asks of a backend (shapes ``[b, s, H|Hkv, D]``, device, dtype, pattern)."""
+    return AttentionRequest(
         device=q.device.type,
         dtype=q.dtype,
         batch=q.shape[0],
@@ -230,35 +167,16 @@ def focus_attention(
         heads=q.shape[2],
         heads_kv=k.shape[2],
         head_dim=q.shape[3],
-        mode=mode,
+        mode=pattern.mode,
         top_k=top_k,
-        local_only=local_only,
-        window=window,
-        softcap=softcap is not None,
+        local_only=pattern.local_only,
+        window=pattern.window,
+        softcap=pattern.softcap is not None,
         needs_grad=torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
-        sinks=sinks,
-        documents=documents is not None,
+        and any(t is not None and t.requires_grad for t in (q, k, v, pattern.probs)),
+        sinks=pattern.sinks,
+        documents=pattern.documents is not None,
     )
-    chosen = select_backend(backend, request)
-    extra = {"sinks": sinks} if sinks else {}  # sinks = 0: the call of a plain pattern
-    if documents is not None:
-        extra["documents"] = documents
-    out, lse = chosen.fn(
-        q,
-        k,
-        v,
-        probs=probs,
-        member=member,
-        window=window,
-        mode=mode,
-        gate_lambda=gate_lambda,
-        softcap=softcap,
-        scale=q.shape[-1] ** -0.5 if scale is None else scale,
-        local_only=local_only,
-        **extra,
-    )
-    return (out, lse) if return_lse else out
 
 
 def _validate(
@@ -375,8 +293,6 @@ _FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _decomposed_priority(r: AttentionRequest) -> int | None:
     # packed documents (r.documents) are exact here: segments, band and sinks are per document
-    if r.needs_grad or not (r.local_only or (r.mode == "hard" and r.top_k == 1)):
-        return None
     if r.device == "cuda":
         # a FlashAttention varlen kernel (flash-attn, or PyTorch's without soft-capping) beats
         # flex for hard top-1 at 4K-64K and ties at 256K (H100, docs/benchmarks.md)
@@ -384,7 +300,7 @@ def _decomposed_priority(r: AttentionRequest) -> int | None:
         if varlen and r.dtype in (torch.float16, torch.bfloat16):
             return 30
         return 15 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
-    if r.device != "cpu" or (r.softcap and not r.local_only):
+    if r.softcap and not r.local_only:  # CPU: its padded SDPA segments take no soft-capping
         return None
     return 10 if r.seq >= CPU_DECOMPOSED_MIN_SEQ and not r.local_only else -10
 
@@ -392,18 +308,44 @@ def _decomposed_priority(r: AttentionRequest) -> int | None:
 def _flex_priority(r: AttentionRequest) -> int | None:
     if r.device == "cuda":
         return 20 if flex.flex_available_on(r.device) and r.dtype in _FAST_GPU_DTYPES else None
-    if r.device == "cpu" and not r.needs_grad:
-        return -20
-    return None
+    return -20  # CPU FlexAttention: eager, exact, never automatic
 
 
 def _triton_priority(r: AttentionRequest) -> int | None:
-    if (r.mode != "soft" and not r.local_only) or not runs_on(r.device, r.dtype):
+    if not runs_on(r.device, r.dtype) or not supports(r.head_dim):
         return None
-    return -30 if supports(r.head_dim) else None  # by name only, never ``auto`` (yet)
+    return -30  # by name only, never ``auto`` (yet)
 
 
-register_backend(Backend("reference", reference_attention, lambda r: 0))
-register_backend(Backend("decomposed", decomposed_attention, _decomposed_priority))
-register_backend(Backend("flex", flex_focus_attention, _flex_priority))
-register_backend(Backend("triton", triton_focus_attention, _triton_priority))
+_ALL_MODES = frozenset({"soft", "hard", "local"})
+_CPU_CUDA = frozenset({"cpu", "cuda"})
+register_backend(
+    Backend("reference", reference_attention, Capabilities(_ALL_MODES), lambda r: 0, "blockwise")
+)
+register_backend(
+    Backend(
+        "decomposed",
+        decomposed_attention,
+        Capabilities(
+            frozenset({"hard", "local"}), max_top_k=1, devices=_CPU_CUDA, gradients_on=frozenset()
+        ),
+        _decomposed_priority,
+    )
+)
+register_backend(
+    Backend(
+        "flex",
+        flex_focus_attention,
+        Capabilities(_ALL_MODES, devices=_CPU_CUDA, gradients_on=frozenset({"cuda"})),
+        _flex_priority,
+    )
+)
+register_backend(
+    Backend(
+        "triton",
+        triton_focus_attention,
+        Capabilities(frozenset({"soft", "local"})),
+        _triton_priority,
+        "triton",
+    )
+)

@@ -14,9 +14,26 @@ from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
 ATTENTION_MODES = ("soft", "hard")
-BACKEND_NAMES = ("auto", "reference", "decomposed", "flex", "triton")  # registered in attention.py
-TRAINING_BACKENDS = ("auto", "reference", "flex", "triton")  # the soft gate (decomposed: hard only)
 MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
+
+
+def _backends():
+    """The backend registry (:mod:`focus_pretrain.focus.backends`), the built-in backends
+    registered (they register in :mod:`~focus_pretrain.focus.attention`, which imports this
+    module: hence the import on use)."""
+    from focus_pretrain.focus import attention, backends  # noqa: F401
+
+    return backends
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``BACKEND_NAMES`` and ``TRAINING_BACKENDS``: derived from the backend registry when read,
+    never lists of their own."""
+    if name == "BACKEND_NAMES":
+        return _backends().backend_names()
+    if name == "TRAINING_BACKENDS":
+        return _backends().training_backend_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -96,17 +113,24 @@ class FocusConfig:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
-        check_choice("focus.backend", self.backend, TRAINING_BACKENDS)
-        check_choice("focus.inference_backend", self.inference_backend, BACKEND_NAMES)
-        if self.inference_backend == "decomposed" and (
-            self.top_k != 1 or self.inference_mode != "hard"
-        ):
-            raise ValueError(
-                "focus.inference_backend 'decomposed' computes hard top-1 attention only, got "
-                f"top_k={self.top_k}, inference_mode={self.inference_mode!r}; use 'auto' or 'flex'"
-            )
-        if self.inference_backend == "triton" and self.inference_mode != "soft":
-            raise ValueError(
-                "focus.inference_backend 'triton' computes the soft pattern only, got "
-                f"inference_mode={self.inference_mode!r}; use 'auto', 'flex' or 'decomposed'"
-            )
+        registry = _backends()
+        check_choice("focus.backend", self.backend, registry.training_backend_names())
+        check_choice("focus.inference_backend", self.inference_backend, registry.backend_names())
+        self._check_inference_backend()
+
+    def _check_inference_backend(self) -> None:
+        """The named inference backend computes the ``eval()`` pattern (its capabilities)."""
+        backend_names, get_backend = _backends().backend_names, _backends().get_backend
+
+        def computes(name: str) -> bool:
+            return get_backend(name).capabilities.computes(self.inference_mode, self.top_k)
+
+        name = self.inference_backend
+        if name == "auto" or computes(name):
+            return
+        others = [other for other in backend_names()[1:] if computes(other)]
+        raise ValueError(
+            f"focus.inference_backend {name!r} computes "
+            f"{get_backend(name).capabilities.describe()} only, got top_k={self.top_k}, "
+            f"inference_mode={self.inference_mode!r}; use 'auto' or one of {others}"
+        )

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.focus import flex
+from focus_pretrain.focus.backends import AttentionPattern
 from focus_pretrain.focus.band import band_attention, with_sinks
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
@@ -114,40 +115,30 @@ def torch_varlen_causal(
 
 
 def decomposed_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    probs: Tensor | None,
-    member: Tensor | None,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
-    documents: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern
 ) -> tuple[Tensor, Tensor]:
     """Hard top-1 (or sliding-window) Focus attention; see the module docstring.
 
     Args:
         q: ``[b, n, H, D]``; k, v: ``[b, n, Hkv, D]``.
-        member: ``[b, n]`` int64 one-bit memberships (hard mode, ``top_k = 1``).
-        sinks: attention sinks (the first ``sinks`` positions of each document, visible to
-            every later query of that document).
-        documents: ``[b, n]`` int64 document starts of packed sequences, or ``None`` (one
-            document per sample).
+        pattern: the pattern (:class:`~focus_pretrain.focus.backends.AttentionPattern`): hard
+            mode with ``member`` ``[b, n]`` int64 one-bit memberships (``top_k = 1``), or a
+            sliding-window layer; sinks (the first ``sinks`` positions of each document);
+            ``documents`` ``[b, n]`` int64 document starts, or ``None``.
 
     Returns:
         ``(out [b, n, H, D], lse [b, n, H] fp32)``.
     """
-    common = dict(window=window, scale=scale, softcap=softcap, documents=documents)
-    if local_only:
+    member, documents, sinks = pattern.member, pattern.documents, pattern.sinks
+    common = dict(
+        window=pattern.window, scale=pattern.scale, softcap=pattern.softcap, documents=documents
+    )
+    if pattern.local_only:
         result = _band(q, k, v, member=None, **common)
         return with_sinks(result, q, k, v, sinks=sinks, **common)
-    if mode != "hard" or member is None:
+    if pattern.mode != "hard" or member is None:
         raise ValueError("the decomposed backend computes hard top-1 attention only")
+    scale, softcap = pattern.scale, pattern.softcap
     layout = GroupSortedLayout.build(member, documents)
     q_p, k_p, v_p = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)

@@ -54,6 +54,7 @@ try:  # PyTorch >= 2.9 asks for auxiliary outputs this way (return_lse is deprec
 except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
+from focus_pretrain.focus.backends import AttentionPattern
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import (
     at_least_fp32,
@@ -381,43 +382,23 @@ def soft(
 
 
 def flex_focus_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    probs: Tensor | None,
-    member: Tensor | None,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
-    documents: Tensor | None = None,
-    block: int = DEFAULT_BLOCK,
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, *, block: int = DEFAULT_BLOCK
 ) -> tuple[Tensor, Tensor]:
-    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): ``[b, n, H, D]``;
-    ``documents``: ``[b, n]`` int64 document starts of packed sequences, or ``None``."""
+    """Backend entry (:class:`~focus_pretrain.focus.backends.Backend`): ``q [b, n, H, D]``,
+    ``k, v [b, n, Hkv, D]`` and the :class:`~focus_pretrain.focus.backends.AttentionPattern`."""
+    member, documents = pattern.member, pattern.documents
+    scale, softcap = pattern.scale, pattern.softcap
     band_kwargs = dict(
-        window=window, scale=scale, softcap=softcap, block=block, sinks=sinks, documents=documents
-    )
-    if local_only:
+        window=pattern.window, scale=scale, softcap=softcap, block=block, sinks=pattern.sinks,
+        documents=documents,
+    )  # fmt: skip
+    if pattern.local_only:
         return band(q, k, v, member=None, **band_kwargs)
-    if mode == "soft":
+    if pattern.mode == "soft":
         return soft(
-            q,
-            k,
-            v,
-            probs,
-            window=window,
-            gate_lambda=gate_lambda,
-            scale=scale,
-            softcap=softcap,
-            sinks=sinks,
-            documents=documents,
-            block=block,
-        )
+            q, k, v, pattern.probs, window=pattern.window, gate_lambda=pattern.gate_lambda,
+            scale=scale, softcap=softcap, sinks=pattern.sinks, documents=documents, block=block,
+        )  # fmt: skip
     layout = GroupSortedLayout.build(member, documents)
     packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from focus_pretrain.focus.backends import AttentionPattern
 from focus_pretrain.focus.pattern import at_least_fp32, pair_bias, soft_cap
 
 DEFAULT_Q_BLOCK = 128
@@ -109,31 +110,14 @@ def _logsumexp(scores: Tensor) -> Tensor:
 
 
 def reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    probs: Tensor | None,
-    member: Tensor | None,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
-    documents: Tensor | None = None,
-    q_block: int = DEFAULT_Q_BLOCK,
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, *, q_block: int = DEFAULT_Q_BLOCK
 ) -> tuple[Tensor, Tensor]:
     """Focus self-attention over a whole sequence, query block by query block.
 
     Args:
         q: ``[b, s, H, D]``; k, v: ``[b, s, Hkv, D]`` (validated by ``focus_attention``).
-        probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
-        member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
-        sinks: the first ``sinks`` positions are visible to every query (of each document).
-        documents: ``[b, s]`` int64 document starts
-            (:func:`~focus_pretrain.focus.pattern.document_starts`): no pair crosses documents.
+        pattern: what to compute (:class:`~focus_pretrain.focus.backends.AttentionPattern`:
+            window, mode, sinks, documents, soft assignments or memberships, ...).
         q_block: rows per block (memory/speed trade-off; the result does not depend on it).
 
     Returns:
@@ -142,49 +126,25 @@ def reference_attention(
     s = q.shape[1]
     positions = torch.arange(s, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, probs)
+        t is not None and t.requires_grad for t in (q, k, v, pattern.probs)
     )
     block_fn_kwargs = dict(
-        window=window,
-        mode=mode,
-        gate_lambda=gate_lambda,
-        softcap=softcap,
-        scale=scale,
-        local_only=local_only,
-        sinks=sinks,
+        window=pattern.window,
+        mode=pattern.mode,
+        gate_lambda=pattern.gate_lambda,
+        softcap=pattern.softcap,
+        scale=pattern.scale,
+        local_only=pattern.local_only,
+        sinks=pattern.sinks,
     )
     outs, lses = [], []
     for start in range(0, s, q_block):
         end = min(s, start + q_block)
-        k_start = max(0, start - window) if local_only else 0
-        if documents is not None and sinks:  # each document's sinks: any earlier key may be one
-            k_start = 0
-        keys = slice(k_start, end)
-        if min(sinks, k_start):  # a local-only block's window plus the sinks before it
-            keys = torch.cat([positions[: min(sinks, k_start)], positions[k_start:end]])
-
-        def key_rows(t: Tensor | None, keys=keys) -> Tensor | None:  # [b, s, ...] -> [b, Lk, ...]
-            if t is None:
-                return None
-            return t[:, keys] if isinstance(keys, slice) else t.index_select(1, keys)
-
+        keys = _block_keys(pattern, positions, start, end)
         fn = partial(
-            attend_block,
-            q_pos=positions[start:end],
-            k_pos=positions[keys],
-            **block_fn_kwargs,
+            attend_block, q_pos=positions[start:end], k_pos=positions[keys], **block_fn_kwargs
         )
-        args = (
-            q[:, start:end],
-            key_rows(k),
-            key_rows(v),
-            None if probs is None else probs[:, start:end],
-            key_rows(probs),
-            None if member is None else member[:, start:end],
-            key_rows(member),
-            None if documents is None else documents[:, start:end],
-            key_rows(documents),
-        )
+        args = _block_inputs(q, k, v, pattern, start, end, keys)
         if needs_grad:
             out, lse = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -192,3 +152,41 @@ def reference_attention(
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _block_keys(pattern: AttentionPattern, positions: Tensor, start: int, end: int):
+    """The keys the queries ``[start, end)`` may see: a slice of positions, or ``[Lk]`` indices
+    (a local-only block's window plus the sinks before it)."""
+    k_start = max(0, start - pattern.window) if pattern.local_only else 0
+    if pattern.documents is not None and pattern.sinks:  # any earlier key may be a sink
+        k_start = 0
+    if min(pattern.sinks, k_start):
+        return torch.cat([positions[: min(pattern.sinks, k_start)], positions[k_start:end]])
+    return slice(k_start, end)
+
+
+def _block_inputs(
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, start: int, end: int, keys
+) -> tuple[Tensor | None, ...]:
+    """:func:`attend_block`'s positional inputs for the queries ``[start, end)`` and ``keys``."""
+
+    def key_rows(t: Tensor | None) -> Tensor | None:  # [b, s, ...] -> [b, Lk, ...]
+        if t is None:
+            return None
+        return t[:, keys] if isinstance(keys, slice) else t.index_select(1, keys)
+
+    def query_rows(t: Tensor | None) -> Tensor | None:  # [b, s, ...] -> [b, Lq, ...]
+        return None if t is None else t[:, start:end]
+
+    probs, member, documents = pattern.probs, pattern.member, pattern.documents
+    return (
+        q[:, start:end],
+        key_rows(k),
+        key_rows(v),
+        query_rows(probs),
+        key_rows(probs),
+        query_rows(member),
+        key_rows(member),
+        query_rows(documents),
+        key_rows(documents),
+    )

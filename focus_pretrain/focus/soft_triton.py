@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus.backends import AttentionPattern
+
 HEAD_DIMS = (16, 32, 64, 128, 256)  # tl.arange needs a power of two (and tl.dot >= 16)
 
 
@@ -361,34 +363,14 @@ def soft_gated_attention(
 
 
 def triton_focus_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    probs: Tensor | None,
-    member: Tensor | None,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
-    documents: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern
 ) -> tuple[Tensor, Tensor]:
-    """Backend entry (see :class:`focus_pretrain.focus.attention.Backend`): the soft pattern
-    and sliding-window layers; not the hard pattern."""
-    if not local_only and (mode != "soft" or probs is None):
+    """Backend entry (:class:`~focus_pretrain.focus.backends.Backend`): the soft pattern and
+    sliding-window layers; not the hard one."""
+    if not pattern.local_only and (pattern.mode != "soft" or pattern.probs is None):
         raise ValueError("the triton backend computes the soft pattern, not the hard one")
     return soft_gated_attention(
-        q,
-        k,
-        v,
-        None if local_only else probs,
-        window=window,
-        gate_lambda=gate_lambda,
-        scale=scale,
-        softcap=softcap,
-        sinks=sinks,
-        documents=documents,
-    )
+        q, k, v, None if pattern.local_only else pattern.probs, window=pattern.window,
+        gate_lambda=pattern.gate_lambda, scale=pattern.scale, softcap=pattern.softcap,
+        sinks=pattern.sinks, documents=pattern.documents,
+    )  # fmt: skip

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from focus_pretrain.focus.backends import ring_backend_names
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.deepspeed_overrides import check_deepspeed_overrides
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 CP_MODES = ("a2a", "ring")  # context parallelism: all-to-all (Ulysses) or ring
-RING_BACKENDS = ("auto", "reference", "triton")  # triton: the ring steps' kernel is triton
 
 
 @dataclass(frozen=True)
@@ -109,11 +109,11 @@ class ParallelConfig:
         if cp > 1 and self.cp_mode == "ring":
             for key in ("backend", "inference_backend"):
                 chosen = getattr(model.focus, key)
-                if chosen not in RING_BACKENDS:
+                if chosen not in ring_backend_names():
                     raise ValueError(
                         f"model.focus.{key} {chosen!r} cannot run inside the ring (each ring "
-                        f"step runs the exact per-block attention); use one of {RING_BACKENDS} or "
-                        "parallel.cp_mode 'a2a'"
+                        "step runs the exact per-block attention); use one of "
+                        f"{ring_backend_names()} or parallel.cp_mode 'a2a'"
                     )
 
     def check_seq_length(self, seq_len: int, name: str = "data.seq_length") -> None:

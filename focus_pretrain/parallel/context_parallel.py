@@ -39,8 +39,9 @@ from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_seque
 from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
+from focus_pretrain.focus.backends import get_backend, ring_backend_names
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
-from focus_pretrain.parallel.config import RING_BACKENDS, check_cp_heads, check_cp_seq_length
+from focus_pretrain.parallel.config import check_cp_heads, check_cp_seq_length
 from focus_pretrain.parallel.ring import RingStats, check_document_starts, ring_focus_attention
 from focus_pretrain.parallel.sharding import gather_sequence, rank_major_orders
 
@@ -154,7 +155,7 @@ def context_parallel_attention(
         attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
             softcap, scale, local_only, check_finite, sinks, backend; the ring computes every block
             with the exact per-block attention, so it takes only the backends
-            :data:`~focus_pretrain.parallel.config.RING_BACKENDS`).
+            :func:`~focus_pretrain.focus.backends.ring_backend_names`).
 
     Returns:
         ``[b, s_loc, H, D]``.
@@ -191,13 +192,15 @@ def ring_block_kernel(backend: str) -> str:
     Raises:
         ValueError: a backend that has no per-block form in the ring.
     """
-    kernels = {"auto": "auto", "reference": "blockwise", "triton": "triton"}
-    if backend not in kernels or backend not in RING_BACKENDS:
+    if backend == "auto":
+        return "auto"
+    if backend not in ring_backend_names():
         raise ValueError(
             f"backend {backend!r} cannot run inside the ring (each ring step runs the exact "
-            f"per-block attention); use one of {', '.join(RING_BACKENDS)} or cp_mode 'a2a'"
+            f"per-block attention); use one of {', '.join(ring_backend_names())} or cp_mode "
+            "'a2a'"
         )
-    return kernels[backend]
+    return get_backend(backend).ring_block
 
 
 def _column_logsumexp(group: dist.ProcessGroup):

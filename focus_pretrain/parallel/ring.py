@@ -62,16 +62,17 @@ from focus_pretrain.focus.pattern import at_least_fp32
 from focus_pretrain.focus.pattern_blocks import block_has_pair
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.parallel.ring_kernels import (
+    RING_BLOCK_KERNELS,
     backward_block_kernel,
-    flex_attend_block,
     resolve_block_kernel,
-    triton_attend_block,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
 from focus_pretrain.validation import check_int
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
-FUSED_KERNELS = {"flex": flex_attend_block, "triton": triton_attend_block}  # one call per step
+FUSED_KERNELS = {  # one call per step
+    name: fn for name, fn in RING_BLOCK_KERNELS.items() if name != "blockwise"
+}
 
 
 @dataclass

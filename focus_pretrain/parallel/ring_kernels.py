@@ -55,8 +55,8 @@ from focus_pretrain.focus.flex import (
 )
 from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rule, soft_cap
 from focus_pretrain.focus.pattern_blocks import block_predicates, summarise_blocks
+from focus_pretrain.focus.reference import attend_block
 
-BLOCK_KERNELS = ("auto", "blockwise", "flex", "triton")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
 
 
@@ -378,3 +378,13 @@ def triton_attend_block(
         window=window, gate_lambda=gate_lambda, scale=scale, softcap=softcap, sinks=sinks,
         doc_q=doc_q, doc_k=doc_k, pos_q=q_pos, pos_k=k_pos,
     )  # fmt: skip
+
+
+# The ring step kernels by name (a backend's ``ring_block``, :mod:`focus_pretrain.focus.backends`):
+# the reference's blockwise attention and the two fused ones; ``auto`` picks among them.
+RING_BLOCK_KERNELS = {
+    "blockwise": attend_block,
+    "flex": flex_attend_block,
+    "triton": triton_attend_block,
+}
+BLOCK_KERNELS = ("auto", *RING_BLOCK_KERNELS)

@@ -213,21 +213,23 @@ def receptive_field(rank: int, world_size: int, model_kwargs: dict, focus_kwargs
 
 def backend_calls(rank: int, world_size: int, model_kwargs: dict, cases: list) -> list[dict]:
     """Per ``focus_kwargs`` case: which backends one train and one eval forward called."""
-    from focus_pretrain.focus import attention
+    import dataclasses
+
+    from focus_pretrain.focus import backends
 
     _init(world_size)
     calls: dict[str, int] = {}
 
     def counting(backend):
-        def fn(*args, **kwargs):
-            key = f"{kwargs['mode']}:{backend.name}"
+        def fn(q, k, v, pattern):
+            key = f"{pattern.mode}:{backend.name}"
             calls[key] = calls.get(key, 0) + 1
-            return backend.fn(*args, **kwargs)
+            return backend.fn(q, k, v, pattern)
 
-        return attention.Backend(backend.name, fn, backend.priority)
+        return dataclasses.replace(backend, fn=fn)
 
-    for backend in list(attention._BACKENDS.values()):
-        attention.register_backend(counting(backend))
+    for backend in list(backends._BACKENDS.values()):
+        backends.register_backend(counting(backend))
     results = []
     for focus_kwargs in cases:
         config, model = _build(world_size, model_kwargs, focus_kwargs)

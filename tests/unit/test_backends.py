@@ -19,8 +19,10 @@ from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.attention import (
     CPU_DECOMPOSED_MIN_SEQ,
     AttentionRequest,
+    available_backends,
     select_backend,
 )
+from focus_pretrain.focus.backends import get_backend
 from focus_pretrain.focus.band import band_attention, sink_attention
 from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
 from focus_pretrain.focus.lse import merge_by_lse
@@ -64,11 +66,35 @@ def problems(draw):
     )
 
 
-def backend_names(p: dict) -> list[str]:
-    names = ["flex"]
-    if p["local_only"] or (p["mode"] == "hard" and p["top_k"] == 1 and p["softcap"] is None):
-        names.append("decomposed")
+# registered backends that the random cases here leave out, and where they meet the reference
+CHECKED_ELSEWHERE = {"triton": "tests/unit/test_soft_triton.py (Triton's interpreter is slow)"}
+
+
+def backend_names(p: dict, dtype: torch.dtype = torch.float32) -> list[str]:
+    """The registered backends that say they run ``p`` exactly on this CPU (the registry's own
+    answer, so a new backend is checked here as soon as it registers), but the reference."""
+    req = request(
+        dtype=dtype, batch=p["b"], seq=p["n"], heads=p["h"], heads_kv=p["hkv"], head_dim=p["d"],
+        mode=p["mode"], top_k=p["top_k"], local_only=p["local_only"], window=p["window"],
+        softcap=p["softcap"] is not None, sinks=p.get("sinks", 0),
+    )  # fmt: skip
+    names = [
+        name
+        for name in available_backends()
+        if name != "reference"
+        and name not in CHECKED_ELSEWHERE
+        and get_backend(name).refusal(req) is None
+    ]
+    assert "flex" in names  # CPU FlexAttention runs every pattern forward: never an empty check
     return names
+
+
+def test_every_registered_backend_is_checked_against_the_reference():
+    assert set(CHECKED_ELSEWHERE) <= set(available_backends())
+    p = problem(local_only=True)  # a sliding-window layer: every backend computes it
+    assert set(backend_names(p)) | set(CHECKED_ELSEWHERE) | {"reference"} == set(
+        available_backends()
+    )
 
 
 def run(p: dict, backend: str, dtype: torch.dtype):
@@ -122,7 +148,7 @@ def test_backends_equal_reference_bf16(mode, top_k, local_only):
     with torch.no_grad():
         want, _ = run(p, "reference", torch.bfloat16)
         exact, _ = run(p, "reference", torch.float32)
-        for name in backend_names(p):
+        for name in backend_names(p, torch.bfloat16):
             got, _ = run(p, name, torch.bfloat16)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

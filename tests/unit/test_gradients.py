@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from focus_pretrain.focus import FocusRouter, Routing, focus_attention
-from focus_pretrain.focus.reference import reference_attention
 from tests.helpers import random_probs, random_qkv
+from tests.helpers import reference_call as reference_attention
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from focus_pretrain.focus import Routing, focus_attention
-from focus_pretrain.focus.reference import reference_attention
 from tests.helpers import brute_force_focus, random_probs, random_qkv
+from tests.helpers import reference_call as reference_attention
 
 
 @st.composite

@@ -1,0 +1,263 @@
+"""The attention backends' registry: what each backend computes, how to call it, and which of
+the ring's per-block kernels serves it.
+
+A backend is a :class:`Backend`: a name, a function with one signature (:data:`BackendFn`: ``q,
+k, v`` and the :class:`AttentionPattern` to compute), its :class:`Capabilities` (modes,
+``top_k``, documents, sinks, soft-capping, devices, gradients) and a ``priority`` that says, for
+a request the capabilities allow, whether the backend is available here (``None``: not, e.g.
+no FlexAttention or no Triton) and how fast it is (``auto`` picks the highest). A backend named
+by the user is used, or refused with the reason (:meth:`Backend.refusal`); nothing is
+substituted.
+
+Every list of backend names is derived from the registry: :func:`backend_names` (what
+``focus.inference_backend`` accepts), :func:`training_backend_names` (the differentiable soft
+pattern: ``focus.backend``), :func:`ring_backend_names` (the backends a ring step can run, by
+their ``ring_block`` kernel). The backends register in :mod:`focus_pretrain.focus.attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MODES = ("soft", "hard", "local")  # local: a sliding-window layer (no routing)
+
+
+@dataclass(frozen=True)
+class AttentionPattern:
+    """The Focus pattern one call computes (:mod:`focus_pretrain.focus.pattern`), validated by
+    :func:`~focus_pretrain.focus.attention.focus_attention`.
+
+    Attributes:
+        window: the local window ``w >= 0``.
+        mode: ``"soft"`` or ``"hard"`` (ignored when ``local_only``).
+        local_only: a sliding-window layer: the window and the sinks only.
+        gate_lambda: the soft gate's sharpness; softcap: logit soft-capping or ``None``.
+        scale: the score scale.
+        sinks: attention sinks ``S >= 0`` (the first ``S`` tokens of each document).
+        probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
+        member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
+        documents: ``[b, s]`` int64 document starts, or ``None`` (one document per sample).
+    """
+
+    window: int
+    mode: str
+    local_only: bool
+    gate_lambda: float
+    softcap: float | None
+    scale: float
+    sinks: int = 0
+    probs: Tensor | None = None
+    member: Tensor | None = None
+    documents: Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"local"``, ``"soft"`` or ``"hard"``: what the pattern is."""
+        return "local" if self.local_only else self.mode
+
+
+BackendFn = Callable[[Tensor, Tensor, Tensor, AttentionPattern], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """What a backend is asked to compute (enough to decide whether it can, and how fast).
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"``, ...; dtype: the inputs' dtype.
+        batch, seq, heads, heads_kv, head_dim: the shapes.
+        mode: ``"soft"`` or ``"hard"``; top_k: groups per token (hard mode).
+        local_only: a sliding-window layer; window: the local window.
+        softcap: whether Gemma-2 soft-capping is on.
+        needs_grad: whether autograd will differentiate through the call.
+        sinks: attention sinks (every built-in backend is exact for any number).
+        documents: whether the sequences are packed documents (``documents=`` given).
+    """
+
+    device: str
+    dtype: torch.dtype
+    batch: int
+    seq: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    mode: str
+    top_k: int
+    local_only: bool
+    window: int
+    softcap: bool
+    needs_grad: bool
+    sinks: int = 0
+    documents: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``"local"``, ``"soft"`` or ``"hard"``."""
+        return "local" if self.local_only else self.mode
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend computes exactly (every backend computes the same function where it runs).
+
+    Attributes:
+        modes: a subset of :data:`MODES`.
+        max_top_k: the largest ``top_k`` of the hard mode (``None``: any).
+        documents, sinks, softcap: whether it takes packed documents, sinks, soft-capping.
+        devices: the device types it runs on (``None``: any).
+        gradients_on: the device types where it differentiates (``None``: wherever it runs).
+    """
+
+    modes: frozenset[str]
+    max_top_k: int | None = None
+    documents: bool = True
+    sinks: bool = True
+    softcap: bool = True
+    devices: frozenset[str] | None = None
+    gradients_on: frozenset[str] | None = None
+
+    def refusal(self, r: AttentionRequest) -> str | None:
+        """Why ``r`` is outside these capabilities (``None``: it is inside)."""
+        checks = (
+            (r.kind not in self.modes, f"mode {r.kind!r} (it computes {sorted(self.modes)})"),
+            (
+                r.kind == "hard" and self.max_top_k is not None and r.top_k > self.max_top_k,
+                f"top_k={r.top_k} (at most {self.max_top_k})",
+            ),
+            (r.documents and not self.documents, "packed documents"),
+            (r.sinks > 0 and not self.sinks, "attention sinks"),
+            (r.softcap and not self.softcap, "soft-capping"),
+            (
+                self.devices is not None and r.device not in self.devices,
+                f"device {r.device!r} (it runs on {sorted(self.devices or ())})",
+            ),
+            (
+                r.needs_grad and not self.differentiates_on(r.device),
+                f"gradients on {r.device!r}",
+            ),
+        )
+        reasons = [why for failed, why in checks if failed]
+        return ", ".join(reasons) if reasons else None
+
+    def computes(self, mode: str, top_k: int) -> bool:
+        """Whether it computes the routed pattern ``mode`` (``"soft"``/``"hard"``) at
+        ``top_k``."""
+        too_many = mode == "hard" and self.max_top_k is not None and top_k > self.max_top_k
+        return mode in self.modes and not too_many
+
+    def describe(self) -> str:
+        """The routed patterns it computes, in words (``"hard top-1 attention"``, ...)."""
+        hard = (
+            "hard attention" if self.max_top_k is None else f"hard top-{self.max_top_k} attention"
+        )
+        words = {"soft": "the soft pattern", "hard": hard}
+        routed = [words[m] for m in ("soft", "hard") if m in self.modes]
+        return " and ".join(routed) if routed else "sliding-window layers"
+
+    def differentiates_on(self, device: str) -> bool:
+        """Whether it differentiates on ``device`` (a device type)."""
+        return self.gradients_on is None or device in self.gradients_on
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention backend.
+
+    Attributes:
+        name: what ``backend=`` selects.
+        fn: ``fn(q, k, v, pattern) -> (out [b, s, H, D], lse [b, s, H] fp32)``
+            (:data:`BackendFn`).
+        capabilities: what it computes (:class:`Capabilities`).
+        priority: ``priority(request) -> int | None`` for a request inside the capabilities:
+            ``None`` when the backend is not available for it here (a missing library, a dtype
+            or head dim its kernels do not take); otherwise ``auto`` picks the highest.
+        ring_block: the ring step kernel that computes this backend's attention per block
+            (:mod:`focus_pretrain.parallel.ring_kernels`), or ``None``: not in the ring.
+    """
+
+    name: str
+    fn: BackendFn
+    capabilities: Capabilities
+    priority: Callable[[AttentionRequest], int | None]
+    ring_block: str | None = None
+
+    def refusal(self, request: AttentionRequest) -> str | None:
+        """Why this backend cannot run ``request`` exactly (``None``: it can)."""
+        reason = self.capabilities.refusal(request)
+        if reason is None and self.priority(request) is None:
+            reason = (
+                f"{request.dtype} with head_dim {request.head_dim} on {request.device} here "
+                "(its library or kernels are not available for these)"
+            )
+        return reason
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> None:
+    """Add (or replace) a backend under ``backend.name``."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is the automatic choice, not a backend name")
+    _BACKENDS[backend.name] = backend
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=`` (besides ``"auto"``), sorted."""
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend ``name`` (``ValueError`` naming the choices otherwise)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {available_backends()}, got {name!r}")
+    return _BACKENDS[name]
+
+
+def backend_names() -> tuple[str, ...]:
+    """``"auto"`` and every registered backend, in registration order."""
+    return ("auto", *_BACKENDS)
+
+
+def training_backend_names() -> tuple[str, ...]:
+    """``"auto"`` and the backends of the soft pattern that differentiate somewhere."""
+    return (
+        "auto",
+        *(
+            b.name
+            for b in _BACKENDS.values()
+            if "soft" in b.capabilities.modes and b.capabilities.gradients_on != frozenset()
+        ),
+    )
+
+
+def ring_backend_names() -> tuple[str, ...]:
+    """``"auto"`` and the backends a ring step computes (those with a ``ring_block``)."""
+    return ("auto", *(b.name for b in _BACKENDS.values() if b.ring_block is not None))
+
+
+def select_backend(name: str, request: AttentionRequest) -> Backend:
+    """The backend ``name``, checked to run ``request`` exactly (``ValueError`` with the reason
+    otherwise), or for ``"auto"`` the fastest that can."""
+    if name == "auto":
+        ranked = [
+            (b.priority(request), b.name)
+            for b in _BACKENDS.values()
+            if b.capabilities.refusal(request) is None
+        ]
+        return _BACKENDS[max((p, n) for p, n in ranked if p is not None)[1]]
+    chosen = get_backend(name)
+    reason = chosen.refusal(request)
+    if reason is not None:
+        raise ValueError(
+            f"backend {name!r} cannot run mode={request.mode!r}, top_k={request.top_k}, "
+            f"local_only={request.local_only}, softcap={request.softcap}, sinks={request.sinks}, "
+            f"documents={request.documents}, needs_grad={request.needs_grad}, "
+            f"head_dim={request.head_dim} on {request.device} with {request.dtype}: it does not "
+            f"take {reason}; use backend='auto'"
+        )
+    return chosen
