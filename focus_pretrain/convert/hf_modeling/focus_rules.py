@@ -1,0 +1,56 @@
+"""The Focus pattern's rules: the standalone copy shipped with every export.
+
+An exported model runs without ``focus_pretrain`` installed (only torch and transformers), so the
+rules of its pattern are copied here from the package's spec, ``focus_pretrain/focus/
+pattern.py``: the soft gate, logit soft-capping, group intersection and the pair rule (causal,
+one document, window, sinks). ``tests/unit/test_hf_rules.py`` checks every function here against
+the spec on random inputs; ``modeling_focus.py`` and ``focus_cache.py`` use only these.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
+    """The soft gate ``log sigmoid(lambda * (affinity - 1/2))`` (``affinity = g_i . g_j``, the
+    soft co-membership), elementwise, at least fp32: ``min(x, 0) - log1p(exp(-|x|))``."""
+    affinity = affinity.to(torch.promote_types(affinity.dtype, torch.float32))
+    x = gate_lambda * (affinity - 0.5)
+    return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+
+
+def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
+    """Logit soft-capping ``cap * tanh(scores / cap)``; ``cap=None``: unchanged."""
+    if cap is None:
+        return scores
+    return cap * torch.tanh(scores / cap)
+
+
+def groups_intersect(member_q: Tensor, member_k: Tensor) -> Tensor:
+    """Elementwise (broadcasting) bool: do the int64 group-membership bitmasks intersect?"""
+    return (member_q & member_k) != 0
+
+
+def pair_rule(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    window: int,
+    sinks: int = 0,
+    q_doc: Tensor | None = None,
+    k_doc: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(causal, near)`` bool of broadcast-compatible query and key positions (and document
+    starts): ``causal`` is ``j <= i`` in one document; ``near`` is ``i - j <= window`` or a sink
+    key (``j - d_j < sinks``). Always attended: ``causal & near``; the rest of ``causal`` is
+    gated (soft), routed (hard: a shared group) or cut (window-only layers)."""
+    causal = k_pos <= q_pos
+    offset = k_pos if k_doc is None else k_pos - k_doc
+    if q_doc is not None and k_doc is not None:
+        causal = causal & (q_doc == k_doc)
+    near = q_pos - k_pos <= window
+    if sinks:
+        near = near | (offset < sinks)
+    return causal, near
