@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.focus.lse import merge_by_lse
-from focus_pretrain.focus.pattern import at_least_fp32, causal_and_local, sink_only_pairs, soft_cap
+from focus_pretrain.focus.pattern import (
+    at_least_fp32,
+    causal_and_local,
+    groups_intersect,
+    pair_rule,
+    soft_cap,
+)
 from focus_pretrain.focus.reference import softmax_with_lse
 
 DEFAULT_BAND_BLOCK = 64
@@ -156,54 +162,17 @@ def sink_attention(
     if s == 0 or first == n:
         return out, lse
     q5 = at_least_fp32(q).reshape(b, n, hkv, h // hkv, d)  # [b, n, Hkv, G, D]
-    per_row = b * s * (h if documents is None else h + 2 * hkv * d)  # scores (+ gathered k, v)
+    if documents is None:  # one document per sample: every query's sinks are keys 0 .. S - 1
+        documents = torch.zeros(b, n, dtype=torch.int64, device=q.device)
+    per_row = b * s * (h + 2 * hkv * d)  # scores and the gathered keys and values
     rows = max(1, max_scores // max(1, per_row))
     kwargs = dict(window=window, sinks=sinks, scale=scale, softcap=softcap, member=member)
     for r0 in range(first, n, rows):  # chunks of query rows bound the memory
         r1 = min(n, r0 + rows)
-        if documents is None:
-            part, part_lse = _shared_sinks(q5, k, v, r0, r1, **kwargs)
-        else:
-            part, part_lse = _document_sinks(q5, k, v, r0, r1, documents=documents, **kwargs)
+        part, part_lse = _document_sinks(q5, k, v, r0, r1, documents=documents, **kwargs)
         out[:, r0:r1] = part.reshape(b, r1 - r0, h, d).to(q.dtype)  # [b, r, H, D]
         lse[:, r0:r1] = part_lse  # [b, r, H]
     return out, lse
-
-
-def _shared_sinks(
-    q5: Tensor,
-    k: Tensor,
-    v: Tensor,
-    r0: int,
-    r1: int,
-    *,
-    window: int,
-    sinks: int,
-    scale: float,
-    softcap: float | None,
-    member: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    """Sink-only part of queries ``[r0, r1)`` (``q5 [b, n, Hkv, G, D]``) with one document per
-    sample: every query against the first ``S`` keys, masked by
-    :func:`~focus_pretrain.focus.pattern.sink_only_pairs`. Returns ``([b, r, Hkv, G, D],
-    [b, r, H])``."""
-    b, s = q5.shape[0], min(sinks, k.shape[1])
-    positions = torch.arange(r1, device=k.device)
-    k_s, v_s = at_least_fp32(k[:, :s]), at_least_fp32(v[:, :s])  # [b, S, Hkv, D]
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", q5[:, r0:r1], k_s) * scale  # [b, Hkv, G, r, S]
-    scores = soft_cap(scores, softcap)
-    allowed = sink_only_pairs(
-        positions[r0:r1],
-        positions[:s],
-        window,
-        sinks,
-        member_q=None if member is None else member[:, r0:r1],
-        member_k=None if member is None else member[:, :s],
-    )  # [b|1, r, S]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, r, S], [b, Hkv, G, r]
-    part = torch.einsum("bhgqk,bkhd->bqhgd", weights, v_s)  # [b, r, Hkv, G, D]
-    return part, lse.permute(0, 3, 1, 2).reshape(b, r1 - r0, -1)  # [b, r, H]
 
 
 def _document_sinks(
@@ -220,8 +189,9 @@ def _document_sinks(
     member: Tensor | None,
     documents: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """Sink-only part of queries ``[r0, r1)`` (``q5 [b, n, Hkv, G, D]``) of packed documents:
-    each query against its own document's first ``S`` positions ``d_i + t`` (``t < S``),
+    """Sink-only part of queries ``[r0, r1)`` (``q5 [b, n, Hkv, G, D]``) given each token's
+    document start (all zeros: one document per sample): each query against its own
+    document's first ``S`` positions ``d_i + t`` (``t < S``),
     gathered per query; the allowed pairs are those of
     :func:`~focus_pretrain.focus.pattern.sink_only_pairs` with ``q_doc``/``k_doc``: causal,
     beyond the window and, with ``member``, sharing no group (a causal key ``d_i <= j <= i``
@@ -231,11 +201,12 @@ def _document_sinks(
     s = min(sinks, n)
     query = torch.arange(r0, r1, device=k.device)[None, :, None]  # [1, r, 1]
     key = documents[:, r0:r1, None] + torch.arange(s, device=k.device)  # [b, r, S] positions
-    allowed = (key <= query) & (query - key > window)  # [b, r, S]
+    causal, near = pair_rule(query, key, window=window)  # [b, r, S] each
+    allowed = causal & ~near  # beyond the window: the pairs only the sinks allow
     key = key.clamp(max=n - 1)  # past the end only when not causal (masked above)
     if member is not None:
         key_member = member.gather(1, key.reshape(b, -1)).view_as(key)  # [b, r * S] -> [b, r, S]
-        allowed = allowed & ((member[:, r0:r1, None] & key_member) == 0)
+        allowed = allowed & ~groups_intersect(member[:, r0:r1, None], key_member)
     # gathered straight into [b, r, Hkv, S, D] (batched matmuls over (b, r, Hkv), no transposes)
     sample = torch.arange(b, device=k.device)[:, None, None, None]  # [b, 1, 1, 1]
     head = torch.arange(hkv, device=k.device)[None, None, :, None]  # [1, 1, Hkv, 1]
