@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import sys
 
 import pytest
 import transformers
@@ -77,6 +78,18 @@ def test_hf_names_resolve_in_transformers_and_the_shipped_code(name):
     assert focus_config.model_type == f"focus_{description.hf_model_type}"
     assert focus_model.config_class is focus_config
     assert hf_family(description.hf_model_type) is description
+    shipped = sys.modules[focus_config.__module__].FAMILY_CLASSES  # the shipped code's table
+    assert shipped[description.class_stem] == (
+        description.hf_config_class,
+        description.hf_model_class,
+    )
+
+
+def test_the_shipped_table_has_exactly_the_registered_families():
+    from focus_pretrain.convert.hf_export import _shipped_configuration
+
+    stems = {f.class_stem for f in REGISTRY.values()}
+    assert set(_shipped_configuration().FAMILY_CLASSES) == stems
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -42,16 +42,21 @@ def _require_transformers() -> None:
 
 _require_transformers()
 
-from transformers import (  # noqa: E402 (after the version check: older releases lack some)
-    Gemma2Config,
-    Gemma3TextConfig,
-    GPT2Config,
-    LlamaConfig,
-    MistralConfig,
-    Olmo2Config,
-    Qwen2Config,
-    Qwen3Config,
-)
+# The families this code knows, one line each: Focus<stem>Config and Focus<stem>ForCausalLM
+# subclass transformers' config and causal-LM classes named here (model_type
+# ``focus_<its model_type>``); the classes are generated below and in modeling_focus.py. The
+# family descriptions of focus_pretrain (``class_stem``, ``hf_config_class``,
+# ``hf_model_class``) name the same (tested).
+FAMILY_CLASSES = {
+    "GPT2": ("GPT2Config", "GPT2LMHeadModel"),
+    "Llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "Mistral": ("MistralConfig", "MistralForCausalLM"),
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),  # the text-only Gemma-3
+}
 
 FOCUS_DEFAULTS = {
     "enabled": True,
@@ -200,57 +205,24 @@ def _with_focus(self, focus, kwargs, base) -> None:
     base.__init__(self, **kwargs)
 
 
-class FocusGPT2Config(GPT2Config):
-    model_type = "focus_gpt2"
+def _focus_config_class(stem: str, base: type) -> type:
+    """``Focus<stem>Config``: the family's config ``base`` plus the ``focus`` dict."""
 
     def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, GPT2Config)
+        _with_focus(self, focus, kwargs, base)
+
+    name = f"Focus{stem}Config"
+    namespace = {
+        "model_type": f"focus_{base.model_type}",
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"{base.__name__} with the Focus settings (``focus``).",
+    }
+    return type(base)(name, (base,), namespace)
 
 
-class FocusLlamaConfig(LlamaConfig):
-    model_type = "focus_llama"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, LlamaConfig)
-
-
-class FocusMistralConfig(MistralConfig):
-    model_type = "focus_mistral"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, MistralConfig)
-
-
-class FocusQwen2Config(Qwen2Config):
-    model_type = "focus_qwen2"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, Qwen2Config)
-
-
-class FocusOlmo2Config(Olmo2Config):
-    model_type = "focus_olmo2"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, Olmo2Config)
-
-
-class FocusGemma2Config(Gemma2Config):
-    model_type = "focus_gemma2"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, Gemma2Config)
-
-
-class FocusQwen3Config(Qwen3Config):
-    model_type = "focus_qwen3"
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, Qwen3Config)
-
-
-class FocusGemma3Config(Gemma3TextConfig):
-    model_type = "focus_gemma3_text"  # the text-only Gemma-3 (HF model_type gemma3_text)
-
-    def __init__(self, focus: dict | None = None, **kwargs) -> None:
-        _with_focus(self, focus, kwargs, Gemma3TextConfig)
+FOCUS_CONFIG_CLASSES: dict[str, type] = {}  # stem -> Focus<stem>Config
+for _stem, (_config_name, _) in FAMILY_CLASSES.items():
+    FOCUS_CONFIG_CLASSES[_stem] = _focus_config_class(_stem, getattr(transformers, _config_name))
+    globals()[f"Focus{_stem}Config"] = FOCUS_CONFIG_CLASSES[_stem]

@@ -42,20 +42,9 @@ import types
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import Tensor, nn
-from transformers import (
-    AttentionInterface,
-    AttentionMaskInterface,
-    Cache,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    GPT2LMHeadModel,
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Olmo2ForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from transformers import AttentionInterface, AttentionMaskInterface, Cache
 from transformers.masking_utils import sdpa_mask
 
 try:  # the fast exact backends, when the training package is installed
@@ -63,17 +52,7 @@ try:  # the fast exact backends, when the training package is installed
 except ImportError:  # standalone: the dense path below
     _package_focus_attention = None
 
-from .configuration_focus import (
-    FocusGemma2Config,
-    FocusGemma3Config,
-    FocusGPT2Config,
-    FocusLlamaConfig,
-    FocusMistralConfig,
-    FocusOlmo2Config,
-    FocusQwen2Config,
-    FocusQwen3Config,
-    checked_focus,
-)
+from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
 
 _PACKAGE_DOCUMENTS = _package_focus_attention is not None and (
@@ -478,68 +457,31 @@ def _keep_focus_attention(self, attn_implementation, *args, **kwargs):
     return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
 
 
-class FocusGPT2ForCausalLM(GPT2LMHeadModel):
-    config_class = FocusGPT2Config
+def _focus_model_class(stem: str, base: type, config_class: type) -> type:
+    """``Focus<stem>ForCausalLM``: the family's causal LM ``base`` with Focus routers."""
 
     def __init__(self, config) -> None:
-        super().__init__(config)
+        base.__init__(self, config)
         _attach_routers(self, config)
 
-
-class FocusLlamaForCausalLM(LlamaForCausalLM):
-    config_class = FocusLlamaConfig
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
-
-
-class FocusMistralForCausalLM(MistralForCausalLM):
-    config_class = FocusMistralConfig
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
+    name = f"Focus{stem}ForCausalLM"
+    namespace = {
+        "config_class": config_class,
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"{base.__name__} whose attention layers are Focus layers.",
+    }
+    return type(base)(name, (base,), namespace)
 
 
-class FocusQwen2ForCausalLM(Qwen2ForCausalLM):
-    config_class = FocusQwen2Config
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
-
-
-class FocusOlmo2ForCausalLM(Olmo2ForCausalLM):
-    config_class = FocusOlmo2Config
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
-
-
-class FocusGemma2ForCausalLM(Gemma2ForCausalLM):
-    config_class = FocusGemma2Config
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
-
-
-class FocusQwen3ForCausalLM(Qwen3ForCausalLM):
-    config_class = FocusQwen3Config
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
-
-
-class FocusGemma3ForCausalLM(Gemma3ForCausalLM):
-    config_class = FocusGemma3Config
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        _attach_routers(self, config)
+for _stem, (_, _model_name) in FAMILY_CLASSES.items():  # one class per family of the table
+    globals()[f"Focus{_stem}Config"] = FOCUS_CONFIG_CLASSES[_stem]  # importable from here too
+    globals()[f"Focus{_stem}ForCausalLM"] = _focus_model_class(
+        _stem,
+        getattr(transformers, _model_name),
+        FOCUS_CONFIG_CLASSES[_stem],
+    )
 
 
 def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:
