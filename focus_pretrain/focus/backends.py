@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -61,6 +62,31 @@ class AttentionPattern:
 
 
 BackendFn = Callable[[Tensor, Tensor, Tensor, AttentionPattern], tuple[Tensor, Tensor]]
+
+
+class BlockSide(NamedTuple):
+    """One side (queries or keys) of a block for the per-block kernels
+    (:func:`~focus_pretrain.focus.reference.attend_block`, the ring's fused kernels).
+
+    Attributes:
+        pos: ``[L]`` (or ``[b, L]``) global positions: any increasing positions (a ring step's
+            zigzag chunks); keys of a document's first ``sinks`` positions are sinks.
+        probs: ``[b, L, K]`` soft assignments (soft mode), else ``None``.
+        member: ``[b, L]`` int64 membership bitmasks (hard mode), else ``None``.
+        doc: ``[b, L]`` int64 document starts, or ``None``.
+    """
+
+    pos: Tensor
+    probs: Tensor | None = None
+    member: Tensor | None = None
+    doc: Tensor | None = None
+
+
+# a per-block kernel: ``(q [b, Lq, H, D], k, v [b, Lk, Hkv, D], pattern, queries, keys) -> (out,
+# lse)``; it reads the pattern's parameters (window, mode, ...), the sides carry the tokens' data
+BlockFn = Callable[
+    [Tensor, Tensor, Tensor, AttentionPattern, BlockSide, BlockSide], tuple[Tensor, Tensor]
+]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from focus_pretrain.focus.backends import AttentionPattern
+from focus_pretrain.focus.backends import AttentionPattern, BlockSide
 from focus_pretrain.focus.pattern import at_least_fp32, pair_bias, soft_cap
 
 DEFAULT_Q_BLOCK = 128
@@ -29,32 +29,19 @@ def attend_block(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs_q: Tensor | None,
-    probs_k: Tensor | None,
-    member_q: Tensor | None,
-    member_k: Tensor | None,
-    doc_q: Tensor | None = None,
-    doc_k: Tensor | None = None,
-    *,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
+    pattern: AttentionPattern,
+    queries: BlockSide,
+    keys: BlockSide,
 ) -> tuple[Tensor, Tensor]:
     """Exact Focus attention of a block of queries on a block of keys.
 
     Args:
         q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
-        probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
-        member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
-        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts (packed documents) or ``None``.
-        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions (keys at global positions
-            ``< sinks`` are attention sinks).
+        pattern: the pattern's parameters (window, mode, gate, soft-cap, scale, local-only,
+            sinks); its tensors are not read.
+        queries, keys: the two sides' positions ``[Lq]``, ``[Lk]``, soft assignments (soft
+            mode), memberships (hard mode) and document starts
+            (:class:`~focus_pretrain.focus.backends.BlockSide`).
 
     Returns:
         ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a query with no
@@ -64,23 +51,14 @@ def attend_block(
     b, lq, h, d = q.shape
     hkv = k.shape[2]
     q5 = at_least_fp32(q).reshape(b, lq, hkv, h // hkv, d)  # [b, Lq, Hkv, G, D]
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, at_least_fp32(k)) * scale  # [b, Hkv, G, Lq, Lk]
-    scores = soft_cap(scores, softcap)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q5, at_least_fp32(k)) * pattern.scale
+    scores = soft_cap(scores, pattern.softcap)
     bias = pair_bias(
-        q_pos,
-        k_pos,
-        window,
-        mode=mode,
-        probs_q=probs_q,
-        probs_k=probs_k,
-        member_q=member_q,
-        member_k=member_k,
-        gate_lambda=gate_lambda,
-        local_only=local_only,
-        sinks=sinks,
-        q_doc=doc_q,
-        k_doc=doc_k,
-    )  # [b|1, Lq, Lk]
+        queries.pos, keys.pos, pattern.window, mode=pattern.mode, probs_q=queries.probs,
+        probs_k=keys.probs, member_q=queries.member, member_k=keys.member,
+        gate_lambda=pattern.gate_lambda, local_only=pattern.local_only, sinks=pattern.sinks,
+        q_doc=queries.doc, k_doc=keys.doc,
+    )  # fmt: skip  # [b|1, Lq, Lk]
     scores = scores + bias[:, None, None]  # broadcast over [Hkv, G]
     weights, lse = softmax_with_lse(scores)  # [b, Hkv, G, Lq, Lk], [b, Hkv, G, Lq]
     out = torch.einsum("bhgqk,bkhd->bqhgd", weights, at_least_fp32(v))  # [b, Lq, Hkv, G, D]
@@ -128,23 +106,12 @@ def reference_attention(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, pattern.probs)
     )
-    block_fn_kwargs = dict(
-        window=pattern.window,
-        mode=pattern.mode,
-        gate_lambda=pattern.gate_lambda,
-        softcap=pattern.softcap,
-        scale=pattern.scale,
-        local_only=pattern.local_only,
-        sinks=pattern.sinks,
-    )
     outs, lses = [], []
     for start in range(0, s, q_block):
         end = min(s, start + q_block)
         keys = _block_keys(pattern, positions, start, end)
-        fn = partial(
-            attend_block, q_pos=positions[start:end], k_pos=positions[keys], **block_fn_kwargs
-        )
-        args = _block_inputs(q, k, v, pattern, start, end, keys)
+        args = _block_inputs(q, k, v, pattern, positions, start, end, keys)
+        fn = partial(_attend_sides, pattern)
         if needs_grad:
             out, lse = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         else:
@@ -165,10 +132,24 @@ def _block_keys(pattern: AttentionPattern, positions: Tensor, start: int, end: i
     return slice(k_start, end)
 
 
+def _attend_sides(pattern: AttentionPattern, q, k, v, *sides: Tensor | None):
+    """:func:`attend_block` with the two sides' tensors flat (``q_pos, probs, member, doc`` of
+    the queries, then of the keys), as activation checkpointing passes them."""
+    return attend_block(q, k, v, pattern, BlockSide(*sides[:4]), BlockSide(*sides[4:]))
+
+
 def _block_inputs(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, start: int, end: int, keys
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: AttentionPattern,
+    positions: Tensor,
+    start: int,
+    end: int,
+    keys,
 ) -> tuple[Tensor | None, ...]:
-    """:func:`attend_block`'s positional inputs for the queries ``[start, end)`` and ``keys``."""
+    """``q, k, v`` of the queries ``[start, end)`` and ``keys``, then the positions, soft
+    assignments, memberships and document starts of each side (:func:`_attend_sides`)."""
 
     def key_rows(t: Tensor | None) -> Tensor | None:  # [b, s, ...] -> [b, Lk, ...]
         if t is None:
@@ -178,15 +159,13 @@ def _block_inputs(
     def query_rows(t: Tensor | None) -> Tensor | None:  # [b, s, ...] -> [b, Lq, ...]
         return None if t is None else t[:, start:end]
 
-    probs, member, documents = pattern.probs, pattern.member, pattern.documents
+    tokens = (pattern.probs, pattern.member, pattern.documents)
     return (
         q[:, start:end],
         key_rows(k),
         key_rows(v),
-        query_rows(probs),
-        key_rows(probs),
-        query_rows(member),
-        key_rows(member),
-        query_rows(documents),
-        key_rows(documents),
+        positions[start:end],
+        *(query_rows(t) for t in tokens),
+        positions[keys],
+        *(key_rows(t) for t in tokens),
     )

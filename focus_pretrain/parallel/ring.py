@@ -57,6 +57,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.attention import check_documents, check_dtypes, raise_if_not_finite
+from focus_pretrain.focus.backends import AttentionPattern, BlockSide
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32
 from focus_pretrain.focus.pattern_blocks import block_has_pair
@@ -192,19 +193,13 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
         return None
     if stats is not None:
         stats.computed += 1
+    pattern, keys = _block_pattern(options), BlockSide(pos_b, probs_b, member_b, docs_b)
+    queries = BlockSide(positions, probs if soft else None, member, docs)
     if options["kernel"] in FUSED_KERNELS:  # one fused call: no score memory to bound
-        return FUSED_KERNELS[options["kernel"]](
-            q, k_b, v_b, probs if soft else None, probs_b, member, member_b, docs, docs_b,
-            q_pos=positions, k_pos=pos_b, **_block_options(options),
-        )  # fmt: skip
+        return FUSED_KERNELS[options["kernel"]](q, k_b, v_b, pattern, queries, keys)
     outs, lses = [], []
     for rows in _row_chunks(q, k_b.shape[1]):  # bounded score memory, not a group loop
-        out, lse = attend_block(
-            q[:, rows], k_b, v_b, probs[:, rows] if soft else None, probs_b,
-            None if member is None else member[:, rows], member_b,
-            None if docs is None else docs[:, rows], docs_b,
-            q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
-        )  # fmt: skip
+        out, lse = attend_block(q[:, rows], k_b, v_b, pattern, _rows(queries, rows), keys)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
@@ -230,13 +225,12 @@ def _block_grads(q, probs, member, docs, positions, block, soft, options, out, l
         if soft:
             leaves += [probs_b.detach().requires_grad_(True), probs[:, rows].detach()]
             leaves[4].requires_grad_(True)
+        queries = _rows(BlockSide(positions, None, member, docs), rows)._replace(
+            probs=leaves[4] if soft else None
+        )
+        keys = BlockSide(pos_b, leaves[3] if soft else None, member_b, docs_b)
         with torch.enable_grad():
-            out_b, lse_b = attend(
-                leaves[0], leaves[1], leaves[2], leaves[4] if soft else None,
-                leaves[3] if soft else None, None if member is None else member[:, rows],
-                member_b, None if docs is None else docs[:, rows], docs_b,
-                q_pos=positions[rows], k_pos=pos_b, **_block_options(options),
-            )  # fmt: skip
+            out_b, lse_b = attend(*leaves[:3], _block_pattern(options), queries, keys)
             weight = torch.exp(lse_b - lse[:, rows])  # [b, rows, H]: the block's share
             grad_out = d_out[:, rows] * weight[..., None]
             mine = at_least_fp32(out_b) - at_least_fp32(out[:, rows])
@@ -254,11 +248,17 @@ def _block_grads(q, probs, member, docs, positions, block, soft, options, out, l
     return [d_q, d_k, d_v] + ([d_pk, d_pq] if soft else [])
 
 
-def _block_options(options: dict) -> dict:
-    return {
-        key: options[key]
-        for key in ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
-    }
+def _block_pattern(options: dict) -> AttentionPattern:
+    """The pattern's parameters for the per-block kernels (the sides carry the tokens' data)."""
+    keys = ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
+    return AttentionPattern(**{key: options[key] for key in keys})
+
+
+def _rows(side: BlockSide, rows: slice) -> BlockSide:
+    """The query side restricted to ``rows`` (``[Lq] -> [rows]``, ``[b, Lq, ...]`` likewise)."""
+    return BlockSide(
+        *(None if t is None else t[rows] if t.dim() == 1 else t[:, rows] for t in side)
+    )
 
 
 def ring_focus_attention(

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from focus_pretrain.focus import flex, soft_triton
+from focus_pretrain.focus.backends import AttentionPattern, BlockFn, BlockSide
 from focus_pretrain.focus.flex import (
     DEFAULT_BLOCK,
     block_mask_from_predicates,
@@ -241,52 +242,45 @@ def fused_call(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs_q: Tensor | None,
-    probs_k: Tensor | None,
-    member_q: Tensor | None,
-    member_k: Tensor | None,
-    doc_q: Tensor | None = None,
-    doc_k: Tensor | None = None,
+    pattern: AttentionPattern,
+    queries: BlockSide,
+    keys: BlockSide,
     *,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    local_only: bool,
-    sinks: int = 0,
     block: int = DEFAULT_BLOCK,
 ) -> FusedCall:
-    """The FlexAttention call of :func:`flex_attend_block` (same arguments, less ``scale``):
-    inputs in kernel order, block mask and ``score_mod``."""
-    if mode not in ("soft", "hard"):
-        raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
-    routed = mode == "hard" and member_q is not None and member_k is not None
-    kind = "local" if local_only else "hard" if routed else "causal"
-    gated = mode == "soft" and not local_only
+    """The FlexAttention call of :func:`flex_attend_block` (same arguments): inputs in kernel
+    order, block mask and ``score_mod``."""
+    if pattern.mode not in ("soft", "hard"):
+        raise ValueError(f"mode must be 'soft' or 'hard', got {pattern.mode!r}")
+    routed = pattern.mode == "hard" and queries.member is not None and keys.member is not None
+    kind = "local" if pattern.local_only else "hard" if routed else "causal"
+    gated = pattern.mode == "soft" and not pattern.local_only
+    probs_q, probs_k = queries.probs, keys.probs
     if gated and (probs_q is None or probs_k is None):
         raise ValueError("soft mode needs the soft assignments of queries and keys")
-    if doc_q is None or doc_k is None:
-        doc_q = doc_k = None
+    doc_q, doc_k = (
+        (None, None) if queries.doc is None or keys.doc is None else (queries.doc, keys.doc)
+    )
     if not flex_backward_on(q.device):  # CPU FlexAttention refuses inputs that require grad
         q, k, v = q.detach(), k.detach(), v.detach()
         if gated:
             probs_q, probs_k = probs_q.detach(), probs_k.detach()
+    window, sinks = pattern.window, pattern.sinks
     plan = plan_block(
-        q_pos, k_pos, member_q if routed else None, member_k if routed else None, doc_q, doc_k,
-        kind=kind, window=window, sinks=sinks, block=block,
+        queries.pos, keys.pos, queries.member if routed else None,
+        keys.member if routed else None, doc_q, doc_k, kind=kind, window=window, sinks=sinks,
+        block=block,
     )  # fmt: skip
     if plan.q.order is not None:
         q = _take(q, plan.q.order)  # [b, Lq, H, D] in kernel order
     if plan.k.order is not None:
         k, v = _take(k, plan.k.order), _take(v, plan.k.order)  # [b, Lk, Hkv, D]
     mask_mod = _mask_mod(plan.q, plan.k, kind, window, sinks)
-    score_mod = softcap_mod(softcap, q)
+    score_mod = softcap_mod(pattern.softcap, q)
     if gated:  # soft mode keeps the caller's order: the assignments are read as given
         score_mod = _gate_mod(
-            plan.q, plan.k, probs_q, probs_k, gate_lambda=gate_lambda, softcap=softcap,
-            window=window, sinks=sinks,
+            plan.q, plan.k, probs_q, probs_k, gate_lambda=pattern.gate_lambda,
+            softcap=pattern.softcap, window=window, sinks=sinks,
         )  # fmt: skip
     block_mask = block_mask_from_predicates(
         plan.candidate, plan.full, mask_mod, block, q.shape[1], k.shape[1]
@@ -298,47 +292,25 @@ def flex_attend_block(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs_q: Tensor | None,
-    probs_k: Tensor | None,
-    member_q: Tensor | None,
-    member_k: Tensor | None,
-    doc_q: Tensor | None = None,
-    doc_k: Tensor | None = None,
+    pattern: AttentionPattern,
+    queries: BlockSide,
+    keys: BlockSide,
     *,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """:func:`~focus_pretrain.focus.reference.attend_block` (same arguments, same result up to
     rounding) in one FlexAttention call; ``block``: the block mask's block size.
 
-    Args:
-        q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]``.
-        probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (soft mode) or ``None``.
-        member_q, member_k: ``[b, Lq|Lk]`` int64 bitmasks (hard mode) or ``None``.
-        doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts or ``None``.
-        q_pos, k_pos: ``[Lq]``, ``[Lk]`` global positions (any increasing positions).
-
-    Returns:
-        ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a query with no
-        allowed key gets ``out = 0``, ``lse = -inf``. Differentiable on CUDA (``lse``
-        included); on CPU the inputs are detached (eager FlexAttention is forward only).
+    ``q [b, Lq, H, D]``, ``k, v [b, Lk, Hkv, D]``; the sides' positions may be any increasing
+    positions. Returns ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] in at least fp32)``; a
+    query with no allowed key gets ``out = 0``, ``lse = -inf``. Differentiable on CUDA
+    (``lse`` included); on CPU the inputs are detached (eager FlexAttention is forward only).
     """
-    call = fused_call(
-        q, k, v, probs_q, probs_k, member_q, member_k, doc_q, doc_k, q_pos=q_pos, k_pos=k_pos,
-        window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap, local_only=local_only,
-        sinks=sinks, block=block,
-    )  # fmt: skip
+    call = fused_call(q, k, v, pattern, queries, keys, block=block)
     out, lse = flex._call(
-        call.q, call.k, call.v, block_mask=call.block_mask, scale=scale, score_mod=call.score_mod
-    )  # [b, Lq, H, D], [b, Lq, H] (lse fp64 for fp64 inputs, as the blockwise kernel)
+        call.q, call.k, call.v, block_mask=call.block_mask, scale=pattern.scale,
+        score_mod=call.score_mod,
+    )  # fmt: skip  # [b, Lq, H, D], [b, Lq, H] (lse fp64 for fp64 inputs, as attend_block)
     if call.q_order is not None:  # back to the caller's order
         inverse = torch.argsort(call.q_order, dim=1)  # [b, Lq]
         out, lse = _take(out, inverse), _take(lse, inverse)
@@ -349,40 +321,29 @@ def triton_attend_block(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    probs_q: Tensor | None,
-    probs_k: Tensor | None,
-    member_q: Tensor | None,
-    member_k: Tensor | None,
-    doc_q: Tensor | None = None,
-    doc_k: Tensor | None = None,
-    *,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    window: int,
-    mode: str,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float,
-    local_only: bool,
-    sinks: int = 0,
+    pattern: AttentionPattern,
+    queries: BlockSide,
+    keys: BlockSide,
 ) -> tuple[Tensor, Tensor]:
     """:func:`~focus_pretrain.focus.reference.attend_block` (same arguments, same result up to
     rounding) through the fused Triton kernels (:func:`focus_pretrain.focus.soft_triton.attend`
     with explicit positions): soft-gated or sliding-window steps, not the hard pattern.
     Differentiable, the gradient through ``lse`` included, so the ring's backward runs the same
     kernels. ``[b, L, H, D]`` layout; positions ``[L]`` or ``[b, L]``."""
-    if not local_only and mode != "soft":
+    local = pattern.local_only
+    if not local and pattern.mode != "soft":
         raise ValueError("block_kernel 'triton' runs soft and sliding-window steps; use 'auto'")
     return soft_triton.attend(
-        q, k, v, None if local_only else probs_q, None if local_only else probs_k,
-        window=window, gate_lambda=gate_lambda, scale=scale, softcap=softcap, sinks=sinks,
-        doc_q=doc_q, doc_k=doc_k, pos_q=q_pos, pos_k=k_pos,
+        q, k, v, None if local else queries.probs, None if local else keys.probs,
+        window=pattern.window, gate_lambda=pattern.gate_lambda, scale=pattern.scale,
+        softcap=pattern.softcap, sinks=pattern.sinks, doc_q=queries.doc, doc_k=keys.doc,
+        pos_q=queries.pos, pos_k=keys.pos,
     )  # fmt: skip
 
 
 # The ring step kernels by name (a backend's ``ring_block``, :mod:`focus_pretrain.focus.backends`):
 # the reference's blockwise attention and the two fused ones; ``auto`` picks among them.
-RING_BLOCK_KERNELS = {
+RING_BLOCK_KERNELS: dict[str, BlockFn] = {
     "blockwise": attend_block,
     "flex": flex_attend_block,
     "triton": triton_attend_block,

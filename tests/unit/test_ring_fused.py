@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from focus_pretrain.focus.backends import AttentionPattern, BlockSide
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.reference import attend_block
@@ -83,6 +84,16 @@ def ring_step(
     return args, kwargs
 
 
+def block_call(args: tuple, kwargs: dict) -> tuple:
+    """``(q, k, v, pattern, queries, keys)``: a :func:`ring_step` as the per-block kernels take
+    it (:class:`~focus_pretrain.focus.backends.BlockSide`)."""
+    q, k, v, probs_q, probs_k, member_q, member_k, doc_q, doc_k = args
+    keys = ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
+    pattern = AttentionPattern(**{key: kwargs[key] for key in keys})
+    queries = BlockSide(kwargs["q_pos"], probs_q, member_q, doc_q)
+    return q, k, v, pattern, queries, BlockSide(kwargs["k_pos"], probs_k, member_k, doc_k)
+
+
 CASES = {
     "hard-top1": dict(mode="hard"),
     "hard-top2-docs-sinks": dict(mode="hard", top_k=2, docs=0.08, sinks=3),
@@ -105,8 +116,8 @@ def test_fused_block_equals_blockwise(name):
     (rows with no allowed key included: ``out = 0``, ``lse = -inf`` in both)."""
     case = CASES[name]
     args, kwargs = ring_step(**case, seed=len(name))
-    want, want_lse = attend_block(*args, **kwargs)
-    got, lse = flex_attend_block(*args, **kwargs, block=16)
+    want, want_lse = attend_block(*block_call(args, kwargs))
+    got, lse = flex_attend_block(*block_call(args, kwargs), block=16)
     assert got.dtype == want.dtype and lse.dtype == want_lse.dtype
     assert want.abs().max() > 0.1  # a real output, not zeros
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-12}[want.dtype]
@@ -124,7 +135,7 @@ def kernel_order_pattern(args: tuple, kwargs: dict) -> tuple[Tensor, BlockMask, 
     kernel's token order, and whether that order is sorted (hard mode)."""
     _, _, _, _, _, member_q, member_k, doc_q, doc_k = args
     options = {key: kwargs[key] for key in ("window", "local_only", "sinks")}
-    call = fused_call(*args, **{k: v for k, v in kwargs.items() if k != "scale"}, block=8)
+    call = fused_call(*block_call(args, kwargs), block=8)
     routed = kwargs["mode"] == "hard" and not kwargs["local_only"]
     allowed = allowed_pairs(
         kwargs["q_pos"], kwargs["k_pos"], member_q=member_q if routed else None,
@@ -182,7 +193,7 @@ def test_compiled_cpu_kernel_honours_the_block_mask():
     and dropping the kept blocks of a query block changes it (the check has teeth). CPU
     compilation returns no ``lse``: the outputs are compared."""
     args, kwargs = ring_step(seq=256, ranks=(1, 0), docs=0.005, sinks=2, hkv=1, seed=4)
-    call = fused_call(*args, **{k: v for k, v in kwargs.items() if k != "scale"}, block=16)
+    call = fused_call(*block_call(args, kwargs), block=16)
     q, k, v = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # [b, L, H, D] -> [b, H, L, D]
     run = dict(score_mod=call.score_mod, scale=0.3, enable_gqa=True)
     compiled = torch.compile(flex_attention, dynamic=False)

@@ -238,11 +238,11 @@ def test_triton_ring_step_equals_blockwise(name):
     ``attend_block``'s, queries with no allowed key included (``out = 0``, ``lse = -inf``)."""
     from focus_pretrain.focus.reference import attend_block
     from focus_pretrain.parallel.ring_kernels import triton_attend_block
-    from tests.unit.test_ring_fused import ring_step
+    from tests.unit.test_ring_fused import block_call, ring_step
 
-    args, kwargs = ring_step(**RING_CASES[name], d=16, seed=len(name))
-    want, want_lse = attend_block(*args, **kwargs)
-    got, lse = triton_attend_block(*args, **kwargs)
+    step = block_call(*ring_step(**RING_CASES[name], d=16, seed=len(name)))
+    want, want_lse = attend_block(*step)
+    got, lse = triton_attend_block(*step)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finite = torch.isfinite(want_lse)
