@@ -14,8 +14,8 @@ from pathlib import Path
 
 from focus_pretrain.data.corpus import resolve_inputs
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
+from focus_pretrain.data.manifest import find_manifest, manifest_shards
 from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
-from focus_pretrain.data.shards import find_manifest, manifest_shards
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.validation import check_int, check_positive

@@ -20,6 +20,7 @@ files, keeps complete shards and writes the others; different inputs or settings
 (``overwrite=True`` starts again) once a shard is complete, and before that start again (a
 tokenizer the run trained is trained again). Turning ``skip_bad_records`` on is not a change
 that matters: the complete shards hold no bad record (it would have raised), so they are kept.
+Training finds and reads the output with :mod:`focus_pretrain.data.manifest`.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ from focus_pretrain.data.corpus import (
     read_unit,
     resolve_inputs,
 )
+from focus_pretrain.data.manifest import FORMAT, MANIFEST
+from focus_pretrain.data.manifest import find_manifest as find_manifest
+from focus_pretrain.data.manifest import manifest_shards as manifest_shards
+from focus_pretrain.data.manifest import read_manifest as read_manifest
 from focus_pretrain.data.preprocess import token_dtype
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
-FORMAT = "focus-pretrain-shards"
-MANIFEST = "manifest.json"
 PLAN = ".plan.json"
 STATS = "stats.json"
 TOKENIZER = "tokenizer.model"  # trained here when no tokenizer is given
@@ -337,21 +340,10 @@ def preprocess_corpus(
         settings.update(tokenizer_trained=True, vocab_size=vocab_size)
     if not trained or (plan is not None and Path(tokenizer).is_file()):
         settings["tokenizer_sha256"] = tokenizer_sha256(tokenizer)  # resuming: the one trained
-    if plan is not None and plan["settings"] != settings:
-        if _compatible(plan["settings"], settings):  # keep the finished shards, go on
-            plan["settings"] = settings
-            _write_json(out / PLAN, plan)
-        else:
-            _check_settings(out, plan, settings)  # refused when shards are done; else start again
-            _clear(out, everything=True, tokenizer=trained)
-            plan = None
-    indexes = plan["index"] if plan else _index_all(units, options, workers)
-    if trained and plan is None:  # a tokenizer found here without a plan is of unknown inputs
-        train_corpus_tokenizer(units, indexes, options, Path(tokenizer).with_suffix(""), vocab_size)
-        settings["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
+    plan = _reconcile_plan(out, plan, settings, trained)
     if plan is None:
-        plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
-        _write_json(out / PLAN, plan)
+        plan = _new_plan(out, units, options, settings, workers, tokenizer if trained else None)
+    indexes = plan["index"]
     shards = _cut(units, indexes, shard_documents)
     if not shards:
         raise ValueError(f"the inputs {', '.join(inputs)} hold no records")
@@ -366,20 +358,71 @@ def preprocess_corpus(
         progress,
         out.name,
     )
-    tokenise_seconds = time.perf_counter() - started - index_seconds
+    seconds = (index_seconds, time.perf_counter() - started - index_seconds)
     shard_stats = [
         json.loads((out / f"{shard_name(k)}.json").read_text()) for k in range(len(shards))
     ]
     manifest = _manifest(units, indexes, shard_stats, settings, Tokenizer(tokenizer))
     _write_json(out / MANIFEST, manifest)  # last: the directory is complete once it exists
+    stats = _run_stats(out, workers, len(shards), written, manifest, seconds, tokenizer)
+    _write_json(out / STATS, stats)
+    return stats
+
+
+def _reconcile_plan(out: Path, plan: dict | None, settings: dict, trained: bool) -> dict | None:
+    """``plan`` when it resumes under ``settings`` (a compatible change is stored in it), else
+    ``None`` after clearing ``out`` (refused when shards are finished)."""
+    if plan is None or plan["settings"] == settings:
+        return plan
+    if _compatible(plan["settings"], settings):  # keep the finished shards, go on
+        plan["settings"] = settings
+        _write_json(out / PLAN, plan)
+        return plan
+    _check_settings(out, plan, settings)  # refused when shards are done; else start again
+    _clear(out, everything=True, tokenizer=trained)
+    return None
+
+
+def _new_plan(
+    out: Path,
+    units: list[Unit],
+    options: ReadOptions,
+    settings: dict,
+    workers: int,
+    trained: str | os.PathLike | None,
+) -> dict:
+    """Index the inputs, train the run's tokenizer into ``trained`` (when not ``None``; its
+    sha256 joins ``settings``) and store the plan."""
+    indexes = _index_all(units, options, workers)
+    if trained is not None:  # a tokenizer found here without a plan is of unknown inputs
+        vocab = settings["vocab_size"]
+        train_corpus_tokenizer(units, indexes, options, Path(trained).with_suffix(""), vocab)
+        settings["tokenizer_sha256"] = tokenizer_sha256(trained)
+    plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
+    _write_json(out / PLAN, plan)
+    return plan
+
+
+def _run_stats(
+    out: Path,
+    workers: int,
+    shards: int,
+    written: list[dict],
+    manifest: dict,
+    seconds: tuple[float, float],
+    tokenizer: str | os.PathLike,
+) -> dict[str, Any]:
+    """The stats of a run that wrote ``written`` of ``shards`` shards in ``seconds`` (indexing,
+    tokenising): :data:`STATS`."""
+    index_seconds, tokenise_seconds = seconds
     tokens_written = sum(s["tokens"] for s in written)
     busy = sum(s["seconds"] for s in written)  # inside the shard writers: per busy core
-    stats = {
+    return {
         "output": str(out),
         "workers": workers,
-        "shards": len(shards),
+        "shards": shards,
         "shards_written": len(written),
-        "shards_reused": len(shards) - len(written),
+        "shards_reused": shards - len(written),
         **{k: manifest[k] for k in ("documents", "tokens", "skipped", "skipped_total")},
         "blank_lines": manifest["blank_lines"],
         "documents_written": sum(s["documents"] for s in written),
@@ -393,8 +436,6 @@ def preprocess_corpus(
         "skipped_examples": manifest["skipped_examples"],
         "tokenizer": str(tokenizer),
     }
-    _write_json(out / STATS, stats)
-    return stats
 
 
 def _run_shards(
@@ -507,78 +548,3 @@ def _manifest(
             {k: s[k] for k in ("name", "records", "documents", "tokens", "skipped")} for s in shards
         ],
     }
-
-
-# -- reading a manifest (training) -----------------------------------------------------------
-
-
-def find_manifest(source: str) -> Path | None:
-    """The manifest a ``data.sources`` entry names (``OUT/manifest.json`` or ``OUT``), else
-    ``None``.
-
-    Raises:
-        ValueError: ``OUT`` holds shards but no manifest (an unfinished run), with the fix.
-    """
-    path = Path(source)
-    if path.name == MANIFEST and path.is_file():
-        return path
-    if not path.is_dir():
-        return None
-    if (path / MANIFEST).is_file():
-        return path / MANIFEST
-    if any(path.glob("shard-*.idx")):
-        raise ValueError(
-            f"{path} holds shards but no {MANIFEST}: its tools/preprocess_data.py run has not "
-            "finished; rerun the same command to resume it"
-        )
-    return None
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """A manifest written by :func:`preprocess_corpus`.
-
-    Raises:
-        ValueError: not such a manifest.
-    """
-    manifest = json.loads(Path(path).read_text())
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a manifest of tools/preprocess_data.py")
-    return manifest
-
-
-def manifest_shards(
-    path: str | os.PathLike, tokenizer: Tokenizer | None = None
-) -> list[tuple[str, int]]:
-    """``(prefix, tokens)`` of each non-empty shard a manifest lists, checking that every shard
-    exists and, with ``tokenizer``, that the shards were made with it.
-
-    Raises:
-        ValueError: another tokenizer made the shards (naming both and the fix).
-        FileNotFoundError: a listed shard is missing.
-    """
-    manifest = read_manifest(path)
-    made_with = manifest["tokenizer"]
-    if tokenizer is not None and not made_with["sha256"].startswith(
-        tokenizer.unique_identifiers["sha256"]
-    ):
-        raise ValueError(
-            f"the shards of {path} were made with tokenizer {made_with['path']} (sha256 "
-            f"{made_with['sha256'][:16]}, {made_with['vocab_size']} pieces) but data.tokenizer "
-            f"is {tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "
-            f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
-            "re-tokenise with tools/preprocess_data.py --tokenizer"
-        )
-    directory = Path(path).parent
-    shards = []
-    for shard in manifest["shards"]:
-        prefix = directory / shard["name"]
-        if not Path(f"{prefix}.idx").is_file() or not Path(f"{prefix}.bin").is_file():
-            raise FileNotFoundError(
-                f"{prefix}.bin/.idx, listed in {path}, is missing; rerun tools/preprocess_data.py "
-                "with --overwrite to rebuild the directory"
-            )
-        if shard["documents"]:
-            shards.append((str(prefix), int(shard["tokens"])))
-    if not shards:
-        raise ValueError(f"{path} lists no documents (every record was skipped?)")
-    return shards
