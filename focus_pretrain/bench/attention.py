@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from focus_pretrain.bench.report import DTYPES, elapsed_ms
+from focus_pretrain.bench.report import DTYPES, markdown, median_ms
 from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.lse import merge_by_lse
@@ -67,12 +66,8 @@ class BenchConfig:
 
 
 def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable], float]:
-    def measure(fn: Callable) -> float:
-        for _ in range(warmup):
-            fn()
-        return statistics.median(elapsed_ms(fn, device) for _ in range(repeats))  # ms
-
-    return measure
+    """``measure(fn)``: the median milliseconds of ``fn`` (:func:`~.report.median_ms`)."""
+    return functools.partial(median_ms, device=device, warmup=warmup, repeats=repeats)
 
 
 def dense_baselines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict[str, Callable]:
@@ -160,83 +155,110 @@ def run_benchmark(
     ``on_row(rows)`` runs after each row (e.g. to save partial results: a run stopped by a
     time limit keeps what it measured)."""
     device = torch.device(cfg.device)
-    dtype = DTYPES[cfg.dtype]
     measure = _timer(device, cfg.warmup, cfg.repeats)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     scale = cfg.head_dim**-0.5
-    rows = []
+    rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        log(format_row(row))
+        if on_row:
+            on_row(rows)
+
     for n in cfg.seq:
-
-        def randn(heads: int, n: int = n) -> Tensor:
-            shape = (cfg.batch, n, heads, cfg.head_dim)
-            return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-        q, k, v = randn(cfg.heads), randn(cfg.heads_kv), randn(cfg.heads_kv)
+        q, k, v = [_random_heads(cfg, n, h, gen) for h in (cfg.heads, cfg.heads_kv, cfg.heads_kv)]
         dense = {}
         if cfg.hard:
             with torch.no_grad():
-                baselines = dense_baselines(q, k, v, scale)
-                dense = {name: measure(fn) for name, fn in baselines.items()}
-        base_name = min(dense, key=dense.get) if dense else None
+                dense = {name: measure(fn) for name, fn in dense_baselines(q, k, v, scale).items()}
         for groups in cfg.groups:
             probs = torch.softmax(
                 torch.randn(cfg.batch, n, groups, generator=gen, device=device) * 3, dim=-1
             )  # [b, n, K] random, balanced in expectation
             routing = Routing(probs)
             for top_k in (t for t in cfg.top_k if t <= groups and cfg.hard):
-                member = routing.membership(top_k)
-                density = float(pattern_density(member.cpu(), cfg.window).mean())
-                row = dict(
-                    seq=n,
-                    groups=groups,
-                    top_k=top_k,
-                    window=cfg.window,
-                    mode="hard",
-                    dense_ms=dense,
-                    baseline=base_name,
-                    ideal_speedup=1.0 / density,
-                    density=density,
-                    backends={},
-                )
-                kwargs = dict(window=cfg.window, mode="hard", top_k=top_k, check_finite=False)
-                for name in cfg.backends:
-                    if (name == "decomposed" and top_k != 1) or name == "triton":
-                        continue  # top-1 only by construction; the soft pattern only
-                    with torch.no_grad():
-                        error = _check(name, q, k, v, routing, kwargs)
-                        call = functools.partial(
-                            focus_attention, q, k, v, routing, backend=name, **kwargs
-                        )
-                        total = measure(call)
-                        overhead = None  # the reference has no sort/merge to separate
-                        if name != "reference":
-                            fn = overhead_fn(name, q, k, v, probs, top_k, cfg.window)
-                            overhead = measure(fn)
-                        if cfg.profile:
-                            title = f"{name} seq={n} K={groups} top_k={top_k}"
-                            with open(cfg.profile, "a") as f:
-                                f.write(profile_table(call, title) + "\n\n")
-                    row["backends"][name] = dict(
-                        ms=total,
-                        speedup=dense[base_name] / total,
-                        overhead_ms=overhead,
-                        overhead_fraction=None if overhead is None else overhead / total,
-                        max_abs_error_vs_reference=error,
-                    )
-                rows.append(row)
-                log(format_row(row))
-                if on_row:
-                    on_row(rows)
+                add(hard_row(cfg, q, k, v, routing, top_k, dense, measure))
             trainers = [name for name in cfg.backends if name in TRAINING_BACKENDS]
             for name in trainers if cfg.train else []:
                 if _trainable(name, q) is not None:
                     log(f"{name} training step skipped: {_trainable(name, q)}")
             if cfg.train and any(_trainable(name, q) is None for name in trainers):
-                rows.append(train_row(cfg, n, groups, q, k, v, probs, measure, scale, trainers))
-                log(format_row(rows[-1]))
-                if on_row:
-                    on_row(rows)
+                add(train_row(cfg, n, groups, q, k, v, probs, measure, scale, trainers))
     return rows
+
+
+def _random_heads(cfg: BenchConfig, n: int, heads: int, gen: torch.Generator) -> Tensor:
+    """Random ``[batch, n, heads, head_dim]`` in the benchmark's dtype (drawn in fp32)."""
+    shape = (cfg.batch, n, heads, cfg.head_dim)
+    random = torch.randn(shape, generator=gen, device=torch.device(cfg.device), dtype=torch.float32)
+    return random.to(DTYPES[cfg.dtype])
+
+
+def hard_row(
+    cfg: BenchConfig,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    routing: Routing,
+    top_k: int,
+    dense: dict[str, float],
+    measure: Callable[[Callable], float],
+) -> dict:
+    """The hard top-``top_k`` row of each of ``cfg.backends`` on ``q, k, v`` against the
+    fastest of the ``dense`` baselines (milliseconds by name)."""
+    density = float(pattern_density(routing.membership(top_k).cpu(), cfg.window).mean())
+    base_name = min(dense, key=dense.get) if dense else None
+    row = dict(
+        seq=q.shape[1],
+        groups=routing.probs.shape[-1],
+        top_k=top_k,
+        window=cfg.window,
+        mode="hard",
+        dense_ms=dense,
+        baseline=base_name,
+        ideal_speedup=1.0 / density,
+        density=density,
+        backends={},
+    )
+    kwargs = dict(window=cfg.window, mode="hard", top_k=top_k, check_finite=False)
+    for name in cfg.backends:
+        if (name == "decomposed" and top_k != 1) or name == "triton":
+            continue  # top-1 only by construction; the soft pattern only
+        with torch.no_grad():
+            error = _check(name, q, k, v, routing, kwargs)
+            total, overhead = _hard_times(cfg, name, (q, k, v), routing, kwargs, measure)
+        row["backends"][name] = dict(
+            ms=total,
+            speedup=dense[base_name] / total,
+            overhead_ms=overhead,
+            overhead_fraction=None if overhead is None else overhead / total,
+            max_abs_error_vs_reference=error,
+        )
+    return row
+
+
+def _hard_times(
+    cfg: BenchConfig,
+    name: str,
+    qkv: tuple[Tensor, Tensor, Tensor],
+    routing: Routing,
+    kwargs: dict,
+    measure: Callable[[Callable], float],
+) -> tuple[float, float | None]:
+    """Milliseconds of backend ``name``'s whole call and of its non-kernel work alone (``None``
+    for the reference); appends the call's profile to ``cfg.profile`` when set."""
+    call = functools.partial(focus_attention, *qkv, routing, backend=name, **kwargs)
+    total = measure(call)
+    overhead = None  # the reference has no sort/merge to separate
+    if name != "reference":
+        fn = overhead_fn(name, *qkv, routing.probs, kwargs["top_k"], cfg.window)
+        overhead = measure(fn)
+    if cfg.profile:
+        shape = f"seq={qkv[0].shape[1]} K={routing.probs.shape[-1]} top_k={kwargs['top_k']}"
+        with open(cfg.profile, "a") as f:
+            f.write(profile_table(call, f"{name} {shape}") + "\n\n")
+    return total, overhead
 
 
 TRAINING_BACKENDS = ("flex", "triton")  # the soft gate with a fused backward
@@ -324,22 +346,21 @@ def format_row(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per (row, backend): time, speedup, ideal, overhead, check error."""
-    lines = [
-        "| seq | K | top_k | mode | dense (ms) | backend | time (ms) | speedup | ideal | "
-        "overhead (ms, %) | max err vs ref |",
-        "|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        dense = row["dense_ms"][row["baseline"]]
-        for name, b in row["backends"].items():
-            overhead = "-"
-            if b["overhead_ms"] is not None:
-                overhead = f"{b['overhead_ms']:.3f} ({100 * b['overhead_fraction']:.1f}%)"
-            error = b["max_abs_error_vs_reference"]
-            lines.append(
-                f"| {row['seq']} | {row['groups']} | {row['top_k'] or '-'} | {row['mode']} | "
-                f"{dense:.3f} ({row['baseline']}) | {name} | {b['ms']:.3f} | "
-                f"{b['speedup']:.2f}x | {row['ideal_speedup']:.2f}x | {overhead} | "
-                f"{'-' if error is None else f'{error:.1e}'} |"
-            )
-    return "\n".join(lines)
+    columns = ["seq", "K", "top_k", "mode", "dense (ms)", "backend", "time (ms)", "speedup"]
+    columns += ["ideal", "overhead (ms, %)", "max err vs ref"]
+    return markdown(columns, "rrrlrlrrrrr", (c for row in rows for c in _markdown_cells(row)))
+
+
+def _markdown_cells(row: dict) -> Iterator[list[object]]:
+    """The cells of ``row``'s lines in :func:`markdown_table`, one line per backend."""
+    dense = row["dense_ms"][row["baseline"]]
+    for name, b in row["backends"].items():
+        overhead = "-"
+        if b["overhead_ms"] is not None:
+            overhead = f"{b['overhead_ms']:.3f} ({100 * b['overhead_fraction']:.1f}%)"
+        error = b["max_abs_error_vs_reference"]
+        yield [
+            row["seq"], row["groups"], row["top_k"] or "-", row["mode"],
+            f"{dense:.3f} ({row['baseline']})", name, f"{b['ms']:.3f}", f"{b['speedup']:.2f}x",
+            f"{row['ideal_speedup']:.2f}x", overhead, "-" if error is None else f"{error:.1e}",
+        ]  # fmt: skip

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from focus_pretrain.bench.report import DTYPES, elapsed_ms
+from focus_pretrain.bench.report import DTYPES, elapsed_ms, markdown
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.router import Routing
 
@@ -167,19 +167,17 @@ def format_row(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per row: the three median times, the two median ratios and the check."""
-    lines = [
-        "| seq | doc len | docs | K | window | sinks | backend | packed (ms) | "
-        "unpacked batch (ms) | no documents (ms) | packed / unpacked | "
-        "packed / no documents | max diff packed vs unpacked |",
-        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ms = r["ms"]
-        lines.append(
-            f"| {r['seq']} | {r['doc_len']} | {r['documents']} | {r['groups']} | "
-            f"{r['window']} | {r['sinks']} | {r['backend']} | {ms['packed']:.1f} | "
-            f"{ms['unpacked']:.1f} | {ms['no_documents']:.1f} | "
-            f"{r['packed_over_unpacked']:.2f}x | {r['packed_over_no_documents']:.2f}x | "
-            f"{r['max_abs_diff_packed_vs_unpacked']:.1e} |"
-        )
-    return "\n".join(lines)
+    columns = ["seq", "doc len", "docs", "K", "window", "sinks", "backend", "packed (ms)"]
+    columns += ["unpacked batch (ms)", "no documents (ms)", "packed / unpacked"]
+    columns += ["packed / no documents", "max diff packed vs unpacked"]
+    return markdown(columns, "rrrrrrlrrrrrr", (_markdown_cells(r) for r in rows))
+
+
+def _markdown_cells(r: dict) -> list[object]:
+    ms = r["ms"]
+    return [
+        r["seq"], r["doc_len"], r["documents"], r["groups"], r["window"], r["sinks"],
+        r["backend"], f"{ms['packed']:.1f}", f"{ms['unpacked']:.1f}",
+        f"{ms['no_documents']:.1f}", f"{r['packed_over_unpacked']:.2f}x",
+        f"{r['packed_over_no_documents']:.2f}x", f"{r['max_abs_diff_packed_vs_unpacked']:.1e}",
+    ]  # fmt: skip

@@ -8,8 +8,9 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -28,6 +29,32 @@ def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """The median of :func:`elapsed_ms` over ``repeats`` calls of ``fn``, after ``warmup`` calls
+    that are not timed."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(elapsed_ms(fn, device) for _ in range(repeats))
+
+
+def markdown(columns: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: a header of ``columns``, then one line per row of cells (``str`` of
+    each); ``align`` has one letter a column, ``r`` (right-aligned: numbers) or ``l`` (left).
+
+    Raises:
+        ValueError: ``align`` does not give one letter ``r`` or ``l`` per column.
+    """
+    if len(align) != len(columns) or set(align) - {"r", "l"}:
+        raise ValueError(f"align {align!r} must be one of 'r', 'l' per column ({len(columns)})")
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    lines = [_markdown_line(columns), rule] + [_markdown_line(row) for row in rows]
+    return "\n".join(lines)
+
+
+def _markdown_line(cells: Iterable[object]) -> str:
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
 
 
 def environment(config, device: str) -> dict:

@@ -27,7 +27,6 @@ Layout: ``[batch, seq, heads, head_dim]``.
 
 from __future__ import annotations
 
-import statistics
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from focus_pretrain.bench.report import DTYPES, elapsed_ms
+from focus_pretrain.bench.report import DTYPES, markdown, median_ms
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs
 from focus_pretrain.focus.router import Routing
@@ -196,12 +195,6 @@ def _guarded(fn: Callable, log: Callable[[str], None]) -> tuple[object, str | No
         return None, status
 
 
-def _measure(fn: Callable, device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(elapsed_ms(fn, device) for _ in range(repeats))  # ms
-
-
 def run_ring_benchmark(cfg: RingBenchConfig, log: Callable[[str], None] = print) -> list[dict]:
     """Check and time every (seq, mode, step); returns one row (dict) each."""
     device = torch.device(cfg.device)
@@ -267,7 +260,7 @@ def _run_step(cfg, seq, mode, name, step: _Step, device, gen, log) -> dict:
             def call() -> object:
                 return fn(step, kernel)
 
-            return _guarded(lambda: _measure(call, device, cfg.warmup, cfg.repeats), log)
+            return _guarded(lambda: median_ms(call, device, cfg.warmup, cfg.repeats), log)
 
         fwd, status = timed(_forward)
         entry["fwd_ms"], entry["status"] = fwd, status or "ok"
@@ -299,31 +292,29 @@ def format_row(row: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per (row, kernel): times, speedups over blockwise, densities, the check."""
-    lines = [
-        "| seq | CP | s_loc | mode | step | pairs | blocks | kernel | fwd (ms) | bwd (ms) | "
-        "fwd+bwd (ms) | speedup fwd | speedup fwd+bwd | out rel err | max grad rel err | "
-        "status |",
-        "|---:|---:|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in rows:
-        for name, k in row["kernels"].items():
-            check = k.get("check", {})  # fused kernels against blockwise
-            grad_errors = [v for key, v in check.items() if key.startswith("d")]  # d*_rel_err
-            fused = bool(check)
-            label = name if k["backward_kernel"] == name else f"{name} (bwd {k['backward_kernel']})"
-            out_err = check.get("out_rel_err") if fused else None
-            grad_err = max(grad_errors) if fused and grad_errors else None
+    columns = ["seq", "CP", "s_loc", "mode", "step", "pairs", "blocks", "kernel", "fwd (ms)"]
+    columns += ["bwd (ms)", "fwd+bwd (ms)", "speedup fwd", "speedup fwd+bwd", "out rel err"]
+    columns += ["max grad rel err", "status"]
+    lines = (_markdown_cells(row, name, k) for row in rows for name, k in row["kernels"].items())
+    return markdown(columns, "rrrllrrlrrrrrrrl", lines)
 
-            def speed(value: float | None) -> str:
-                return "-" if value is None else f"{value:.2f}x"
 
-            lines.append(
-                f"| {row['seq']} | {row['cp']} | {row['s_loc']} | {row['mode']} | "
-                f"{row['step']} | {100 * row['pair_density']:.1f}% | "
-                f"{100 * row['block_density']:.1f}% | {label} | {_ms(k['fwd_ms'])} | "
-                f"{_ms(k['bwd_ms'])} | {_ms(k['fwd_bwd_ms'])} | {speed(k['fwd_speedup'])} | "
-                f"{speed(k['fwd_bwd_speedup'])} | "
-                f"{'-' if out_err is None else f'{out_err:.1e}'} | "
-                f"{'-' if grad_err is None else f'{grad_err:.1e}'} | {k['status']} |"
-            )
-    return "\n".join(lines)
+def _markdown_cells(row: dict, name: str, k: dict) -> list[object]:
+    """The cells of kernel ``name``'s line (``k``: its entry) of ``row``."""
+    check = k.get("check", {})  # fused kernels against blockwise
+    grad_errors = [v for key, v in check.items() if key.startswith("d")]  # d*_rel_err
+    fused = bool(check)
+    label = name if k["backward_kernel"] == name else f"{name} (bwd {k['backward_kernel']})"
+    out_err = check.get("out_rel_err") if fused else None
+    grad_err = max(grad_errors) if fused and grad_errors else None
+
+    def speed(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    return [
+        row["seq"], row["cp"], row["s_loc"], row["mode"], row["step"],
+        f"{100 * row['pair_density']:.1f}%", f"{100 * row['block_density']:.1f}%", label,
+        _ms(k["fwd_ms"]), _ms(k["bwd_ms"]), _ms(k["fwd_bwd_ms"]), speed(k["fwd_speedup"]),
+        speed(k["fwd_bwd_speedup"]), "-" if out_err is None else f"{out_err:.1e}",
+        "-" if grad_err is None else f"{grad_err:.1e}", k["status"],
+    ]  # fmt: skip

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from focus_pretrain.bench.report import markdown
 from focus_pretrain.config import Config, load_config
 from focus_pretrain.train.metrics import flops_per_sample, read_metrics
 
@@ -295,27 +296,25 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per recipe."""
-    lines = [
-        "| recipe | attention | params | seq x batch | steps timed | s/step | tokens/s | "
-        "TFLOP/s per device | MFU | MFU (s^2 attention) | peak mem (GB) | reserved (GB) | "
-        "loss first -> last | error |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
-    ]
-    for row in rows:
-        params = _count(row["parameters"])
-        tokens = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
-        mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
-        full = row["mfu_full_attention"]
-        full = "-" if full is None else f"{100 * full:.1f}%"
-        error = (row["error"] or "").replace("|", "/").replace("\n", " ")[:120]
-        lines.append(
-            f"| {row['name']} | {row['attention']} | {params} | "
-            f"{row['seq']} x {row['global_batch']} | {row['steps_timed']} | "
-            f"{_num(row['step_s'], 3)} | {tokens} | {_num(row['tflops'], 1)} | {mfu} | {full} | "
-            f"{_num(row['peak_mem_gb'])} | {_num(row['reserved_gb'])} | "
-            f"{_num(row['loss_first'], 3)} -> {_num(row['loss_last'], 3)} | {error or '-'} |"
-        )
-    return "\n".join(lines)
+    columns = ["recipe", "attention", "params", "seq x batch", "steps timed", "s/step"]
+    columns += ["tokens/s", "TFLOP/s per device", "MFU", "MFU (s^2 attention)"]
+    columns += ["peak mem (GB)", "reserved (GB)", "loss first -> last", "error"]
+    return markdown(columns, "llrlrrrrrrrrll", (_markdown_cells(row) for row in rows))
+
+
+def _markdown_cells(row: dict) -> list[object]:
+    tokens = "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}"
+    mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+    full = row["mfu_full_attention"]
+    full = "-" if full is None else f"{100 * full:.1f}%"
+    error = (row["error"] or "").replace("|", "/").replace("\n", " ")[:120]
+    return [
+        row["name"], row["attention"], _count(row["parameters"]),
+        f"{row['seq']} x {row['global_batch']}", row["steps_timed"], _num(row["step_s"], 3),
+        tokens, _num(row["tflops"], 1), mfu, full, _num(row["peak_mem_gb"]),
+        _num(row["reserved_gb"]), f"{_num(row['loss_first'], 3)} -> {_num(row['loss_last'], 3)}",
+        error or "-",
+    ]  # fmt: skip
 
 
 # -- the child ----------------------------------------------------------------------------------
