@@ -35,7 +35,12 @@ from focus_pretrain.model.families import family as family_description
 MODELING_DIR = Path(__file__).with_name("hf_modeling")
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
 # the remote code an export ships (loaded by ``trust_remote_code``; imports only torch/transformers)
-SHIPPED_MODELING_FILES = ("configuration_focus.py", "modeling_focus.py", "focus_cache.py")
+SHIPPED_MODELING_FILES = (
+    "configuration_focus.py",
+    "modeling_focus.py",
+    "focus_cache.py",
+    "focus_rules.py",
+)
 
 
 def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:

@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from focus_pretrain.focus.pattern import soft_cap
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import Family
@@ -232,11 +233,12 @@ def _scale_embeddings(factor: float):
 
 
 def _softcap_logits(cap: float):
-    """Final logit soft-capping ``cap * tanh(logits / cap)`` on ``(logits, bias)`` (Gemma)."""
+    """Final logit soft-capping (:func:`~focus_pretrain.focus.pattern.soft_cap`) on ``(logits,
+    bias)`` (Gemma)."""
 
     def hook(module, args, output):
         logits, bias = output
-        return cap * torch.tanh(logits / cap), bias
+        return soft_cap(logits, cap), bias
 
     return hook
 

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
+from .focus_rules import soft_cap
+
 
 class GroupPositions:
     """Sorted positions of one sequence's cached keys in one group (an int64 growable buffer)."""
@@ -346,8 +348,7 @@ def sparse_decode(
         k, v = (t.to(dtype) for t in layer.token_rows(r, positions))  # [G, m, d]
         q = query[r, :, 0].to(dtype).reshape(groups, heads // groups, d)  # [H, d] -> [G, H/G, d]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [G, H/G, m]
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
+        scores = soft_cap(scores, softcap)
         mixed = torch.matmul(torch.softmax(scores, dim=-1), v)  # [G, H/G, d]
         out[r, 0] = mixed.reshape(heads, d).to(query.dtype)  # [G, H/G, d] -> [H, d]
     return out, reads

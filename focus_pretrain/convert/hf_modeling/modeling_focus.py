@@ -8,7 +8,7 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
   training) and assigns groups ``g = softmax(<W_g h, c>/tau + b)`` (cosine routing by default);
 * ``inference_mode="hard"`` (default): a query sees keys in its local window plus keys whose
   ``top_k`` groups intersect its own; ``"soft"``: every causal key, beyond the window with the
-  gate ``log sigmoid(lambda (g_i . g_j - 1/2))`` (the training pattern);
+  soft gate of `focus_rules.soft_gate` (the training pattern; the rules are in `focus_rules.py`);
 * Gemma-2's sliding-window layers keep their window and have no router;
 * ``focus["sinks"] = S`` (attention sinks): the first ``S`` *real* tokens of each row (padding
   skipped, so a left-padded row has the sinks of the same sequence alone), or of each packed
@@ -54,6 +54,7 @@ except ImportError:  # standalone: the dense path below
 
 from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
+from .focus_rules import groups_intersect, pair_rule, soft_cap, soft_gate
 
 _PACKAGE_DOCUMENTS = _package_focus_attention is not None and (
     "documents" in inspect.signature(_package_focus_attention).parameters
@@ -287,11 +288,13 @@ def _dense(
     heads, q_len = query.shape[1:3]
     kv_len = key.shape[2]
     device = query.device
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-    distance = q_pos[:, None] - torch.arange(kv_len, device=device)[None]  # [q, kv]
-    causal = distance >= 0
-    if docs is not None:  # packed: pairs inside one document only
-        causal = causal & (docs[:, kv_len - q_len :, None] == docs[:, None, :])  # [b, q, kv]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # [q, 1]
+    k_pos = torch.arange(kv_len, device=device)[None]  # [1, kv]
+    distance = q_pos - k_pos  # [q, kv]
+    documents = {}  # packed: pairs inside one document only ([b, q, kv] masks)
+    if docs is not None:
+        documents = dict(q_doc=docs[:, kv_len - q_len :, None], k_doc=docs[:, None, :])
+    causal, _ = pair_rule(q_pos, k_pos, window=0, **documents)  # [q, kv] or [b, q, kv]
     neg_inf = torch.tensor(float("-inf"), device=device)
     sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device, docs)
     if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
@@ -307,17 +310,17 @@ def _dense(
     else:
         focus = module.router.focus
         probs_k, member_k = routing[0], routing[1]  # [b, kv, K], [b, kv]
-        local = causal & (distance <= focus["window"])
+        local = causal & pair_rule(q_pos, k_pos, window=focus["window"])[1]
         if sink is not None:  # sinks: like keys in the window (no gate)
             local = local | (causal & sink[:, None, :])  # [b, q, kv]
         if mode == "hard":
             member_q = member_k[:, kv_len - q_len :]
-            shares = (member_q[:, :, None] & member_k[:, None, :]) != 0  # [b, q, kv]
+            shares = groups_intersect(member_q[:, :, None], member_k[:, None, :])  # [b, q, kv]
             bias = torch.where(causal & (local | shares), 0.0, neg_inf)
         else:
             probs_q = probs_k[:, kv_len - q_len :]
             affinity = torch.einsum("bqk,bjk->bqj", probs_q, probs_k)  # [b, q, kv]
-            gate = F.logsigmoid(focus["gate_lambda"] * (affinity - 0.5))
+            gate = soft_gate(affinity, focus["gate_lambda"])
             bias = torch.where(causal & ~local, gate, 0.0)
             bias = torch.where(causal, bias, neg_inf)
     if allowed is not None:
@@ -327,9 +330,7 @@ def _dense(
     k = key.to(dtype).repeat_interleave(repeat, dim=1)  # [b, H, kv, d]
     v = value.to(dtype).repeat_interleave(repeat, dim=1)
     scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scale  # [b, H, q, kv]
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores + bias[:, None].to(dtype)
+    scores = soft_cap(scores, softcap) + bias[:, None].to(dtype)
     weights = torch.softmax(scores, dim=-1)
     attends = bias.amax(dim=-1, keepdim=True) > float("-inf")  # [b, q, 1]: some key allowed
     weights = torch.where(attends[:, None], weights, 0.0)  # padding rows: no NaN, zero output
