@@ -46,7 +46,7 @@ def flops_per_sample(
     """
     h, d = config.hidden_size, config.kv_channels
     heads, groups, ffn = config.num_attention_heads, config.kv_heads, config.ffn_hidden_size
-    gated = config.family != "gpt2"
+    gated = config.family_spec.gated_mlp
     per_token_layer = 2 * (h * (heads + 2 * groups) * d + heads * d * h)  # qkv + proj
     per_token_layer += 2 * h * ffn * (3 if gated else 2)  # mlp
     focus = config.focus
