@@ -65,7 +65,8 @@ class Family:
             (soft-caps: ``attn_softcap``, ``final_softcap``; ``query_pre_attn_scalar``).
         refused: ``ModelConfig`` field -> why this family refuses it (a specific message).
 
-    HuggingFace (``convert/``, the shipped code):
+    HuggingFace (``convert/``, the shipped code); unset, Llama's
+    (:meth:`_fill_llama_defaults`):
         hf_model_type, hf_config_class, hf_model_class: transformers' names.
         class_stem: the shipped classes are ``Focus<stem>Config`` / ``Focus<stem>ForCausalLM``.
         layer_rules, top_rules: the key map (:mod:`~focus_pretrain.model.families.keymap`;
@@ -82,14 +83,14 @@ class Family:
 
     name: str
     released: str
-    hf_model_type: str
-    hf_config_class: str
-    hf_model_class: str
-    class_stem: str
-    layer_rules: tuple[Rule, ...]
-    top_rules: tuple[Rule, ...]
-    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
-    config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+    hf_model_type: str = ""
+    hf_config_class: str = ""
+    hf_model_class: str = ""
+    class_stem: str = ""
+    layer_rules: tuple[Rule, ...] = ()
+    top_rules: tuple[Rule, ...] = ()
+    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     positions: str = "rope"
     norm: str = "RMSNorm"
     pre_norms: bool = True
@@ -112,6 +113,7 @@ class Family:
     hf_refused_model_types: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._fill_llama_defaults()
         for name, value, allowed in (
             ("positions", self.positions, POSITIONS),
             ("norm", self.norm, NORMS),
@@ -125,6 +127,28 @@ class Family:
         unknown = set(self.options) - set(OPTIONAL_FIELDS)
         if unknown:
             raise ValueError(f"family {self.name}: unknown options {sorted(unknown)}")
+
+    def _fill_llama_defaults(self) -> None:
+        """What a family leaves unset is Llama's: HF names from the family's name
+        (``model_type`` = name, stem = name capitalised, ``<stem>Config``,
+        ``<stem>ForCausalLM``), Llama's key map, the Llama-style ``config.json`` mapping."""
+        from focus_pretrain.model.families import hf_config  # it reads descriptions: no cycle
+        from focus_pretrain.model.families.keymap import EMBEDDING, final_norm, llama_layer
+
+        stem = self.class_stem or self.name.capitalize()
+        defaults = {
+            "hf_model_type": self.name,
+            "class_stem": stem,
+            "hf_config_class": f"{stem}Config",
+            "hf_model_class": f"{stem}ForCausalLM",
+            "layer_rules": llama_layer(),
+            "top_rules": (EMBEDDING, final_norm()),
+            "config_from_hf": lambda hf: hf_config.decoder_fields(hf, self),
+            "config_to_hf": hf_config.decoder_hf_fields,
+        }
+        for name, default in defaults.items():
+            if not getattr(self, name):
+                object.__setattr__(self, name, default)  # frozen: set once, at construction
 
     @property
     def accepted_fields(self) -> frozenset[str]:

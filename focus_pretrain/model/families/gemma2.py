@@ -58,10 +58,6 @@ GEMMA2 = register(
     Family(
         name="gemma2",
         released="2024-06-27",
-        hf_model_type="gemma2",
-        hf_config_class="Gemma2Config",
-        hf_model_class="Gemma2ForCausalLM",
-        class_stem="Gemma2",
         layer_rules=sandwich_layer(),
         top_rules=(EMBEDDING, final_norm("plus_one")),
         config_from_hf=config_from_hf,

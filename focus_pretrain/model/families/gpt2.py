@@ -99,8 +99,6 @@ GPT2 = register(
     Family(
         name="gpt2",
         released="2019-02-14",
-        hf_model_type="gpt2",
-        hf_config_class="GPT2Config",
         hf_model_class="GPT2LMHeadModel",
         class_stem="GPT2",
         layer_rules=LAYER,

@@ -6,16 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from focus_pretrain.model.families.base import Family, register
-from focus_pretrain.model.families.hf_config import decoder_fields, decoder_hf_fields
-from focus_pretrain.model.families.keymap import EMBEDDING, final_norm, llama_layer
+from focus_pretrain.model.families.hf_config import decoder_hf_fields
 
 if TYPE_CHECKING:
     from focus_pretrain.model.config import ModelConfig
-
-
-def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """``ModelConfig`` fields of a Mistral ``config.json``."""
-    return decoder_fields(hf, MISTRAL)
 
 
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -27,13 +21,6 @@ MISTRAL = register(
     Family(
         name="mistral",
         released="2023-09-27",
-        hf_model_type="mistral",
-        hf_config_class="MistralConfig",
-        hf_model_class="MistralForCausalLM",
-        class_stem="Mistral",
-        layer_rules=llama_layer(),
-        top_rules=(EMBEDDING, final_norm()),
-        config_from_hf=config_from_hf,
         config_to_hf=config_to_hf,
         hf_slides=lambda hf: hf.get("sliding_window") is not None,
     )
