@@ -89,13 +89,17 @@ def group_affinity(probs_q: Tensor, probs_k: Tensor) -> Tensor:
 def soft_gate(affinity: Tensor, gate_lambda: float | Tensor) -> Tensor:
     """The soft gate ``log sigmoid(lambda * (affinity - 1/2))``, elementwise, at least fp32.
 
-    The one definition of the gate: the reference applies it to ``[b, Lq, Lk]`` affinities,
-    FlexAttention ``score_mod`` s (:mod:`~focus_pretrain.focus.flex`, the ring's fused kernel)
-    to one pair's (``gate_lambda`` a 0-dim tensor there). ``log sigmoid(x)`` is written as
-    ``min(x, 0) - log1p(exp(-|x|))``: ``F.logsigmoid``'s own formula (the same values), in
-    pointwise ops every compiler lowers inside a ``score_mod``; ``torch.minimum`` splits the
-    gradient of a tie, so the derivative at ``x = 0`` is ``sigmoid(0) = 1/2``, as it should."""
+    The one definition of the gate: the reference applies it to ``[b, Lq, Lk]`` affinities
+    (``F.logsigmoid``), FlexAttention ``score_mod`` s (:mod:`~focus_pretrain.focus.flex`, the
+    ring's fused kernel) to one pair's, with ``gate_lambda`` a captured 0-dim tensor: there
+    ``log sigmoid(x)`` is spelt ``min(x, 0) - log1p(exp(-|x|))``, ``F.logsigmoid``'s own
+    formula in pointwise ops every compiler lowers inside a ``score_mod`` (``torch.minimum``
+    splits the gradient of a tie: the derivative at ``x = 0`` is ``1/2``). The two spellings
+    agree to rounding; the eager one stays ``F.logsigmoid`` because training runs are
+    reproduced bit for bit across versions (the recall demo's outcome depends on it)."""
     x = gate_lambda * (at_least_fp32(affinity) - 0.5)
+    if not isinstance(gate_lambda, Tensor):
+        return F.logsigmoid(x)
     return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
 
 

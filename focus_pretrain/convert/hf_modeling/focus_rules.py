@@ -15,10 +15,9 @@ from torch import Tensor
 
 def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
     """The soft gate ``log sigmoid(lambda * (affinity - 1/2))`` (``affinity = g_i . g_j``, the
-    soft co-membership), elementwise, at least fp32: ``min(x, 0) - log1p(exp(-|x|))``."""
+    soft co-membership), elementwise, at least fp32."""
     affinity = affinity.to(torch.promote_types(affinity.dtype, torch.float32))
-    x = gate_lambda * (affinity - 0.5)
-    return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+    return torch.nn.functional.logsigmoid(gate_lambda * (affinity - 0.5))
 
 
 def soft_cap(scores: Tensor, cap: float | None) -> Tensor:
