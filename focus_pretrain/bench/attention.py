@@ -10,6 +10,9 @@ repeats (CUDA events on GPU, ``perf_counter`` on CPU):
   membership, sort, kernels, merge: everything a caller pays);
 * the backend's non-kernel work alone (membership, group sort, packing, block masks, log-sum-exp
   merge, unsort): the *overhead* column;
+* per backend, the operators one call dispatches (kernel launches) and its host syncs, counted
+  eagerly on a prefix (:class:`~focus_pretrain.bench.dispatch.DispatchCounter`; on CUDA also
+  the device kernels the profiler sees, compiled pieces fused);
 * optionally (``train=True``) one soft-gate training step (forward + backward) of each of the
   ``flex`` and ``triton`` backends asked for, against dense SDPA forward + backward; each is
   first checked (output and every gradient) against the reference on a prefix.
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.bench.report import DTYPES, markdown, median_ms
 from focus_pretrain.focus import flex, soft_triton
 from focus_pretrain.focus.attention import focus_attention
@@ -40,6 +44,8 @@ from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 CHECK_TOKENS = 4096  # prefix checked against the reference before timing
+COUNT_TOKENS = 4096  # prefix whose launches and host syncs are counted (eager FlexAttention
+# under a counter materialises the scores; the counts barely depend on the length)
 
 
 @dataclass
@@ -137,6 +143,34 @@ def profile_table(fn: Callable, title: str, rows: int = 18) -> str:
     )
 
 
+def count_call(call: Callable[[], object], device: torch.device) -> dict:
+    """One call of ``call`` counted: ``launches`` and ``host_syncs`` (dispatched operators,
+    :class:`~focus_pretrain.bench.dispatch.DispatchCounter`), ``sync_ops`` and, on CUDA,
+    ``cuda_kernels``: the device kernels of one normal call (compiled pieces fused)."""
+    with DispatchCounter() as counter:
+        call()
+    counts = counter.summary()
+    if device.type == "cuda":
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        call()  # warm: compiled pieces built
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        counts["cuda_kernels"] = sum(
+            e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA
+        )
+    return counts
+
+
+def _counts(name: str, q, k, v, routing, kwargs) -> dict:
+    """:func:`count_call` of backend ``name`` on a :data:`COUNT_TOKENS` prefix."""
+    n = min(q.shape[1], COUNT_TOKENS)
+    args = (q[:, :n], k[:, :n], v[:, :n], Routing(routing.probs[:, :n]))
+    return count_call(lambda: focus_attention(*args, backend=name, **kwargs), q.device)
+
+
 def _check(name: str, q, k, v, routing, kwargs) -> float:
     n = min(q.shape[1], CHECK_TOKENS)
     probs = routing.probs[:, :n]
@@ -227,8 +261,10 @@ def hard_row(
             continue  # top-1 only by construction; the soft pattern only
         with torch.no_grad():
             error = _check(name, q, k, v, routing, kwargs)
+            counts = _counts(name, q, k, v, routing, kwargs)
             total, overhead = _hard_times(cfg, name, (q, k, v), routing, kwargs, measure)
         row["backends"][name] = dict(
+            **counts,
             ms=total,
             speedup=dense[base_name] / total,
             overhead_ms=overhead,
@@ -339,7 +375,8 @@ def format_row(row: dict) -> str:
     parts = [f"seq={row['seq']} K={row['groups']} top_k={row['top_k']} {row['mode']}"]
     parts += [f"{name} {ms:.3f} ms" for name, ms in row["dense_ms"].items()]
     for name, b in row["backends"].items():
-        parts.append(f"{name} {b['ms']:.3f} ms ({b['speedup']:.2f}x)")
+        counted = f", {b['launches']} launches, {b['host_syncs']} syncs" if "launches" in b else ""
+        parts.append(f"{name} {b['ms']:.3f} ms ({b['speedup']:.2f}x{counted})")
     parts.append(f"ideal {row['ideal_speedup']:.2f}x")
     return " | ".join(parts)
 
@@ -347,8 +384,8 @@ def format_row(row: dict) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """One line per (row, backend): time, speedup, ideal, overhead, check error."""
     columns = ["seq", "K", "top_k", "mode", "dense (ms)", "backend", "time (ms)", "speedup"]
-    columns += ["ideal", "overhead (ms, %)", "max err vs ref"]
-    return markdown(columns, "rrrlrlrrrrr", (c for row in rows for c in _markdown_cells(row)))
+    columns += ["ideal", "overhead (ms, %)", "launches", "host syncs", "max err vs ref"]
+    return markdown(columns, "rrrlrlrrrrrrr", (c for row in rows for c in _markdown_cells(row)))
 
 
 def _markdown_cells(row: dict) -> Iterator[list[object]]:
@@ -359,8 +396,12 @@ def _markdown_cells(row: dict) -> Iterator[list[object]]:
         if b["overhead_ms"] is not None:
             overhead = f"{b['overhead_ms']:.3f} ({100 * b['overhead_fraction']:.1f}%)"
         error = b["max_abs_error_vs_reference"]
+        launches = b.get("launches", "-")
+        if b.get("cuda_kernels") is not None:
+            launches = f"{launches} ({b['cuda_kernels']} kernels)"
         yield [
             row["seq"], row["groups"], row["top_k"] or "-", row["mode"],
             f"{dense:.3f} ({row['baseline']})", name, f"{b['ms']:.3f}", f"{b['speedup']:.2f}x",
-            f"{row['ideal_speedup']:.2f}x", overhead, "-" if error is None else f"{error:.1e}",
+            f"{row['ideal_speedup']:.2f}x", overhead, launches, b.get("host_syncs", "-"),
+            "-" if error is None else f"{error:.1e}",
         ]  # fmt: skip

@@ -140,6 +140,7 @@ def focus_attention(
         check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64
     member = None
+    routing_groups = 0 if probs is None else probs.shape[-1]
     if local_only:
         probs = None
     elif mode == "hard":
@@ -149,6 +150,7 @@ def focus_attention(
         window=window, mode=mode, local_only=local_only, gate_lambda=gate_lambda,
         softcap=softcap, scale=q.shape[-1] ** -0.5 if scale is None else scale, sinks=sinks,
         probs=probs, member=member, documents=documents,
+        groups=0 if local_only else routing_groups, top_k=top_k,
     )  # fmt: skip
     chosen = select_backend(backend, _request(q, k, v, pattern, top_k))
     out, lse = chosen.fn(q, k, v, pattern)

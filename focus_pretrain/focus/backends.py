@@ -42,6 +42,9 @@ class AttentionPattern:
         probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
         member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
         documents: ``[b, s]`` int64 document starts, or ``None`` (one document per sample).
+        groups: ``K``, the number of groups (0 for a sliding-window layer); top_k: groups per
+            token in hard mode. Static ints: they bound the group-sorted layout's segment
+            table (:func:`~focus_pretrain.focus.sorted_layout.segment_slots`).
     """
 
     window: int
@@ -54,6 +57,8 @@ class AttentionPattern:
     probs: Tensor | None = None
     member: Tensor | None = None
     documents: Tensor | None = None
+    groups: int = 0
+    top_k: int = 1
 
     @property
     def kind(self) -> str:

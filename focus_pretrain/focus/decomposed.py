@@ -139,7 +139,7 @@ def decomposed_attention(
     if pattern.mode != "hard" or member is None:
         raise ValueError("the decomposed backend computes hard top-1 attention only")
     scale, softcap = pattern.scale, pattern.softcap
-    layout = GroupSortedLayout.build(member, documents)
+    layout = GroupSortedLayout.of_pattern(pattern)
     q_p, k_p, v_p = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)
     same_group = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
@@ -172,8 +172,13 @@ def _segments_causal(
     """Causal attention inside each segment: packed ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``.
 
     The segments (``layout.cu_seqlens``) are the (sample, document, group) runs, so no call
-    here crosses a document."""
-    if flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16):
+    here crosses a document. The varlen kernels take the layout's fixed table (``b * C(K,
+    top_k)`` entries, empty ones included) and its static ``max_seqlen``: no host sync. With
+    packed documents the table would need an entry per token (a grid of ``b * n`` segments), so
+    documents go through FlexAttention's document mask on the sorted layout instead; so does a
+    CPU call under ``torch.compile`` (the padded SDPA buckets are read from the data)."""
+    varlen = layout.document is None
+    if varlen and flash_attn_available() and q.dtype in (torch.float16, torch.bfloat16):
         from flash_attn import flash_attn_varlen_func
 
         out, lse, _ = flash_attn_varlen_func(
@@ -190,9 +195,9 @@ def _segments_causal(
             return_attn_probs=True,
         )
         return out, lse.transpose(0, 1).float()  # [H, T] -> [T, H]
-    if torch_varlen_available(q, softcap):
+    if varlen and torch_varlen_available(q, softcap):
         return torch_varlen_causal(q, k, v, layout.cu_seqlens, layout.max_seqlen, scale=scale)
-    if q.is_cuda and flex.flex_available_on(q.device.type):
+    if flex.flex_available_on(q.device.type) and (q.is_cuda or torch.compiler.is_compiling()):
         return flex.same_group(q, k, v, layout, scale=scale, softcap=softcap)
     if softcap is not None:
         raise ValueError("soft-capping needs flash-attn or FlexAttention in the decomposed backend")

@@ -41,13 +41,14 @@ Layout: ``[batch, seq, heads, head_dim]`` at this module's boundary; FlexAttenti
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import warnings
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
 
 try:  # PyTorch >= 2.9 asks for auxiliary outputs this way (return_lse is deprecated)
     from torch.nn.attention.flex_attention import AuxRequest
@@ -74,6 +75,31 @@ from focus_pretrain.focus.pattern_blocks import (
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 DEFAULT_BLOCK = 128  # FlexAttention's sparse block size
+MAX_CACHED_MASKS = 64
+# block structure of the masks that depend on shapes only (no documents): built once per
+# (kind, length, window, sinks, block, device) and shared by every layer and call; the cached
+# copy holds no mask_mod (its closure would keep a call's tensors alive)
+_STATIC_MASKS: dict[tuple, BlockMask] = {}
+
+
+def _static_mask(key: tuple, mask_mod, build) -> BlockMask:
+    """``build()``'s block mask from the cache (with ``mask_mod``): eager calls only; inside a
+    compiled graph it is built in the graph (a static input to a CUDA graph either way)."""
+    if torch.compiler.is_compiling():
+        return build()
+    cached = _STATIC_MASKS.get(key)
+    if cached is None:
+        if len(_STATIC_MASKS) >= MAX_CACHED_MASKS:
+            _STATIC_MASKS.clear()
+        cached = _STATIC_MASKS[key] = _with_mask_mod(build(), noop_mask)
+    return _with_mask_mod(cached, mask_mod)
+
+
+def _with_mask_mod(mask: BlockMask, mask_mod) -> BlockMask:
+    """``mask``'s blocks (shared, not copied) with another ``mask_mod``."""
+    out = copy.copy(mask)
+    out.mask_mod = mask_mod
+    return out
 
 
 def flex_available_on(device: str) -> bool:
@@ -106,21 +132,18 @@ def _call(
 ) -> tuple[Tensor, Tensor]:
     """``q [B, Lq, H, D]``, ``k/v [B, Lk, Hkv, D]`` -> ``(out [B, Lq, H, D], lse [B, Lq, H])``
     with ``lse`` in at least fp32 (fp64 for fp64 inputs)."""
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    compiling = torch.compiler.is_compiling()  # inside a caller's graph: trace straight through
+    fn = _compiled_flex() if q.is_cuda and not compiling else flex_attention
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [B, L, H, D] -> [B, H, L, D]
     lse_request = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
-    with warnings.catch_warnings():  # CPU runs eagerly on purpose (exact; tests, not speed)
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        out, aux = fn(
-            q4,
-            k4,
-            v4,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=k.shape[2] != q.shape[2],
-            **lse_request,
-        )  # [B, H, L, D], [B, H, L]
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, **lse_request)
+    kwargs["enable_gqa"] = k.shape[2] != q.shape[2]
+    if compiling:
+        out, aux = fn(q4, k4, v4, **kwargs)  # [B, H, L, D], [B, H, L]
+    else:
+        with warnings.catch_warnings():  # CPU runs eagerly on purpose (exact; tests, not speed)
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.co")
+            out, aux = fn(q4, k4, v4, **kwargs)  # [B, H, L, D], [B, H, L]
     lse = aux.lse if AuxRequest else aux
     lse = lse.to(compute_dtype(q.dtype)).transpose(1, 2)  # [B, H, L] -> [B, L, H], >= fp32
     return out.transpose(1, 2), lse  # [B, L, H, D], [B, L, H]
@@ -160,11 +183,11 @@ def block_mask_from_predicates(
 
 def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK) -> BlockMask:
     """Block mask of the pairs that share a group (causal, one document), on the packed sorted
-    layout; the documents are ``layout.document`` (``None``: one per sample)."""
-    total = layout.order.numel()
-    nb = -(-total // block)
-    pad = nb * block - total
-    device = layout.order.device
+    layout; the documents are ``layout.document`` (``None``: one per sample).
+
+    Built on the device from fixed-shape tensors (no host sync). On CUDA, outside a caller's
+    compiled graph, the block computation runs compiled (:func:`_compiled_blocks`): its ~100
+    small operators fused into a few kernels."""
     member = layout.member
     gpos = layout.sample * layout.seq + layout.position  # [T] position in the flattened batch
     doc = layout.position.new_zeros(()) if layout.document is None else layout.document
@@ -176,11 +199,41 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
         causal, _ = pair_rule(gpos[q_idx], gpos[kv_idx], window=0, **units)
         return shares & causal
 
+    compiled = member.is_cuda and not torch.compiler.is_compiling() and not _dispatch_mode_on()
+    blocks = _compiled_blocks() if compiled else same_group_blocks
+    mask = blocks(member, gpos, unit.expand_as(gpos), layout.segment, layout.cu_seqlens, block)
+    return _with_mask_mod(mask, mask_mod)
+
+
+def _dispatch_mode_on() -> bool:
+    """A ``TorchDispatchMode`` is active (a launch counter): compiled code would refuse it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
+@functools.cache
+def _compiled_blocks():
+    return torch.compile(same_group_blocks, fullgraph=True, dynamic=False)
+
+
+def same_group_blocks(
+    member: Tensor, gpos: Tensor, unit: Tensor, segment: Tensor, cu_seqlens: Tensor, block: int
+) -> BlockMask:
+    """The blocks of :func:`same_group_block_mask` (``mask_mod``: none yet) from the packed
+    tokens' bitmasks, flattened positions, (sample, document) keys and segment table entries
+    (``[T]`` each) and the segment table ``cu_seqlens [S + 1]``."""
+    total = member.numel()
+    nb = -(-total // block)
+    pad = nb * block - total
+    device = member.device
     # OR of the bitmasks in each block, through segments (a block holds few of them)
-    seg_member = member[layout.cu_seqlens[:-1].long()]  # [S]
-    seg_bits = member_bits(seg_member).to(torch.int32)  # [S, 64]
-    first_block = layout.cu_seqlens[:-1].long() // block  # [S]
-    last_block = (layout.cu_seqlens[1:].long() - 1) // block
+    seg_start = cu_seqlens[:-1].long()  # [S] table entries, empty ones included
+    seg_member = member[seg_start.clamp(max=total - 1)]  # [S]
+    seg_used = (cu_seqlens[1:] > cu_seqlens[:-1]).to(torch.int32)  # [S]
+    seg_bits = member_bits(seg_member).to(torch.int32) * seg_used[:, None]  # [S, 64]
+    first_block = (seg_start // block).clamp(max=nb - 1)  # [S] (empty entries: no bits)
+    last_block = ((cu_seqlens[1:].long() - 1) // block).clamp(min=first_block)
     delta = torch.zeros(nb + 1, 64, dtype=torch.int32, device=device)
     delta.index_add_(0, first_block, seg_bits)
     delta.index_add_(0, last_block + 1, -seg_bits)
@@ -188,19 +241,17 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     shares = (block_bits.to(torch.float32) @ block_bits.t().to(torch.float32)) > 0  # [nb, nb]
 
     (gpos_min,), (gpos_max,) = block_bounds(gpos[None], block)  # [nb] each
-    (unit_min,), (unit_max,) = block_bounds(unit.expand(total)[None], block)  # any sort order
+    (unit_min,), (unit_max,) = block_bounds(unit[None], block)  # any sort order
     units = ranges_overlap(unit_min[None], unit_max[None], unit_min[None], unit_max[None])
     candidate = shares & units[0] & (gpos_min[None, :] <= gpos_max[:, None])
-    seg_first = layout.segment[torch.arange(nb, device=device) * block]
-    seg_last = layout.segment[
-        torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1
-    ]
+    seg_first = segment[torch.arange(nb, device=device) * block]
+    seg_last = segment[torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1]
     pure = (seg_first == seg_last) & (unit_min == unit_max)  # one segment of one document
     pure[-1] &= pad == 0
     one_unit = unit_min[:, None] == unit_min[None, :]
     full = candidate & pure[:, None] & pure[None, :] & one_unit
     full &= gpos_max[None, :] <= gpos_min[:, None]
-    return block_mask_from_predicates(candidate, full, mask_mod, block, total)
+    return block_mask_from_predicates(candidate, full, noop_mask, block, total)
 
 
 def band_block_mask(
@@ -216,9 +267,6 @@ def band_block_mask(
     """Block mask of ``0 <= i - j <= window`` or a sink key (``j < sinks``; ``j - d_j < sinks``
     with document starts ``documents [b, n]``, which also require one document) and, with
     ``member [b, n]``, disjoint groups."""
-    positions = torch.arange(seq_len, device=device)  # [n]
-    blocks = summarise_blocks(positions, None, documents, block=block, sinks=sinks)
-    candidate, full = block_predicates(blocks, blocks, kind="local", window=window, sinks=sinks)
 
     def mask_mod(b, h, q_idx, kv_idx):
         docs = _pair_documents(documents, b, q_idx, kv_idx)
@@ -227,10 +275,19 @@ def band_block_mask(
             return causal & near
         return causal & near & ~groups_intersect(member[b, q_idx], member[b, kv_idx])
 
-    # the cross-group band (``member``): the groups decide inside every block, none is full
-    return block_mask_from_predicates(
-        candidate, full if member is None else None, mask_mod, block, seq_len
-    )
+    def build() -> BlockMask:
+        positions = torch.arange(seq_len, device=device)  # [n]
+        blocks = summarise_blocks(positions, None, documents, block=block, sinks=sinks)
+        candidate, full = block_predicates(blocks, blocks, kind="local", window=window, sinks=sinks)
+        # the cross-group band (``member``): the groups decide inside every block, none is full
+        return block_mask_from_predicates(
+            candidate, full if member is None else None, mask_mod, block, seq_len
+        )
+
+    if documents is not None:
+        return build()
+    key = ("band", seq_len, window, sinks, block, str(device), member is None)
+    return _static_mask(key, mask_mod, build)
 
 
 def _pair_documents(documents: Tensor | None, b, q_idx, kv_idx) -> dict:
@@ -250,14 +307,19 @@ def causal_block_mask(
 ) -> BlockMask:
     """Block mask of causal attention (blocks strictly below the diagonal are full), inside each
     document with document starts ``documents [b, n]``."""
-    positions = torch.arange(seq_len, device=device)  # [n]
-    blocks = summarise_blocks(positions, None, documents, block=block, sinks=0)
-    candidate, full = block_predicates(blocks, blocks, kind="causal", window=0, sinks=0)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return pair_rule(q_idx, kv_idx, window=0, **_pair_documents(documents, b, q_idx, kv_idx))[0]
 
-    return block_mask_from_predicates(candidate, full, mask_mod, block, seq_len)
+    def build() -> BlockMask:
+        positions = torch.arange(seq_len, device=device)  # [n]
+        blocks = summarise_blocks(positions, None, documents, block=block, sinks=0)
+        candidate, full = block_predicates(blocks, blocks, kind="causal", window=0, sinks=0)
+        return block_mask_from_predicates(candidate, full, mask_mod, block, seq_len)
+
+    if documents is not None:
+        return build()
+    return _static_mask(("causal", seq_len, block, str(device)), mask_mod, build)
 
 
 def score_constant(value: float | None, like: Tensor) -> Tensor | None:
@@ -399,7 +461,7 @@ def flex_focus_attention(
             q, k, v, pattern.probs, window=pattern.window, gate_lambda=pattern.gate_lambda,
             scale=scale, softcap=softcap, sinks=pattern.sinks, documents=documents, block=block,
         )  # fmt: skip
-    layout = GroupSortedLayout.build(member, documents)
+    layout = GroupSortedLayout.of_pattern(pattern)
     packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]

@@ -350,10 +350,22 @@ class FocusRouter(nn.Module):
 
     @torch.no_grad()
     def balance_target(self) -> Tensor | None:
-        """Mean column potential since the last update (``[K]``), or ``None`` if none seen."""
+        """Mean column potential since the last update (``[K]``), or ``None`` if none seen.
+        Reads a count back to the host: for inspection; a training step uses
+        :meth:`balance_statistics` and :meth:`apply_balance`, which stay on the device."""
         if float(self._target_count) == 0:
             return None
         return self._target_sum / self._target_count
+
+    @torch.no_grad()
+    def balance_statistics(self) -> Tensor:
+        """``[K + 1]`` on the device: the mean column potential since the last update (zeros if
+        none was seen), then 1 if one was seen, else 0. Rows of several routers and ranks
+        add up: sum them (one collective for every layer) and pass ``sum[:K] / sum[K]`` and
+        ``sum[K] > 0`` to :meth:`apply_balance`. No host round trip."""
+        seen = (self._target_count > 0).to(self._target_sum.dtype)
+        mean = self._target_sum / self._target_count.clamp(min=1)
+        return torch.cat([mean * seen, seen[None]])
 
     @torch.no_grad()
     def discard_balance_target(self) -> None:
@@ -363,18 +375,29 @@ class FocusRouter(nn.Module):
         self._target_count.zero_()
 
     @torch.no_grad()
+    def apply_balance(self, target: Tensor, seen: Tensor | bool = True) -> None:
+        """Move ``balance_offsets`` toward ``target`` (``[K]``) where ``seen`` (a device bool:
+        the offsets stay put when no rank saw a batch), then clear the accumulators. No-op in
+        ``sinkhorn`` mode. Never reads a value back to the host."""
+        if self.balance != "causal":
+            return
+        step = self.balance_rate * (target.to(self.balance_offsets.dtype) - self.balance_offsets)
+        self.balance_offsets += step * torch.as_tensor(seen, device=step.device)
+        self.discard_balance_target()
+
+    @torch.no_grad()
     def update_balance(self, target: Tensor | None = None) -> None:
         """Move ``balance_offsets`` toward equal load; call after each optimizer step.
 
-        ``target`` defaults to :meth:`balance_target` (a data-parallel trainer may pass the
-        mean of it over ranks). No-op in ``sinkhorn`` mode or when nothing was accumulated.
+        ``target`` defaults to this router's own statistics (:meth:`balance_statistics`; a
+        data-parallel trainer sums them over ranks, :func:`~focus_pretrain.train.focus_stats.
+        update_balance`). No-op in ``sinkhorn`` mode or when nothing was accumulated.
         """
-        if self.balance != "causal":
-            return
-        target = self.balance_target() if target is None else target
         if target is not None:
-            self.balance_offsets += self.balance_rate * (target - self.balance_offsets)
-        self.discard_balance_target()
+            self.apply_balance(target)
+            return
+        stats = self.balance_statistics()
+        self.apply_balance(stats[:-1], stats[-1] > 0)
 
 
 def router_parameter_count(num_layers: int, hidden_size: int, group_dim: int, k: int) -> int:

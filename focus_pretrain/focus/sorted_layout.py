@@ -22,33 +22,53 @@ or groups in Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
+def segment_slots(groups: int, top_k: int, *, documents: bool) -> int | None:
+    """The static bound on one sample's segments: its tokens carry at most ``C(K, top_k)``
+    distinct bitmasks, so without documents there are at most that many runs; with packed
+    documents the runs are (document, bitmask) pairs, bounded only by ``n`` (``None``)."""
+    if documents or groups < 1:
+        return None
+    return math.comb(groups, top_k)
+
+
 @dataclass(frozen=True)
 class GroupSortedLayout:
     """Where every token of a batch sits in the group-sorted packed sequence.
 
+    **Fixed shapes**: every tensor's shape follows from ``[b, n]`` and the static bound
+    ``slots`` on the segments of one sample; nothing is read back to the host, so the layout
+    builds under ``torch.compile(fullgraph=True)`` and CUDA-graph capture. The segments sit in a
+    table of ``b * slots`` entries (sample ``i`` owns entries ``[i * slots, (i + 1) * slots)``);
+    the entries a sample does not use are **empty segments** (start equal to end), which the
+    varlen kernels skip.
+
     Attributes:
         batch, seq: the batch shape ``[b, n]`` it was built from.
+        slots: segments per sample the table holds (:func:`segment_slots`).
         order: ``[b * n]`` int64: packed position ``p`` holds flat token ``order[p]``.
         inverse: ``[b * n]`` int64: flat token ``t`` sits at packed position ``inverse[t]``.
         sample: ``[b * n]`` int64 sample of each packed token.
         position: ``[b * n]`` int64 position (within its sample) of each packed token.
         member: ``[b * n]`` int64 membership bitmask of each packed token.
-        segment: ``[b * n]`` int64 segment id: runs of equal ``(sample, member)`` (``(sample,
-            document, member)`` with documents).
-        cu_seqlens: ``[S + 1]`` int32 start of each segment, then ``b * n``.
-        max_seqlen: the longest segment.
+        segment: ``[b * n]`` int64 table entry of each packed token's segment: runs of equal
+            ``(sample, member)`` (``(sample, document, member)`` with documents).
+        cu_seqlens: ``[b * slots + 1]`` int32 start of each table entry, then ``b * n``;
+            non-decreasing (an empty entry starts where the next one does).
+        max_seqlen: a static bound on the longest segment (``n``), never read from the data.
         document: ``[b * n]`` int64 document start of each packed token, or ``None`` when
             built without documents (one document per sample).
     """
 
     batch: int
     seq: int
+    slots: int
     order: Tensor
     inverse: Tensor
     sample: Tensor
@@ -60,48 +80,72 @@ class GroupSortedLayout:
     document: Tensor | None = None
 
     @classmethod
-    def build(cls, member: Tensor, documents: Tensor | None = None) -> GroupSortedLayout:
+    def build(
+        cls, member: Tensor, documents: Tensor | None = None, *, slots: int | None = None
+    ) -> GroupSortedLayout:
         """Sort each sample of ``member`` ``[b, n]`` (int64 bitmasks) stably by bitmask; with
-        ``documents`` (``[b, n]`` int64 document starts) by ``(document start, bitmask)``."""
+        ``documents`` (``[b, n]`` int64 document starts) by ``(document start, bitmask)``.
+
+        ``slots``: a bound on the distinct runs of one sample (:func:`segment_slots`; default
+        ``n``, always safe). A smaller table keeps the varlen kernels' grids small; a bound
+        that is too small is a wrong result, so callers derive it from ``K`` and ``top_k``."""
         b, n = member.shape
+        slots = n if slots is None else max(1, min(int(slots), n))
         device = member.device
         sorted_member, index = torch.sort(member, dim=1, stable=True)  # [b, n] each
         if documents is not None:  # then stably by document: lexicographic (document, member)
             sorted_doc, by_doc = torch.sort(documents.gather(1, index), dim=1, stable=True)
             index = index.gather(1, by_doc)  # [b, n]
             sorted_member = sorted_member.gather(1, by_doc)  # [b, n]
-        sample = torch.arange(b, device=device).repeat_interleave(n)  # [b * n]
-        order = (index + sample.view(b, n) * n).reshape(-1)  # [b, n] -> [b * n] flat indices
-        packed_member = sorted_member.reshape(-1)  # [b, n] -> [b * n]
-        starts = torch.ones_like(packed_member, dtype=torch.bool)
-        starts[1:] = (packed_member[1:] != packed_member[:-1]) | (sample[1:] != sample[:-1])
+        starts = torch.ones_like(sorted_member, dtype=torch.bool)  # [b, n] a run starts here
+        starts[:, 1:] = sorted_member[:, 1:] != sorted_member[:, :-1]
         packed_doc = None
         if documents is not None:
+            starts[:, 1:] |= sorted_doc[:, 1:] != sorted_doc[:, :-1]
             packed_doc = sorted_doc.reshape(-1)  # [b, n] -> [b * n]
-            starts[1:] |= packed_doc[1:] != packed_doc[:-1]
-        segment = torch.cumsum(starts, dim=0) - 1
-        start_index = torch.nonzero(starts).squeeze(1)
-        end = torch.tensor([b * n], device=device)
-        cu_seqlens = torch.cat([start_index, end]).to(torch.int32)
+        sample_ids = torch.arange(b, device=device)  # [b]
+        run = torch.cumsum(starts, dim=1) - 1  # [b, n] run index inside the sample
+        segment = (run + sample_ids[:, None] * slots).reshape(-1)  # [b, n] -> [b * n]
+        total = b * n
+        packed = torch.arange(total, device=device)  # [b * n]
+        cu = torch.full((b * slots + 1,), total, dtype=torch.int64, device=device)
+        cu.scatter_reduce_(0, segment, packed, reduce="amin")  # unused entries keep b * n
+        cu = torch.flip(torch.cummin(torch.flip(cu, (0,)), dim=0).values, (0,))  # empty: next
+        order = (index + sample_ids[:, None] * n).reshape(-1)  # [b, n] -> [b * n] flat indices
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(b * n, device=device)
+        inverse[order] = packed
         return cls(
             batch=b,
             seq=n,
+            slots=slots,
             order=order,
             inverse=inverse,
-            sample=sample,
+            sample=sample_ids.repeat_interleave(n),  # [b * n]
             position=index.reshape(-1),
-            member=packed_member,
+            member=sorted_member.reshape(-1),  # [b, n] -> [b * n]
             segment=segment,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+            cu_seqlens=cu.to(torch.int32),
+            max_seqlen=n,
             document=packed_doc,
         )
 
+    @classmethod
+    def of_pattern(cls, pattern) -> GroupSortedLayout:
+        """The layout of a hard :class:`~focus_pretrain.focus.backends.AttentionPattern`
+        (its ``member`` and ``documents``), with the table bounded by its ``groups`` and
+        ``top_k`` (:func:`segment_slots`)."""
+        documents = pattern.documents
+        slots = segment_slots(pattern.groups, pattern.top_k, documents=documents is not None)
+        return cls.build(pattern.member, documents, slots=slots)
+
     @property
     def num_segments(self) -> int:
+        """Entries of the segment table (``b * slots``), empty ones included."""
         return self.cu_seqlens.numel() - 1
+
+    def segment_lengths(self) -> Tensor:
+        """``[b * slots]`` int64 length of each table entry (0: empty)."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
 
     def pack(self, x: Tensor) -> Tensor:
         """``[b, n, ...]`` -> packed ``[b * n, ...]`` in group-sorted order."""
@@ -122,13 +166,18 @@ class GroupSortedLayout:
         Padding every segment to the longest one would cost ``S * max_seqlen^2`` when groups are
         uneven (a collapsed router: ``K`` times dense attention); within a bucket a segment is
         padded to less than twice its length. At most ``log2(n) + 1`` buckets.
+
+        CPU eager only: the buckets are read from the data (a host round trip per bucket).
         """
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)  # [S]
-        bucket_of = torch.ceil(torch.log2(lengths.double())).to(torch.int64)  # [S]
+        lengths = self.segment_lengths()  # [S]
+        bucket_of = torch.ceil(torch.log2(lengths.clamp(min=1).double())).to(torch.int64)  # [S]
+        bucket_of = torch.where(lengths > 0, bucket_of, -1)  # empty entries: no bucket
         rank = self.rank_in_segment()
         token_bucket = bucket_of[self.segment]  # [b * n]
         buckets = []
         for value in torch.unique(bucket_of).tolist():  # a loop over lengths, not over groups
+            if value < 0:
+                continue
             segments = torch.nonzero(bucket_of == value).squeeze(1)  # [S_v]
             slot = torch.full_like(lengths, -1)
             slot[segments] = torch.arange(segments.numel(), device=slot.device)

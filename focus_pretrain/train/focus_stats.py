@@ -12,15 +12,19 @@ from focus_pretrain.parallel.ring import RingStats
 
 def update_balance(routers: list[FocusRouter], group: dist.ProcessGroup) -> None:
     """After an optimizer step: average each router's load target over ``group`` (data x
-    context-parallel ranks: each saw a different part of the batch) and step its offsets."""
-    size = dist.get_world_size(group)
-    for router in routers:
-        target = router.balance_target()
-        if target is None:
-            continue
-        target = target.float().clone()
-        dist.all_reduce(target, group=group)
-        router.update_balance(target / size)
+    context-parallel ranks: each saw a different part of the batch) and step its offsets.
+
+    One collective for every layer (their statistics stacked ``[layers, K + 1]``) and no host
+    round trip: the mean over the ranks that saw a batch is taken on the device."""
+    causal = [router for router in routers if router.balance == "causal"]
+    if not causal:
+        return
+    stats = torch.stack([router.balance_statistics() for router in causal])  # [layers, K + 1]
+    dist.all_reduce(stats, group=group)
+    seen = stats[:, -1]  # [layers] ranks that saw a batch
+    targets = stats[:, :-1] / seen.clamp(min=1)[:, None]  # [layers, K]
+    for router, target, any_seen in zip(causal, targets, seen > 0, strict=True):
+        router.apply_balance(target, any_seen)
 
 
 def discard_balance(routers: list[FocusRouter]) -> None:

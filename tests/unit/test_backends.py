@@ -235,10 +235,24 @@ def test_sorted_layout_is_stable_and_invertible():
     torch.testing.assert_close(rebuilt, packed, rtol=0, atol=0)  # every token exactly once
     for s in range(layout.num_segments):
         lo, hi = layout.cu_seqlens[s], layout.cu_seqlens[s + 1]
+        if lo == hi:
+            continue  # an empty entry of the fixed table
         assert (layout.member[lo:hi] == layout.member[lo]).all()
         assert (layout.sample[lo:hi] == layout.sample[lo]).all()
         assert (layout.position[lo:hi].diff() > 0).all()  # stable: causal order kept
-    assert layout.num_segments == sum(len(row.unique()) for row in member)
+    used = layout.segment_lengths() > 0  # the fixed table's empty entries skipped
+    assert int(used.sum()) == sum(len(row.unique()) for row in member)
+    assert (layout.cu_seqlens.diff() >= 0).all() and layout.cu_seqlens[-1] == 150
+
+
+def test_sorted_layout_table_is_fixed_by_its_bound():
+    """A bound of ``C(K, top_k)`` slots per sample: ``b * slots + 1`` offsets whatever the data
+    (here one sample uses 1 group of 5, the other all 5), each sample's segments in its slots."""
+    member = torch.stack([torch.full((40,), 4), 1 << torch.arange(40) % 5])  # [2, 40]
+    layout = GroupSortedLayout.build(member, slots=5)
+    assert layout.cu_seqlens.shape == (2 * 5 + 1,) and layout.max_seqlen == 40
+    assert layout.segment_lengths().tolist() == [40, 0, 0, 0, 0, 8, 8, 8, 8, 8]
+    assert torch.equal(layout.segment // 5, layout.sample)  # sample i owns slots [5i, 5i + 5)
 
 
 @st.composite
@@ -322,12 +336,15 @@ def test_sorted_layout_keeps_documents_apart():
     assert torch.equal(layout.document, layout.pack(documents))
     for s in range(layout.num_segments):
         lo, hi = layout.cu_seqlens[s], layout.cu_seqlens[s + 1]
+        if lo == hi:
+            continue  # an empty entry of the fixed table
         assert (layout.member[lo:hi] == layout.member[lo]).all()
         assert (layout.sample[lo:hi] == layout.sample[lo]).all()
         assert (layout.document[lo:hi] == layout.document[lo]).all()
         assert (layout.position[lo:hi].diff() > 0).all()  # stable: causal order kept
     keys = torch.stack([documents, member], dim=-1)  # [2, 60, 2]: (document, group) per token
-    assert layout.num_segments == sum(len(row.unique(dim=0)) for row in keys)
+    used = layout.segment_lengths() > 0  # the fixed table's empty entries skipped
+    assert int(used.sum()) == sum(len(row.unique(dim=0)) for row in keys)
 
 
 def test_merge_of_empty_parts():
@@ -410,7 +427,8 @@ def test_same_group_block_mask_is_tight(top_k, most):
     density = allowed.sum() / (n * (n + 1) / 2)
     # the pair-count ideal in blocks, plus the partial blocks where two segments' positions
     # interleave (about two per segment and block row; negligible at long lengths)
-    assert kept.sum() <= density * causal_blocks + 2 * layout.num_segments * nb
+    segments = int((layout.segment_lengths() > 0).sum())
+    assert kept.sum() <= density * causal_blocks + 2 * segments * nb
 
 
 @pytest.mark.parametrize("window", [0, 5, 40, 1000])

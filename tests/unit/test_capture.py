@@ -1,0 +1,167 @@
+"""Capturable Focus: the hot paths compile whole and ask nothing of the host.
+
+* ``torch.compile(fullgraph=True)`` (which raises on any graph break) over ``focus_attention``
+  for hard top-1 (``decomposed``), hard top-k (``flex``, k = 2, 3), the soft training pattern
+  (forward through ``flex``; forward + backward through ``reference``, the CPU training path)
+  and sliding-window layers, with packed documents and sinks; each output equals the eager
+  reference. Calls that reach FlexAttention compile with the ``aot_eager`` backend: the whole
+  graph is captured (dynamo and AOT autograd), but Inductor's CPU FlexAttention takes no
+  log-sum-exp (torch 2.13: "CPU only supports inference and return_lse is not supported"), which
+  the Focus merge needs; on CUDA Inductor lowers it. The rest compiles with Inductor.
+* Eager calls of the paths CUDA runs (``flex``: the group-sorted layout, its block masks, the
+  band) dispatch no host sync (:class:`~focus_pretrain.bench.dispatch.DispatchCounter`).
+* A training step's Focus parts (routers, attention, the balance update over the ranks) sync
+  with the host 0 times; the interval's statistics once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from focus_pretrain.bench.dispatch import DispatchCounter
+from focus_pretrain.focus.attention import focus_attention
+from focus_pretrain.focus.flex import same_group_blocks
+from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+from tests.distributed import run_workers
+from tests.helpers import random_probs, random_qkv
+
+pytestmark = pytest.mark.capture
+
+B, N, H, HKV, D, GROUPS, WINDOW = 2, 256, 4, 2, 16, 5, 24
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles its own graph: no recompile counted against the test before."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(seed: int, *, requires_grad: bool = False):
+    q, k, v = random_qkv(B, N, H, HKV, D, seed=seed, dtype=torch.float32)
+    probs = random_probs(B, N, GROUPS, seed=seed + 1, sharpness=2.0).float()
+    documents = torch.zeros(B, N, dtype=torch.int64)  # [b, n] ids: 3 documents, then 2
+    documents[0, 90:], documents[0, 200:], documents[1, 150:] = 1, 2, 1
+    tensors = [t.requires_grad_(requires_grad) for t in (q, k, v, probs)]
+    return tensors, documents
+
+
+def _attend(backend: str, mode: str, top_k: int, packed: bool):
+    def attend(q, k, v, probs, documents):
+        return focus_attention(
+            q, k, v, probs, window=WINDOW, mode="hard" if mode == "local" else mode,
+            top_k=top_k, backend=backend, local_only=mode == "local", check_finite=False,
+            sinks=3 if packed else 0, documents=documents if packed else None,
+        )  # fmt: skip
+
+    return attend
+
+
+CASES = [  # (backend, mode, top_k)
+    ("decomposed", "hard", 1),
+    ("flex", "hard", 2),
+    ("flex", "hard", 3),
+    ("flex", "soft", 1),
+    ("flex", "local", 1),
+    ("decomposed", "local", 1),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents+sinks"])
+@pytest.mark.parametrize("backend, mode, top_k", CASES)
+def test_attention_compiles_whole_and_equals_the_reference(backend, mode, top_k, packed):
+    (q, k, v, probs), documents = _inputs(seed=top_k + 3 * packed)
+    reaches_flex = backend == "flex" or mode == "hard"  # the decomposed CPU graph: flex + band
+    compiler = "aot_eager" if reaches_flex else "inductor"
+    attend = _attend(backend, mode, top_k, packed)
+    compiled = torch.compile(attend, fullgraph=True, backend=compiler, dynamic=False)
+    got = compiled(q, k, v, probs, documents)
+    want = _attend("reference", mode, top_k, packed)(q, k, v, probs, documents)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["soft", "local"])
+def test_training_pattern_compiles_whole_forward_and_backward(mode):
+    """The CPU training path (``reference``): compiled forward + backward, gradients of ``q``,
+    ``k``, ``v`` and the soft assignments equal to eager ones."""
+    inputs, documents = _inputs(seed=11, requires_grad=True)
+    attend = _attend("reference", mode, 1, packed=True)
+    grad_out = torch.randn(B, N, H, D, generator=torch.Generator().manual_seed(12))
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    wrt = inputs if mode == "soft" else inputs[:3]  # a sliding-window layer has no routing
+    got = torch.autograd.grad((compiled(*inputs, documents) * grad_out).sum(), wrt)
+    want = torch.autograd.grad((attend(*inputs, documents) * grad_out).sum(), wrt)
+    for name, g, w in zip(("q", "k", "v", "probs"), got, want, strict=False):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents+sinks"])
+@pytest.mark.parametrize("mode, top_k", [("hard", 1), ("hard", 3), ("soft", 1), ("local", 1)])
+def test_cuda_paths_dispatch_no_host_sync(mode, top_k, packed):
+    """The FlexAttention path (what CUDA runs for hard top-k, soft and local layers, and for
+    the decomposed backend's same-group part with documents), counted eagerly."""
+    (q, k, v, probs), documents = _inputs(seed=5)
+    with DispatchCounter() as counter:
+        _attend("flex", mode, top_k, packed)(q, k, v, probs, documents)
+    assert counter.host_syncs == 0, counter.sync_ops
+    assert counter.launches > 0  # the counter saw the call
+
+
+def test_group_sorted_layout_dispatches_no_host_sync():
+    member = 1 << torch.randint(0, GROUPS, (B, N))
+    _, documents = _inputs(seed=1)
+    for docs, slots in ((None, GROUPS), (documents, None)):
+        with DispatchCounter() as counter:
+            layout = GroupSortedLayout.build(member, docs, slots=slots)
+        assert counter.host_syncs == 0, counter.sync_ops
+        assert layout.cu_seqlens.shape == (B * (slots or N) + 1,)
+
+
+def test_counter_sees_host_syncs():
+    """The counter itself: ``.item()``, ``nonzero`` and boolean indexing are syncs; a view is no
+    launch."""
+    x = torch.randn(10)
+    with DispatchCounter() as counter:
+        x.sum().item()
+        torch.nonzero(x > 0)
+        x[x > 0]
+        x.view(2, 5)
+    assert counter.sync_ops == {"_local_scalar_dense": 1, "nonzero": 1, "index": 1}
+    assert counter.ops["view"] == 0 and counter.ops["sum"] == 1
+
+
+@pytest.mark.multiprocess
+def test_training_step_focus_parts_cause_no_host_sync():
+    """Two micro-batches of a tiny Focus model (megatron-core GPTModel, routers with the causal
+    balance) forward and backward, then the balance update over the ranks: 0 host syncs; the
+    interval's largest group share: 1 (read once per log interval)."""
+    for result in run_workers(
+        "tests.multiprocess.workers_capture:training_step_syncs", 2, {"sinks": 2}, 2
+    ):
+        assert result["step_syncs"] == {}
+        assert result["interval_syncs"] == {"_local_scalar_dense": 1}
+        assert result["routers"] == 2 and all(result["offsets_moved"])
+        assert 1 / 8 <= result["share"] <= 1
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
+def test_compiled_block_mask_builder_equals_eager(packed):
+    """CUDA builds the same-group block mask compiled (its small operators fused): the compiled
+    builder gives exactly the eager block tables, with and without documents."""
+    member = 1 << torch.randint(0, GROUPS, (B, N), generator=torch.Generator().manual_seed(4))
+    _, documents = _inputs(seed=2)
+    starts = document_starts(documents) if packed else None
+    layout = GroupSortedLayout.build(member, starts, slots=None if packed else GROUPS)
+    gpos = layout.sample * N + layout.position  # [T]
+    doc = layout.position.new_zeros(()) if starts is None else layout.document
+    unit = (layout.sample * N + doc).expand_as(gpos)  # [T]
+    args = (layout.member, gpos, unit, layout.segment, layout.cu_seqlens, 32)
+    eager = same_group_blocks(*args)
+    compiled = torch.compile(same_group_blocks, fullgraph=True, dynamic=False)(*args)
+    for want, got in zip(eager.as_tuple(), compiled.as_tuple(), strict=True):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want)
+    assert int(eager.kv_num_blocks.sum()) < (N * B // 32) ** 2  # sparse: not every block pair
