@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=defaults.device, help="cuda (figures) or cpu (smoke)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--no-hard", action="store_true", help="only the --train rows")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="time calls captured whole (torch.compile reduce-overhead: CUDA graphs), dense too",
+    )
     parser.add_argument("--profile", help="append profiler tables (one call per backend) here")
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         seed=args.seed,
         profile=args.profile,
+        graphs=args.graphs,
         hard=not args.no_hard,
     )
     env = environment(cfg, cfg.device)

@@ -6,6 +6,9 @@
 #           export) on CUDA
 #   recipe  the tiny recipe for a few hundred steps in bf16 on the GPU
 #   bench   the attention benchmark (tools/bench_attention.py)
+#   graphs  the hard path at 4K-32K captured whole (CUDA graphs, torch.compile reduce-overhead)
+#           against dense SDPA captured alike: launches and host syncs per call next to the
+#           time; targets: >= 1.0x dense at 4K, >= 2x at 16K (K=8, top-1)
 #   train   the soft-gate training step vs dense, triton then flex (bench_attention.py --train)
 #   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
@@ -16,7 +19,7 @@
 # Each stage gets a time limit (TIMEOUT_<stage>, else STAGE_TIMEOUT seconds, default 600); a failed stage is
 # recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
 # from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
-# Sizes are overridable: BENCH_SEQ, BENCH_ARGS, TRAIN_SEQ, RING_ARGS, MFU_ARGS, RECIPE_STEPS.
+# Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, RING_ARGS, MFU_ARGS, RECIPE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -96,6 +99,13 @@ stage_bench() {
     --json "$OUT/bench_attention.json" --markdown "$LOGS/bench_attention.md" ${BENCH_ARGS:-}
 }
 
+stage_graphs() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${GRAPHS_SEQ:-4096 8192 16384 32768} --groups 8 \
+    --top-k 1 2 --heads 16 --head-dim 128 --dtype bf16 --graphs \
+    --json "$OUT/bench_graphs.json" --markdown "$LOGS/bench_graphs.md" ${GRAPHS_ARGS:-}
+}
+
 stage_train() {
   # shellcheck disable=SC2086
   $PY tools/bench_attention.py --seq ${TRAIN_SEQ:-8192 16384 32768} --groups 8 --no-hard \
@@ -121,7 +131,7 @@ stage_mfu_triton() {
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench train ring mfu mfu_triton)
+ALL=(env tests e2e recipe bench graphs train ring mfu mfu_triton)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"

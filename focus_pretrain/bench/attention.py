@@ -13,6 +13,9 @@ repeats (CUDA events on GPU, ``perf_counter`` on CPU):
 * per backend, the operators one call dispatches (kernel launches) and its host syncs, counted
   eagerly on a prefix (:class:`~focus_pretrain.bench.dispatch.DispatchCounter`; on CUDA also
   the device kernels the profiler sees, compiled pieces fused);
+* optionally (``graphs=True``) every timed call captured whole: ``torch.compile(fullgraph=True,
+  mode="reduce-overhead")``, i.e. replayed as a CUDA graph on CUDA (no launch or host cost
+  per kernel), dense SDPA alike; on CPU the ``aot_eager`` backend (a smoke check of capture);
 * optionally (``train=True``) one soft-gate training step (forward + backward) of each of the
   ``flex`` and ``triton`` backends asked for, against dense SDPA forward + backward; each is
   first checked (output and every gradient) against the reference on a prefix.
@@ -69,6 +72,7 @@ class BenchConfig:
     device: str = "cuda"
     seed: int = 0
     profile: str | None = None  # append torch.profiler tables of one call per backend here
+    graphs: bool = False  # time captured calls (torch.compile reduce-overhead: CUDA graphs)
 
 
 def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable], float]:
@@ -76,24 +80,34 @@ def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callabl
     return functools.partial(median_ms, device=device, warmup=warmup, repeats=repeats)
 
 
-def dense_baselines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict[str, Callable]:
-    """Dense causal attention callables of the same shape: SDPA (flash on CUDA), flash-attn."""
+def captured(fn: Callable, *args: Tensor) -> Callable[[], object]:
+    """``fn(*args)`` compiled whole for timing: CUDA graphs on CUDA (``reduce-overhead``),
+    ``aot_eager`` elsewhere (Inductor's CPU FlexAttention returns no log-sum-exp)."""
+    if args[0].is_cuda:
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    else:
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="aot_eager")
+    return lambda: compiled(*args)
+
+
+def dense_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Dense causal SDPA (its flash kernel on CUDA) of ``[b, s, h, d]`` inputs ->
+    ``[b, h, s, d]``."""
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [b, s, h, d] -> [b, h, s, d]
     gqa = k.shape[2] != q.shape[2]
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def sdpa():
-        if q.is_cuda:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa)
 
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(
-                    q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa
-                )
-        return F.scaled_dot_product_attention(
-            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=gqa
-        )
 
-    out = {"sdpa": sdpa}
+def dense_baselines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict[str, Callable]:
+    """Dense causal attention callables of the same shape: SDPA (flash on CUDA), flash-attn."""
+    out = {"sdpa": functools.partial(dense_sdpa, q, k, v, scale)}
     if q.is_cuda and importlib.util.find_spec("flash_attn") is not None:
         from flash_attn import flash_attn_func
 
@@ -204,8 +218,11 @@ def run_benchmark(
         q, k, v = [_random_heads(cfg, n, h, gen) for h in (cfg.heads, cfg.heads_kv, cfg.heads_kv)]
         dense = {}
         if cfg.hard:
+            baselines = dense_baselines(q, k, v, scale)
+            if cfg.graphs:  # the same capture for the baseline (flash-attn's op does not trace)
+                baselines = {"sdpa": captured(functools.partial(dense_sdpa, scale=scale), q, k, v)}
             with torch.no_grad():
-                dense = {name: measure(fn) for name, fn in dense_baselines(q, k, v, scale).items()}
+                dense = {name: measure(fn) for name, fn in baselines.items()}
         for groups in cfg.groups:
             probs = torch.softmax(
                 torch.randn(cfg.batch, n, groups, generator=gen, device=device) * 3, dim=-1
@@ -249,6 +266,7 @@ def hard_row(
         top_k=top_k,
         window=cfg.window,
         mode="hard",
+        captured=cfg.graphs,
         dense_ms=dense,
         baseline=base_name,
         ideal_speedup=1.0 / density,
@@ -285,6 +303,9 @@ def _hard_times(
     """Milliseconds of backend ``name``'s whole call and of its non-kernel work alone (``None``
     for the reference); appends the call's profile to ``cfg.profile`` when set."""
     call = functools.partial(focus_attention, *qkv, routing, backend=name, **kwargs)
+    if cfg.graphs:  # the whole call (routing membership to merge) captured as one graph
+        attend = functools.partial(focus_attention, backend=name, **kwargs)
+        call = captured(lambda q, k, v, probs: attend(q, k, v, probs), *qkv, routing.probs)
     total = measure(call)
     overhead = None  # the reference has no sort/merge to separate
     if name != "reference":

@@ -101,6 +101,25 @@ def test_bench_attention_smoke_on_cpu(tmp_path):
     assert "| decomposed |" in result.stdout
 
 
+@pytest.mark.capture
+def test_bench_attention_counts_and_captures(tmp_path):
+    """``--graphs`` times calls captured whole (CUDA graphs on a GPU; ``aot_eager`` here) and
+    every backend reports its launches and host syncs per call: none on the FlexAttention
+    path (the CPU decomposed path pads segments by length read from the data, its own)."""
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--seq", "256", "--groups", "4", "--top-k", "1", "--graphs"]
+    args += ["--heads", "4", "--heads-kv", "2", "--head-dim", "16", "--dtype", "fp32"]
+    args += ["--window", "32", "--warmup", "1", "--repeats", "2", "--json", str(out)]
+    tool = str(ROOT / "tools" / "bench_attention.py")
+    subprocess.run([sys.executable, tool, *args], capture_output=True, check=True, timeout=600)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["captured"] and set(row["backends"]) == {"decomposed", "flex"}
+    for backend in row["backends"].values():
+        assert backend["max_abs_error_vs_reference"] < 1e-4 and backend["ms"] > 0
+        assert backend["launches"] > 0
+    assert row["backends"]["flex"]["host_syncs"] == 0
+
+
 @pytest.mark.hf
 def test_bench_decode_smoke_on_cpu(tmp_path):
     """The decode benchmark runs end to end at small sizes: the sparse step agrees with the
