@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - older PyTorch
     AuxRequest = None
 
 from focus_pretrain.focus.backends import AttentionPattern
+from focus_pretrain.focus.compiled import dispatch_mode_on, fused_on_cuda, raise_recompile_limit
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import (
     at_least_fp32,
@@ -113,11 +114,7 @@ def flex_available_on(device: str) -> bool:
 def _compiled_flex():
     # every (length, mask kind, GQA) is a specialisation; past dynamo's default of 8 it would
     # fall back to eager FlexAttention, which materialises n x n scores (out of memory at 1M)
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 64))
+    raise_recompile_limit()
     return torch.compile(flex_attention)
 
 
@@ -133,7 +130,11 @@ def _call(
     """``q [B, Lq, H, D]``, ``k/v [B, Lk, Hkv, D]`` -> ``(out [B, Lq, H, D], lse [B, Lq, H])``
     with ``lse`` in at least fp32 (fp64 for fp64 inputs)."""
     compiling = torch.compiler.is_compiling()  # inside a caller's graph: trace straight through
-    fn = _compiled_flex() if q.is_cuda and not compiling else flex_attention
+    fn = (
+        _compiled_flex()
+        if q.is_cuda and not compiling and not dispatch_mode_on()
+        else flex_attention
+    )
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))  # [B, L, H, D] -> [B, H, L, D]
     lse_request = {"return_aux": AuxRequest(lse=True)} if AuxRequest else {"return_lse": True}
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, **lse_request)
@@ -186,8 +187,9 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
     layout; the documents are ``layout.document`` (``None``: one per sample).
 
     Built on the device from fixed-shape tensors (no host sync). On CUDA, outside a caller's
-    compiled graph, the block computation runs compiled (:func:`_compiled_blocks`): its ~100
-    small operators fused into a few kernels."""
+    compiled graph, the block computation runs compiled (:func:`same_group_blocks`,
+    :func:`~focus_pretrain.focus.compiled.fused_on_cuda`): its ~100 small operators fused into
+    a few kernels."""
     member = layout.member
     gpos = layout.sample * layout.seq + layout.position  # [T] position in the flattened batch
     doc = layout.position.new_zeros(()) if layout.document is None else layout.document
@@ -199,24 +201,13 @@ def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK)
         causal, _ = pair_rule(gpos[q_idx], gpos[kv_idx], window=0, **units)
         return shares & causal
 
-    compiled = member.is_cuda and not torch.compiler.is_compiling() and not _dispatch_mode_on()
-    blocks = _compiled_blocks() if compiled else same_group_blocks
-    mask = blocks(member, gpos, unit.expand_as(gpos), layout.segment, layout.cu_seqlens, block)
+    mask = same_group_blocks(
+        member, gpos, unit.expand_as(gpos), layout.segment, layout.cu_seqlens, block
+    )
     return _with_mask_mod(mask, mask_mod)
 
 
-def _dispatch_mode_on() -> bool:
-    """A ``TorchDispatchMode`` is active (a launch counter): compiled code would refuse it."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode() is not None
-
-
-@functools.cache
-def _compiled_blocks():
-    return torch.compile(same_group_blocks, fullgraph=True, dynamic=False)
-
-
+@fused_on_cuda
 def same_group_blocks(
     member: Tensor, gpos: Tensor, unit: Tensor, segment: Tensor, cu_seqlens: Tensor, block: int
 ) -> BlockMask:

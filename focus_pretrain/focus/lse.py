@@ -7,11 +7,10 @@ backend and the ring use :func:`merge_by_lse`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus.compiled import fused_on_cuda
 from focus_pretrain.focus.pattern import at_least_fp32
 
 
@@ -24,11 +23,12 @@ def merge_by_lse(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Te
     arithmetic runs as one compiled kernel (one pass over the outputs instead of six).
     """
     tensors = (*a, *b)
-    if a[0].is_cuda and not any(t.requires_grad for t in tensors):
-        return _compiled_merge()(*tensors)
-    return _merge(*tensors)
+    if not any(t.requires_grad for t in tensors):
+        return _merge(*tensors)  # compiled on CUDA
+    return _merge.eager(*tensors)
 
 
+@fused_on_cuda(dynamic=True)
 def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     lse_a, lse_b = at_least_fp32(lse_a), at_least_fp32(lse_b)
     lse = torch.logaddexp(lse_a, lse_b)  # [b, n, H]
@@ -37,8 +37,3 @@ def _merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[
     w_b = torch.exp(lse_b - safe)[..., None]
     out = w_a * at_least_fp32(out_a) + w_b * at_least_fp32(out_b)
     return out.to(out_a.dtype), lse
-
-
-@functools.cache
-def _compiled_merge():
-    return torch.compile(_merge, dynamic=True)

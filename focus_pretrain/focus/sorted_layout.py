@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus.compiled import fused_on_cuda
+
 
 def segment_slots(groups: int, top_k: int, *, documents: bool) -> int | None:
     """The static bound on one sample's segments: its tokens carry at most ``C(K, top_k)``
@@ -91,40 +93,19 @@ class GroupSortedLayout:
         that is too small is a wrong result, so callers derive it from ``K`` and ``top_k``."""
         b, n = member.shape
         slots = n if slots is None else max(1, min(int(slots), n))
-        device = member.device
-        sorted_member, index = torch.sort(member, dim=1, stable=True)  # [b, n] each
-        if documents is not None:  # then stably by document: lexicographic (document, member)
-            sorted_doc, by_doc = torch.sort(documents.gather(1, index), dim=1, stable=True)
-            index = index.gather(1, by_doc)  # [b, n]
-            sorted_member = sorted_member.gather(1, by_doc)  # [b, n]
-        starts = torch.ones_like(sorted_member, dtype=torch.bool)  # [b, n] a run starts here
-        starts[:, 1:] = sorted_member[:, 1:] != sorted_member[:, :-1]
-        packed_doc = None
-        if documents is not None:
-            starts[:, 1:] |= sorted_doc[:, 1:] != sorted_doc[:, :-1]
-            packed_doc = sorted_doc.reshape(-1)  # [b, n] -> [b * n]
-        sample_ids = torch.arange(b, device=device)  # [b]
-        run = torch.cumsum(starts, dim=1) - 1  # [b, n] run index inside the sample
-        segment = (run + sample_ids[:, None] * slots).reshape(-1)  # [b, n] -> [b * n]
-        total = b * n
-        packed = torch.arange(total, device=device)  # [b * n]
-        cu = torch.full((b * slots + 1,), total, dtype=torch.int64, device=device)
-        cu.scatter_reduce_(0, segment, packed, reduce="amin")  # unused entries keep b * n
-        cu = torch.flip(torch.cummin(torch.flip(cu, (0,)), dim=0).values, (0,))  # empty: next
-        order = (index + sample_ids[:, None] * n).reshape(-1)  # [b, n] -> [b * n] flat indices
-        inverse = torch.empty_like(order)
-        inverse[order] = packed
+        tensors = layout_tensors(member, documents, slots)  # compiled on CUDA
+        order, inverse, sample, position, packed_member, segment, cu, packed_doc = tensors
         return cls(
             batch=b,
             seq=n,
             slots=slots,
             order=order,
             inverse=inverse,
-            sample=sample_ids.repeat_interleave(n),  # [b * n]
-            position=index.reshape(-1),
-            member=sorted_member.reshape(-1),  # [b, n] -> [b * n]
+            sample=sample,
+            position=position,
+            member=packed_member,
             segment=segment,
-            cu_seqlens=cu.to(torch.int32),
+            cu_seqlens=cu,
             max_seqlen=n,
             document=packed_doc,
         )
@@ -219,3 +200,38 @@ class PaddedBucket:
     def scatter(self, padded: Tensor, packed: Tensor) -> None:
         """Write rows ``[num_segments, length, ...]`` back into ``packed [b * n, ...]``."""
         packed[self.index] = padded[self.slot, self.rank]
+
+
+@fused_on_cuda
+def layout_tensors(member: Tensor, documents: Tensor | None, slots: int) -> tuple:
+    """The tensors of :meth:`GroupSortedLayout.build` (fixed shapes, no host sync):
+    ``(order, inverse, sample, position, member, segment, cu_seqlens, document)``, all
+    ``[b * n]`` but ``cu_seqlens [b * slots + 1]`` int32 (``document`` ``None`` without
+    documents)."""
+    b, n = member.shape
+    device = member.device
+    sorted_member, index = torch.sort(member, dim=1, stable=True)  # [b, n] each
+    sorted_doc = packed_doc = None
+    if documents is not None:  # then stably by document: lexicographic (document, member)
+        sorted_doc, by_doc = torch.sort(documents.gather(1, index), dim=1, stable=True)
+        index = index.gather(1, by_doc)  # [b, n]
+        sorted_member = sorted_member.gather(1, by_doc)  # [b, n]
+        packed_doc = sorted_doc.reshape(-1)  # [b, n] -> [b * n]
+    starts = torch.ones_like(sorted_member, dtype=torch.bool)  # [b, n] a run starts here
+    starts[:, 1:] = sorted_member[:, 1:] != sorted_member[:, :-1]
+    if sorted_doc is not None:
+        starts[:, 1:] |= sorted_doc[:, 1:] != sorted_doc[:, :-1]
+    sample_ids = torch.arange(b, device=device)  # [b]
+    run = torch.cumsum(starts, dim=1) - 1  # [b, n] run index inside the sample
+    segment = (run + sample_ids[:, None] * slots).reshape(-1)  # [b, n] -> [b * n]
+    packed = torch.arange(b * n, device=device)  # [b * n]
+    cu = torch.full((b * slots + 1,), b * n, dtype=torch.int64, device=device)
+    cu.scatter_reduce_(0, segment, packed, reduce="amin")  # unused entries keep b * n
+    cu = torch.flip(torch.cummin(torch.flip(cu, (0,)), dim=0).values, (0,))  # empty: next
+    order = (index + sample_ids[:, None] * n).reshape(-1)  # [b, n] -> [b * n] flat indices
+    inverse = torch.empty_like(order)
+    inverse[order] = packed
+    sample = sample_ids.repeat_interleave(n)  # [b * n]
+    position = index.reshape(-1)  # [b, n] -> [b * n]
+    member_packed = sorted_member.reshape(-1)  # [b, n] -> [b * n]
+    return order, inverse, sample, position, member_packed, segment, cu.to(torch.int32), packed_doc

@@ -23,7 +23,7 @@ from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.flex import same_group_blocks
 from focus_pretrain.focus.pattern import document_starts
-from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout, layout_tensors
 from tests.distributed import run_workers
 from tests.helpers import random_probs, random_qkv
 
@@ -160,8 +160,21 @@ def test_compiled_block_mask_builder_equals_eager(packed):
     unit = (layout.sample * N + doc).expand_as(gpos)  # [T]
     args = (layout.member, gpos, unit, layout.segment, layout.cu_seqlens, 32)
     eager = same_group_blocks(*args)
-    compiled = torch.compile(same_group_blocks, fullgraph=True, dynamic=False)(*args)
+    compiled = torch.compile(same_group_blocks.eager, fullgraph=True, dynamic=False)(*args)
     for want, got in zip(eager.as_tuple(), compiled.as_tuple(), strict=True):
         if isinstance(want, torch.Tensor):
             assert torch.equal(got, want)
     assert int(eager.kv_num_blocks.sum()) < (N * B // 32) ** 2  # sparse: not every block pair
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
+def test_compiled_layout_equals_eager(packed):
+    """CUDA builds the group-sorted layout compiled (fused): the same tensors as eagerly."""
+    member = 1 << torch.randint(0, GROUPS, (B, N), generator=torch.Generator().manual_seed(8))
+    _, documents = _inputs(seed=3)
+    starts = document_starts(documents) if packed else None
+    args = (member, starts, N if packed else GROUPS)
+    eager = layout_tensors.eager(*args)
+    compiled = torch.compile(layout_tensors.eager, fullgraph=True, dynamic=False)(*args)
+    for want, got in zip(eager, compiled, strict=True):
+        assert (want is None and got is None) or torch.equal(got, want)
