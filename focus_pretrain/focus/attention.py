@@ -283,9 +283,12 @@ def check_dtypes(q: Tensor, k: Tensor, v: Tensor, probs: Tensor | None) -> None:
 
 def raise_if_not_finite(**tensors: Tensor | None) -> None:
     """Raise ``ValueError`` naming the first of ``tensors`` (``None`` skipped) holding NaN or
-    inf (a device sync on GPU)."""
+    inf (a device sync on GPU). Inside a compiled graph the check is a device-side assertion
+    (``torch._assert_async``: no host sync, no graph break; it fails the next sync instead)."""
     for name, t in tensors.items():
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is not None and torch.compiler.is_compiling():
+            torch._assert_async(torch.isfinite(t).all(), f"{name} contains NaN or inf values")
+        elif t is not None and not bool(torch.isfinite(t).all()):
             raise ValueError(f"{name} contains NaN or inf values")
 
 

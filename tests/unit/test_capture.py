@@ -178,3 +178,17 @@ def test_compiled_layout_equals_eager(packed):
     compiled = torch.compile(layout_tensors.eager, fullgraph=True, dynamic=False)(*args)
     for want, got in zip(eager, compiled, strict=True):
         assert (want is None and got is None) or torch.equal(got, want)
+
+
+def test_finite_check_compiles_as_a_device_assertion():
+    """``check_finite=True`` inside a compiled graph: no graph break; NaN input still fails."""
+    (q, k, v, probs), _ = _inputs(seed=9)
+
+    def attend(q, k, v, probs):
+        return focus_attention(q, k, v, probs, window=WINDOW, backend="reference")
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, probs), attend(q, k, v, probs))
+    q[0, 3, 1, 2] = float("nan")
+    with pytest.raises(RuntimeError, match="q contains NaN or inf"):
+        compiled(q, k, v, probs)
