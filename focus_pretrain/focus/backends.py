@@ -280,7 +280,8 @@ def select_backend(name: str, request: AttentionRequest) -> Backend:
             for b in _BACKENDS.values()
             if b.capabilities.refusal(request) is None
         ]
-        return _BACKENDS[max((p, n) for p, n in ranked if p is not None)[1]]
+        available = [(p, n) for p, n in ranked if p is not None]  # a list: dynamo traces it
+        return _BACKENDS[max(available)[1]]
     chosen = get_backend(name)
     reason = chosen.refusal(request)
     if reason is not None:

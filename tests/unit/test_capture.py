@@ -192,3 +192,13 @@ def test_finite_check_compiles_as_a_device_assertion():
     q[0, 3, 1, 2] = float("nan")
     with pytest.raises(RuntimeError, match="q contains NaN or inf"):
         compiled(q, k, v, probs)
+
+
+@pytest.mark.parametrize("mode", ["hard", "soft", "local"])
+def test_automatic_backend_choice_compiles_whole(mode):
+    """``backend="auto"`` (the model's default): choosing the backend is traced too."""
+    (q, k, v, probs), documents = _inputs(seed=13)
+    attend = _attend("auto", mode, 1, packed=True)
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="aot_eager")
+    want = _attend("reference", mode, 1, packed=True)(q, k, v, probs, documents)
+    torch.testing.assert_close(compiled(q, k, v, probs, documents), want, rtol=2e-5, atol=2e-5)
