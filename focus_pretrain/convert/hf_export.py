@@ -40,6 +40,7 @@ SHIPPED_MODELING_FILES = (
     "modeling_focus.py",
     "focus_cache.py",
     "focus_rules.py",
+    "focus_static.py",
 )
 
 

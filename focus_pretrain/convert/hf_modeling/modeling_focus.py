@@ -55,6 +55,7 @@ except ImportError:  # standalone: the dense path below
 from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
 from .focus_rules import groups_intersect, pair_rule, soft_cap, soft_gate
+from .focus_static import static_focus_forward, static_focus_layer
 
 _PACKAGE_DOCUMENTS = _package_focus_attention is not None and (
     "documents" in inspect.signature(_package_focus_attention).parameters
@@ -98,6 +99,7 @@ def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if getattr(module, "router", None) is not None:
         module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
     module._focus_cache = passed_cache(args, kwargs)
+    module._focus_cache_position = kwargs.get("cache_position")  # static caches before 5.x
 
 
 class _Documents:
@@ -121,7 +123,11 @@ def packed_documents(
             own positions are ignored: left-padded generation restarts there), or their count
             is not the number of tokens.
     """
-    if position_ids is None or s < 2 or (attention_mask is not None and attention_mask.dim() != 2):
+    if attention_mask is not None and not (
+        isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
+    ):  # a 4-D mask, or a mapping of them (precomputed for a static cache), is the caller's own
+        return None
+    if position_ids is None or s < 2:
         return None
     if position_ids.shape[-1] != s:  # generate(use_cache=False) before transformers 5.2
         raise ValueError(
@@ -245,6 +251,11 @@ def focus_attention_forward(
     scale = d**-0.5 if scaling is None else scaling
     documents = getattr(module, "focus_documents", None)
     docs = None if documents is None else documents.starts  # [b, s] or None
+    static = static_focus_layer(getattr(module, "_focus_cache", None), module.layer_idx)
+    if static is not None:
+        return _static(
+            module, static, query, key, value, attention_mask, scale, softcap, sliding_window, docs
+        ), None
     check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
     allowed = _allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
@@ -277,6 +288,46 @@ def focus_attention_forward(
             return out, None
     args = (scale, softcap, sliding_window, routing, allowed, mode, docs)
     return _dense(module, query, key, value, *args), None
+
+
+def _static(
+    module, layer, query, key, value, attention_mask, scale, softcap, sliding_window, docs
+) -> Tensor:
+    """A step on a static KV cache (``focus_static``): ``[b, H, q, d]`` in, ``[b, q, H, d]`` out.
+
+    Raises:
+        ValueError: packed documents (a static cache cannot tell where they start).
+    """
+    if docs is not None:
+        raise ValueError(
+            "packed inputs (position_ids restarting within a row) with a static cache are not "
+            "supported: run packed documents with use_cache=False or the default dynamic cache"
+        )
+    b, _, q_len, _ = query.shape
+    allowed = _allowed_by_mask(attention_mask, b, q_len, key.shape[2])  # [b, q, L] or None
+    router = getattr(module, "router", None)
+    focus = checked_focus(router.focus if router is not None else module.config.focus)
+    mode = "soft" if module.training else focus["inference_mode"]
+    routing = None
+    if router is not None:
+        probs = router(module._focus_hidden)  # [b, q, K]
+        routing = (probs, _membership(probs, focus["top_k"]))  # [b, q, K], [b, q]
+    return static_focus_forward(
+        layer,
+        query,
+        key,
+        value,
+        allowed,
+        routing,
+        focus,
+        mode=mode,
+        scale=scale,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        focus_window=getattr(module, "focus_window", None),
+        sinks=_sinks(module),
+        cache_position=getattr(module, "_focus_cache_position", None),
+    )
 
 
 def _dense(

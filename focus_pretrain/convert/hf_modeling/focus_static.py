@@ -1,0 +1,238 @@
+"""Focus attention with transformers' static KV cache: fixed shapes, no host reads, capturable.
+
+Shipped inside exported directories next to ``modeling_focus.py``; imports only torch and
+transformers.
+
+With a ``StaticCache`` (``generate(..., cache_implementation="static")``, or a ``StaticCache``
+passed as the cache) every step attends over the cache's whole preallocated length ``L``, as
+transformers' own static-cache attention does, with the Focus pattern as a mask built on the
+device: causal with respect to the step's cache slots, real keys only (not padding), and then,
+for a Focus layer's hard pattern, the local window, the keys sharing one of the query's top-k
+groups and the row's first ``S`` real tokens (the sinks); the soft pattern gates the rest. The
+routing of the cached keys lives on the cache layer (:class:`FocusStaticLayer`, the class a
+``StaticLayer`` becomes on its first Focus call) in buffers of length ``L`` written at the
+step's slots with ``index_copy_``. So a step has the same shapes every time, reads no tensor on
+the host and has no per-row Python loop: the decode step compiles whole
+(``torch.compile(fullgraph=True)``) and can be captured in a CUDA graph. The prefill runs the
+same masked path (a step of several tokens).
+
+The step's cache slots come from the cache layer's ``cumulative_length`` tensor (transformers
+>= 5.x releases that count on the device; the keys were just written at its previous value) or,
+before, from the ``cache_position`` the attention module received (captured by its pre-hook).
+
+Layouts: HF ``[b, heads, seq, d]`` for queries, keys and values; routing ``[b, L, K]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import StaticLayer
+
+from .focus_rules import groups_intersect, soft_cap, soft_gate
+
+try:  # is the running code being traced by dynamo (then no static-address marks)?
+    from torch.compiler import is_compiling as _is_compiling
+except ImportError:  # pragma: no cover - older torch
+    from torch._dynamo import is_compiling as _is_compiling
+
+
+class FocusStaticLayer(StaticLayer):
+    """``StaticLayer`` that also holds the Focus routing of its keys, preallocated.
+
+    Attributes:
+        focus_probs: ``[b, L, K]`` group probabilities of the cached keys (``None`` before the
+            first Focus call).
+        focus_members: ``[b, L]`` int64 bitmask of each key's top-k groups.
+        focus_valid: ``[b, L]`` bool, False for padding and for slots never written.
+    """
+
+    _layer_type = None  # never registered as the default layer of a cache type
+
+    def focus_init(self) -> None:
+        """No routing yet (allocated by the first :meth:`focus_store`)."""
+        self.focus_probs = self.focus_members = self.focus_valid = None
+
+    def focus_store(self, slots: Tensor, probs: Tensor, members: Tensor, valid: Tensor) -> None:
+        """Write the routing of this step's tokens (``[b, q, K]``, ``[b, q]``, ``[b, q]``) at the
+        cache ``slots [q]`` (allocating the ``[b, L]`` buffers on the first call)."""
+        if self.focus_probs is None:
+            b, _, groups = probs.shape
+            length, device = self.max_cache_len, probs.device
+            self.focus_probs = probs.new_zeros(b, length, groups)  # [b, L, K]
+            self.focus_members = torch.zeros(b, length, dtype=torch.long, device=device)
+            self.focus_valid = torch.zeros(b, length, dtype=torch.bool, device=device)
+            if not _is_compiling():  # fixed addresses: no recompilation, CUDA-graph safe
+                for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
+                    torch._dynamo.mark_static_address(buffer)
+        self.focus_probs.index_copy_(1, slots, probs.to(self.focus_probs.dtype))
+        self.focus_members.index_copy_(1, slots, members)
+        self.focus_valid.index_copy_(1, slots, valid)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the keys (transformers) and their routing (in place) for beam search."""
+        super().reorder_cache(beam_idx)
+        if self.focus_probs is not None:
+            for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
+                buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+
+    def reset(self) -> None:
+        """Reset the keys (transformers) and forget the routing (buffers kept, zeroed)."""
+        super().reset()
+        if self.focus_probs is not None:
+            for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
+                buffer.zero_()
+
+
+def static_focus_layer(cache, layer_idx: int) -> FocusStaticLayer | None:
+    """This layer's :class:`FocusStaticLayer` when ``cache`` is a static one, else ``None`` (no
+    cache, or a dynamic one: ``focus_cache`` handles those).
+
+    Raises:
+        ValueError: a static layer kind that cannot hold the routing (sliding-window, indexed).
+    """
+    if cache is None:
+        return None
+    cache = getattr(cache, "self_attention_cache", cache)  # GPT-2's EncoderDecoderCache
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    if type(layer) is StaticLayer:  # adopted once, eagerly (the prefill)
+        layer.__class__ = FocusStaticLayer
+        layer.focus_init()
+    if isinstance(layer, FocusStaticLayer):
+        return layer
+    if isinstance(layer, StaticLayer):
+        raise ValueError(
+            "Focus attention keeps each key's routing in the KV cache, which "
+            f"{type(layer).__name__} ({type(cache).__name__}) cannot hold; use the default "
+            "dynamic cache (DynamicCache, generate's default) or a StaticCache of "
+            "full-attention layers, not a sliding one"
+        )
+    return None
+
+
+def step_slots(layer: FocusStaticLayer, q_len: int, cache_position: Tensor | None) -> Tensor:
+    """``[q]`` int64 cache slots of this step's tokens, on the device, without a host read.
+
+    Raises:
+        ValueError: neither a device length on the layer nor a ``cache_position``.
+    """
+    count = getattr(layer, "cumulative_length", None)
+    if isinstance(count, Tensor):  # already advanced past this step's tokens
+        return count - q_len + torch.arange(q_len, device=count.device)
+    if cache_position is not None:
+        return cache_position.reshape(-1)[-q_len:].long()  # [q]
+    raise ValueError(
+        "a static cache step without cache_position: this transformers release passes the "
+        "attention neither; use the default dynamic cache"
+    )
+
+
+def static_mask(
+    slots: Tensor,
+    length: int,
+    allowed: Tensor | None,
+    valid: Tensor,
+    *,
+    window: int | None,
+    sinks: int,
+    sliding_window: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(causal, local, sink)``: the pairs of this step's queries (``slots [q]``) and the ``L``
+    cache slots that may be attended, ``[b, q, L]`` bool (causal w.r.t. the slots, HF's mask
+    ``allowed [b, q, L]`` when given, real keys ``valid [b, L]``; a family's sliding window),
+    those in the Focus window (``window=None``: all of ``causal``) or sinks, ``[b, q, L]``, and
+    the sink keys ``[b, L]`` (each row's first ``sinks`` real keys)."""
+    k_pos = torch.arange(length, device=slots.device)  # [L]
+    distance = slots[:, None] - k_pos[None]  # [q, L]
+    causal = (distance >= 0)[None] & valid[:, None, :]  # [b, q, L]
+    if sliding_window is not None:  # HF's window counts the token itself
+        causal = causal & (distance < sliding_window)[None]
+    if allowed is not None:
+        causal = causal & allowed
+    sink = valid & (valid.long().cumsum(dim=1) <= sinks)  # [b, L]
+    near = (distance <= window) if window is not None else torch.ones_like(distance, dtype=bool)
+    local = causal & (near[None] | sink[:, None, :])  # [b, q, L]
+    return causal, local, sink
+
+
+def static_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+) -> Tensor:
+    """Masked attention over the whole static length: ``query [b, H, q, d]``, ``key/value
+    [b, G, L, d]``, ``bias [b, q, L]`` (0 / gate where attended, ``-inf`` elsewhere) ->
+    ``[b, q, H, d]``; a query with no key outputs zeros. GQA without repeating the keys."""
+    b, heads, q_len, d = query.shape
+    groups = key.shape[1]
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(dtype).reshape(b, groups, heads // groups * q_len, d)  # [b, G, H/G*q, d]
+    scores = torch.matmul(q, key.to(dtype).transpose(2, 3)) * scale  # [b, G, H/G*q, L]
+    scores = scores.reshape(b, heads, q_len, -1)  # [b, G, H/G*q, L] -> [b, H, q, L]
+    scores = soft_cap(scores, softcap) + bias[:, None].to(dtype)
+    weights = torch.softmax(scores, dim=-1)
+    attends = bias.amax(dim=-1, keepdim=True) > float("-inf")  # [b, q, 1]: some key allowed
+    weights = torch.where(attends[:, None], weights, 0.0)  # no key: zero output, no NaN
+    weights = weights.reshape(b, groups, heads // groups * q_len, -1)  # [b, G, H/G*q, L]
+    out = torch.matmul(weights, value.to(dtype))  # [b, G, H/G*q, d]
+    out = out.reshape(b, heads, q_len, d)  # [b, G, H/G*q, d] -> [b, H, q, d]
+    return out.to(query.dtype).transpose(1, 2).contiguous()  # [b, q, H, d]
+
+
+def static_focus_forward(
+    layer: FocusStaticLayer,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    allowed: Tensor | None,
+    routing: tuple[Tensor, Tensor] | None,
+    focus: dict,
+    *,
+    mode: str,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    focus_window: int | None,
+    sinks: int,
+    cache_position: Tensor | None,
+) -> Tensor:
+    """One forward of a layer on a static cache: ``query [b, H, q, d]``, ``key/value
+    [b, G, L, d]`` (the whole preallocated cache), HF's mask ``allowed [b, q, L]`` or ``None``,
+    the step's ``routing`` ``(probs [b, q, K], members [b, q])`` for a Focus layer (``None``:
+    a window-only twin's ``focus_window``, a family's ``sliding_window`` or plain causal) ->
+    ``[b, q, H, d]``. Fixed shapes, no host reads (see the module docstring)."""
+    q_len, length = query.shape[2], key.shape[2]
+    slots = step_slots(layer, q_len, cache_position)  # [q]
+    if allowed is None:
+        new_valid = torch.ones(query.shape[0], q_len, dtype=torch.bool, device=query.device)
+    else:  # a real token is a key its own row attends; padding is a key nobody attends
+        new_valid = allowed.index_select(2, slots).any(dim=1)  # [b, q, q] -> [b, q]
+    if routing is None:  # no routing to keep: validity from HF's mask alone
+        valid = new_valid.new_ones(query.shape[0], length) if allowed is None else allowed.any(1)
+        window = focus_window
+    else:
+        probs, members = routing
+        layer.focus_store(slots, probs, members, new_valid)
+        valid, window = layer.focus_valid, focus["window"]
+    causal, local, _ = static_mask(
+        slots, length, allowed, valid, window=window, sinks=sinks, sliding_window=sliding_window
+    )
+    neg_inf = torch.tensor(float("-inf"), device=query.device)
+    if routing is None:
+        keep = local if focus_window is not None else causal
+        bias = torch.where(keep, 0.0, neg_inf)  # [b, q, L]
+    elif mode == "hard":
+        shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b,q,L]
+        bias = torch.where(local | (causal & shares), 0.0, neg_inf)
+    else:
+        affinity = torch.einsum("bqk,bjk->bqj", probs, layer.focus_probs.to(probs.dtype))
+        gate = soft_gate(affinity, focus["gate_lambda"])  # [b, q, L]
+        bias = torch.where(local, 0.0, torch.where(causal, gate, neg_inf))
+    return static_attention(query, key, value, bias, scale=scale, softcap=softcap)
