@@ -18,11 +18,15 @@ interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests
 it is exact and slow. ``auto`` does not pick it yet: it is selected with ``backend="triton"``
 (model config ``focus.backend: triton``) until its GPU speed is measured (docs/benchmarks.md).
 Layout: ``[batch, seq, heads, head_dim]``.
+
+The launches are operators (``torch.ops.focus_pretrain.soft_attention_forward`` and
+``soft_attention_backward``, :func:`torch.library.custom_op`) with fake (meta) implementations
+and the backward registered as the forward's autograd formula: eager calls, autograd and
+``torch.compile(fullgraph=True)`` (which traces through them as opaque nodes) run the same code.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -35,10 +39,13 @@ from focus_pretrain.focus.backends import AttentionPattern
 HEAD_DIMS = (16, 32, 64, 128, 256)  # tl.arange needs a power of two (and tl.dot >= 16)
 
 
-@functools.cache
+# looked up once (without importing Triton); a constant, so that dynamo traces the check
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
     """Whether the ``triton`` package is importable."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def interpreter_on() -> bool:
@@ -195,35 +202,47 @@ def _positions(pos: Tensor | None, b: int) -> tuple[Tensor | None, int]:
     return pos, (0 if pos.dim() == 1 or (pos.shape[0] == 1 and b > 1) else pos.shape[-1])
 
 
-class _SoftGatedAttention(torch.autograd.Function):
-    """``(q, k, v, probs_q, probs_k) -> (out, lse)``; see :func:`attend`."""
+@dataclass(frozen=True)
+class _Launch:
+    """One call's kernel inputs, made launchable: ``q, k, v`` readable in place (or copied),
+    the assignments as padded fp32 tables, documents and positions contiguous, and the
+    shared :class:`_Settings`. Built by both ops from their own arguments."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g_q: Tensor | None
+    g_k: Tensor | None
+    doc_q: Tensor | None
+    doc_k: Tensor | None
+    pos_q: Tensor | None
+    pos_k: Tensor | None
+    pos_strides: tuple[int, int]
+    settings: _Settings
 
     @staticmethod
-    def forward(ctx, q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, options):
-        from focus_pretrain.focus import soft_triton_kernels as kernels
-
-        b, lq, h, d = q.shape
-        lk, hkv = k.shape[1], k.shape[2]
+    def build(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        probs_q: Tensor | None,
+        probs_k: Tensor | None,
+        doc_q: Tensor | None,
+        doc_k: Tensor | None,
+        pos_q: Tensor | None,
+        pos_k: Tensor | None,
+        options: tuple,
+    ) -> _Launch:
+        """``options``: ``(window, gate_lambda, softcap, scale, sinks)``."""
+        b, lq = q.shape[:2]
         local = probs_q is None  # a sliding-window layer: no gate, pairs beyond the window cut
         num_groups = 0 if local else probs_q.shape[-1]
         kp = max(16, _next_pow2(num_groups))
-        if b * h > 65535:  # the grid's second axis
-            raise ValueError(
-                f"the triton backend launches batch x heads = {b * h} programs on a grid axis "
-                "limited to 65535; split the batch or use backend='flex'"
-            )
-        if max(q.numel(), k.numel(), b * h * max(lq, lk) * kp) >= 2**31:
-            raise ValueError(
-                f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
-                "shard the sequence (context parallelism) or use backend='flex'"
-            )
         q, k, v = (_strided(t) for t in (q, k, v))  # views kept (e.g. Megatron's [s, b, ...])
         g_q = _table(probs_q, kp)
         g_k = g_q if probs_k is probs_q else _table(probs_k, kp)
         doc_q, doc_k = (None if t is None else t.contiguous() for t in (doc_q, doc_k))
         (pos_q, stride_pq), (pos_k, stride_pk) = _positions(pos_q, b), _positions(pos_k, b)
-        out = torch.empty_like(q)  # [b, Lq, H, D]
-        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)  # [b, H, Lq]
         window, gate_lambda, softcap, scale, sinks = options
         positions = pos_q is not None
         settings = _Settings(
@@ -231,66 +250,191 @@ class _SoftGatedAttention(torch.autograd.Function):
             scale=scale, sinks=sinks, num_groups=num_groups, kp=kp, local=local,
             documents=doc_q is not None, positions=positions,
         )  # fmt: skip
-        sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k, pos_q, pos_k)]
-        bm, bn = _blocks(q.device.type, d, q.dtype)["fwd"]
-        kernels.soft_forward_kernel[(_cdiv(lq, bm), b * h)](
-            q, k, v, *sides, out, lse,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            stride_pq, stride_pk, lq, lk, h, h // hkv, *settings.scalars(),
-            BM=bm, BN=bn, **settings.constants(q),
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, out, lse)
-        ctx.settings = settings
-        ctx.extra = (stride_pq, stride_pk)
-        ctx.dtypes = tuple(None if t is None else t.dtype for t in (probs_q, probs_k))
-        return out, lse.transpose(1, 2)  # [b, Lq, H, D], [b, Lq, H]
+        return _Launch(
+            q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, (stride_pq, stride_pk), settings
+        )
 
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        from focus_pretrain.focus import soft_triton_kernels as kernels
 
-        q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, out, lse = ctx.saved_tensors
-        settings: _Settings = ctx.settings
-        stride_pq, stride_pk = ctx.extra
-        b, lq, h, d = q.shape
-        lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
-        if d_out.stride() != q.stride():  # the kernels read dO (and write dQ) with q's strides
-            d_out = torch.empty_like(q).copy_(d_out)
-        delta = (d_out.float() * out.float()).sum(-1)  # [b, Lq, H]
-        if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
-            delta = delta - d_lse.float()
-        delta = delta.transpose(1, 2).contiguous()  # [b, Lq, H] -> [b, H, Lq]
-        dq = torch.empty_like(q)  # q's strides (_strided)
-        dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # dense
-        dg_q = dg_k = q  # not written by a LOCAL kernel
-        if not settings.local:
-            dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
-            dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
-        doc_end = q
-        if doc_q is not None and not settings.positions:
-            doc_end = _document_ends(doc_q)
-        sides = [q if t is None else t for t in (g_q, g_k, doc_q, doc_k)]
-        pos = [q if t is None else t for t in (pos_q, pos_k)]
-        strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_pq, stride_pk)
-        blocks = _blocks(q.device.type, d, q.dtype)
-        bm, bn = blocks["kv"]
-        kernels.soft_backward_kv_kernel[(_cdiv(lk, bn), b * hkv)](
-            q, k, v, *sides, doc_end, *pos, d_out, lse, delta, dk, dv, dg_k,
-            *strides, lq, lk, h, hkv, h // hkv, *settings.scalars(), BM=bm, BN=bn,
-            **settings.constants(q),
-        )  # fmt: skip
-        bm, bn = blocks["q"]
-        kernels.soft_backward_q_kernel[(_cdiv(lq, bm), b * h)](
-            q, k, v, *sides, *pos, d_out, lse, delta, dq, dg_q,
-            *strides, lq, lk, h, h // hkv, *settings.scalars(), BM=bm, BN=bn,
-            **settings.constants(q),
-        )  # fmt: skip
-        d_pq = d_pk = None
-        if not settings.local:
-            groups = settings.num_groups
-            d_pq = dg_q.sum(dim=1)[..., :groups].to(ctx.dtypes[0])  # [b, Lq, K]: every head
-            d_pk = dg_k.sum(dim=1)[..., :groups].to(ctx.dtypes[1])  # [b, Lk, K]
-        return dq, dk, dv, d_pq, d_pk, None, None, None, None, None
+def _check_launch(q: Tensor, k: Tensor, probs_q: Tensor | None) -> None:
+    """Raise ``ValueError`` before any work when the kernels' grid or 32-bit offsets cannot
+    hold the call (shapes only: checked eagerly and while tracing)."""
+    b, lq, h = q.shape[:3]
+    lk = k.shape[1]
+    kp = max(16, _next_pow2(0 if probs_q is None else probs_q.shape[-1]))
+    if b * h > 65535:  # the grid's second axis
+        raise ValueError(
+            f"the triton backend launches batch x heads = {b * h} programs on a grid axis "
+            "limited to 65535; split the batch or use backend='flex'"
+        )
+    if max(q.numel(), k.numel(), b * h * max(lq, lk) * kp) >= 2**31:
+        raise ValueError(
+            f"the triton backend indexes with 32-bit offsets; q {tuple(q.shape)} is too large: "
+            "shard the sequence (context parallelism) or use backend='flex'"
+        )
+
+
+@torch.library.custom_op("focus_pretrain::soft_attention_forward", mutates_args=())
+def soft_attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    doc_q: Tensor | None,
+    doc_k: Tensor | None,
+    pos_q: Tensor | None,
+    pos_k: Tensor | None,
+    window: int,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    sinks: int,
+) -> tuple[Tensor, Tensor]:
+    """The forward kernel as an operator: ``(out [b, Lq, H, D] (q's strides when read in
+    place), lse [b, H, Lq] fp32)``. Arguments as :func:`attend`'s; ``probs_q=None``: a
+    sliding-window layer. Differentiable (:func:`_setup_context`, :func:`_backward`)."""
+    from focus_pretrain.focus import soft_triton_kernels as kernels
+
+    run = _Launch.build(
+        q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k,
+        (window, gate_lambda, softcap, scale, sinks),
+    )  # fmt: skip
+    q, k, v = run.q, run.k, run.v
+    b, lq, h, d = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)  # [b, Lq, H, D]
+    lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)  # [b, H, Lq]
+    sides = [q if t is None else t for t in (run.g_q, run.g_k, run.doc_q, run.doc_k)]
+    sides += [q if t is None else t for t in (run.pos_q, run.pos_k)]
+    bm, bn = _blocks(q.device.type, d, q.dtype)["fwd"]
+    kernels.soft_forward_kernel[(_cdiv(lq, bm), b * h)](
+        q, k, v, *sides, out, lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *run.pos_strides, lq, lk, h, h // hkv, *run.settings.scalars(),
+        BM=bm, BN=bn, **run.settings.constants(q),
+    )  # fmt: skip
+    return out, lse
+
+
+@soft_attention_forward.register_fake
+def _forward_fake(q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, *options):
+    """Shapes, dtypes and strides of :func:`soft_attention_forward`'s outputs."""
+    b, lq, h = q.shape[:3]
+    return torch.empty_like(_strided(q)), q.new_empty(b, h, lq, dtype=torch.float32)
+
+
+@torch.library.custom_op("focus_pretrain::soft_attention_backward", mutates_args=())
+def soft_attention_backward(
+    d_out: Tensor,
+    d_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs_q: Tensor | None,
+    probs_k: Tensor | None,
+    doc_q: Tensor | None,
+    doc_k: Tensor | None,
+    pos_q: Tensor | None,
+    pos_k: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    window: int,
+    gate_lambda: float,
+    softcap: float | None,
+    scale: float,
+    sinks: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The two backward kernels as an operator: ``(dq, dk, dv, d_probs_q, d_probs_k)`` from
+    the gradients of ``out [b, Lq, H, D]`` and ``lse [b, H, Lq]`` (``None``: unused), the
+    forward's inputs and its outputs. ``dq`` has q's strides (read in place), ``dk, dv`` are
+    dense; the assignment gradients (summed over heads) are ``[b, Lq|Lk, K]`` in the
+    assignments' dtypes, or empty ``[0]`` for a sliding-window layer."""
+    from focus_pretrain.focus import soft_triton_kernels as kernels
+
+    run = _Launch.build(
+        q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k,
+        (window, gate_lambda, softcap, scale, sinks),
+    )  # fmt: skip
+    q, k, v, settings = run.q, run.k, run.v, run.settings
+    b, lq, h, d = q.shape
+    lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
+    if d_out.stride() != q.stride():  # the kernels read dO (and write dQ) with q's strides
+        d_out = torch.empty_like(q).copy_(d_out)
+    delta = (d_out.float() * out.float()).sum(-1).transpose(1, 2)  # [b, Lq, H] -> [b, H, Lq]
+    if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
+        delta = delta - d_lse.float()
+    delta = delta.contiguous()  # [b, H, Lq]
+    dq = torch.empty_like(q)  # q's strides (_strided)
+    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # dense
+    dg_q = dg_k = q  # not written by a LOCAL kernel
+    if not settings.local:
+        dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
+        dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
+    doc_end = q
+    if run.doc_q is not None and not settings.positions:
+        doc_end = _document_ends(run.doc_q)
+    sides = [q if t is None else t for t in (run.g_q, run.g_k, run.doc_q, run.doc_k)]
+    pos = [q if t is None else t for t in (run.pos_q, run.pos_k)]
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *run.pos_strides)
+    blocks = _blocks(q.device.type, d, q.dtype)
+    bm, bn = blocks["kv"]
+    kernels.soft_backward_kv_kernel[(_cdiv(lk, bn), b * hkv)](
+        q, k, v, *sides, doc_end, *pos, d_out, lse, delta, dk, dv, dg_k,
+        *strides, lq, lk, h, hkv, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+        **settings.constants(q),
+    )  # fmt: skip
+    bm, bn = blocks["q"]
+    kernels.soft_backward_q_kernel[(_cdiv(lq, bm), b * h)](
+        q, k, v, *sides, *pos, d_out, lse, delta, dq, dg_q,
+        *strides, lq, lk, h, h // hkv, *settings.scalars(), BM=bm, BN=bn,
+        **settings.constants(q),
+    )  # fmt: skip
+    if settings.local:
+        return dq, dk, dv, _no_grad(q), _no_grad(q)
+    groups = settings.num_groups
+    d_pq = dg_q.sum(dim=1)[..., :groups].to(probs_q.dtype).contiguous()  # [b, Lq, K]
+    d_pk = dg_k.sum(dim=1)[..., :groups].to(probs_k.dtype).contiguous()  # [b, Lk, K]
+    return dq, dk, dv, d_pq, d_pk
+
+
+def _no_grad(q: Tensor) -> Tensor:
+    """The empty ``[0]`` fp32 placeholder for an assignment gradient a layer does not have."""
+    return q.new_empty(0, dtype=torch.float32)
+
+
+@soft_attention_backward.register_fake
+def _backward_fake(d_out, d_lse, q, k, v, probs_q, probs_k, *rest):
+    """Shapes, dtypes and strides of :func:`soft_attention_backward`'s outputs."""
+    dq = torch.empty_like(_strided(q))
+    dk, dv = (t.new_empty(t.shape) for t in (k, v))  # dense
+    d_pq, d_pk = (_no_grad(q) if p is None else p.new_empty(p.shape) for p in (probs_q, probs_k))
+    return dq, dk, dv, d_pq, d_pk
+
+
+_TENSORS = 9  # q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k; then the options
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    """Saves what :func:`_backward` hands the backward operator: the forward's tensors, its
+    outputs and its options (window, gate lambda, softcap, scale, sinks)."""
+    ctx.save_for_backward(*inputs[:_TENSORS], *output)
+    ctx.options = tuple(inputs[_TENSORS:])
+
+
+def _backward(ctx, d_out: Tensor, d_lse: Tensor | None) -> tuple:
+    """Gradients of :func:`soft_attention_forward`'s inputs through the backward operator:
+    ``q``, ``k``, ``v`` and the assignments (``None`` for a sliding-window layer's absent
+    ones); documents, positions and options get none."""
+    saved = ctx.saved_tensors
+    dq, dk, dv, d_pq, d_pk = torch.ops.focus_pretrain.soft_attention_backward(
+        d_out, d_lse, *saved, *ctx.options
+    )
+    probs_q, probs_k = saved[3], saved[4]
+    d_pq, d_pk = (None if p is None else g for p, g in ((probs_q, d_pq), (probs_k, d_pk)))
+    return (dq, dk, dv, d_pq, d_pk) + (None,) * (_TENSORS - 5 + len(ctx.options))
+
+
+soft_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attend(
@@ -327,8 +471,12 @@ def attend(
         ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] fp32)``; a query with no allowed key
         gets ``out = 0`` and ``lse = -inf``.
     """
-    options = (window, gate_lambda, softcap, scale, sinks)
-    return _SoftGatedAttention.apply(q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, options)
+    _check_launch(q, k, probs_q)
+    out, lse = torch.ops.focus_pretrain.soft_attention_forward(
+        q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(window), float(gate_lambda),
+        None if softcap is None else float(softcap), float(scale), int(sinks),
+    )  # fmt: skip
+    return out, lse.transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
 
 
 def soft_gated_attention(
