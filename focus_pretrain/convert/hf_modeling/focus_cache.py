@@ -212,8 +212,9 @@ def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
     """This layer's cache object with routing storage (``None`` without a cache).
 
     Raises:
-        ValueError: a cache kind that cannot hold the routing (static, sliding-window, offloaded
-            to another structure): the default dynamic cache is what Focus exports support.
+        ValueError: a cache kind that cannot hold the routing (sliding-window, quantized,
+            offloaded to another structure): Focus exports support the default dynamic cache
+            and full-attention static caches (``focus_static``, handled before this is called).
     """
     if cache is None:
         return None
@@ -223,7 +224,8 @@ def focus_cache_layer(cache, layer_idx: int) -> FocusDynamicLayer | None:
         raise ValueError(
             "Focus attention keeps each key's routing in the KV cache, which "
             f"{type(layer).__name__} ({type(cache).__name__}) cannot hold; use the default "
-            "dynamic cache (DynamicCache, generate's default), not a static or sliding one"
+            "dynamic cache (DynamicCache, generate's default) or a StaticCache, not a sliding "
+            "or quantized one"
         )
     return layer
 

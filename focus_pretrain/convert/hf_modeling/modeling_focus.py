@@ -21,6 +21,10 @@ mode: ``focus["backend"]``; default ``"auto"``: the fastest exact backend, e.g. 
 FlexAttention kernels on GPU; padded rows run on their real tokens). Otherwise this file's
 exact masked dense attention runs (``O(n^2)``; the backend ``"dense"`` forces it). A hard
 one-token decode step reads only its window and its groups' keys (``focus_cache.sparse_decode``).
+With transformers' ``StaticCache`` (``generate(..., cache_implementation="static")``) every step,
+the prefill included, runs ``focus_static``'s fixed-shape masked attention over the whole static
+length instead: no host reads, so the decode step compiles whole and can be captured in CUDA
+graphs (``generate`` with ``compile_config``, or ``torch.compile(model.forward)``).
 
 Padding: HF's attention mask is applied (a boolean ``"focus"`` mask function is registered);
 rows with no key (left padding) output zeros. The routing of cached keys lives in the KV cache
