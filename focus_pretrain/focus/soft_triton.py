@@ -68,30 +68,42 @@ def supports(head_dim: int) -> bool:
     return head_dim in HEAD_DIMS
 
 
+# (forward, dK/dV, dQ) tiles (BM, BN) per head dim: fp16/bf16 tiles spill no register on sm_90
+# (docs/benchmarks.md "Triton kernels on sm_90"; tests/unit/test_triton_registers.py); 4 warps
+# and 3 stages at D <= 64, else 8 warps and 2 stages
+HALF_TILES = {
+    64: ((64, 32), (16, 32), (32, 32)),
+    128: ((64, 32), (32, 32), (32, 32)),
+    256: ((32, 64), (16, 32), (16, 64)),
+}
+# fp32 (one stage): spill-free at D <= 64; at D >= 128 the backward kernels spill at every tile
+# from 16x16 up (ptxas), so these are the halved fp16 tiles of before
+FP32_TILES = {
+    64: ((64, 32), (16, 16), (64, 16)),
+    128: ((16, 64), (32, 32), (32, 32)),
+    256: ((32, 32), (16, 32), (32, 16)),
+}
+
+
 def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes ``(BM, BN)`` of each kernel and launch options.
 
-    CUDA: per head dim and, for fp32 inputs (twice the bytes per tile), halved; within an
-    H100's shared memory for every head dim (``tools/compile_triton_kernels.py`` checks it with
-    Triton's compiler, no GPU needed), not yet tuned for speed. ``FOCUS_TRITON_BLOCKS`` overrides
-    them for
-    tuning, e.g. ``fwd=128x64,kv=64x128,q=128x64,warps=8,stages=2`` (any subset). Interpreter:
-    small square tiles (``FOCUS_TRITON_TEST_BLOCK``, default 16: many blocks on small tests)."""
+    CUDA: per head dim and input precision (:data:`HALF_TILES`, :data:`FP32_TILES`): tiles
+    that compile for sm_90 with no register spill (fp16/bf16) within an H100's shared memory
+    (``tools/compile_triton_kernels.py`` reads both from Triton's compiler and ``ptxas``, no GPU
+    needed); not yet tuned for speed. ``FOCUS_TRITON_BLOCKS`` overrides them for tuning, e.g.
+    ``fwd=128x64,kv=64x128,q=128x64,warps=8,stages=2`` (any subset). Interpreter: small square
+    tiles (``FOCUS_TRITON_TEST_BLOCK``, default 16: many blocks on small tests)."""
     if device != "cuda":
         block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
         return {"fwd": (block, block), "kv": (block, block), "q": (block, block), "opts": {}}
-    if head_dim <= 64:
-        blocks = {"fwd": (128, 64), "kv": (32, 128), "q": (128, 64)}
-        opts = {"num_warps": 4, "num_stages": 3}
-    elif head_dim <= 128:
-        blocks = {"fwd": (128, 64), "kv": (64, 64), "q": (64, 64)}
-        opts = {"num_warps": 8, "num_stages": 2}
-    else:  # registers: a [64, 256] fp32 accumulator is already 64 per thread at 8 warps
-        blocks = {"fwd": (64, 64), "kv": (32, 64), "q": (64, 32)}
-        opts = {"num_warps": 8, "num_stages": 2}
-    if dtype == torch.float32:
-        blocks = {key: (max(16, bm // 2), max(16, bn // 2)) for key, (bm, bn) in blocks.items()}
-        opts["num_stages"] = 1
+    half = dtype != torch.float32
+    size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    blocks = dict(zip(("fwd", "kv", "q"), (HALF_TILES if half else FP32_TILES)[size], strict=True))
+    opts = {
+        "num_warps": 4 if size == 64 else 8,
+        "num_stages": (3 if size == 64 else 2) if half else 1,
+    }
     override = os.environ.get("FOCUS_TRITON_BLOCKS", "")
     for item in filter(None, (part.strip() for part in override.split(","))):
         key, _, value = item.partition("=")

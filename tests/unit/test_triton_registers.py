@@ -2,9 +2,9 @@
 
 ``tools/compile_triton_kernels.py`` compiles each kernel with Triton's real compiler at the tiles
 the backend launches on CUDA and reads the registers per thread and the spilled bytes from the
-``ptxas`` Triton's wheel ships (``ptxas -v`` on the kernel's PTX, with Triton's flags). Here: the
-production configuration, bf16 and head dim 128, the forward, dK/dV and dQ kernels in every
-compile-time variant the backend launches (9 compiles: 15-40 s on a 2-core CPU, cold cache).
+``ptxas`` Triton's wheel ships (``ptxas -v`` on the kernel's PTX, with Triton's flags). Here:
+bf16 (fp16's tiles are the same) at head dims 64, 128 (production) and 256, the forward, dK/dV and
+dQ kernels in every compile-time variant the backend launches (27 compiles).
 """
 
 from __future__ import annotations
@@ -21,13 +21,8 @@ TOOL = pathlib.Path(__file__).parents[2] / "tools" / "compile_triton_kernels.py"
 KERNELS = {"fwd": "soft_forward_kernel", "kv": "soft_backward_kv_kernel",
            "q": "soft_backward_q_kernel"}  # fmt: skip
 VARIANTS = ("plain", "docs-pos-softcap", "local-docs")
-# Spilling at the launched tiles when measured (Triton 3.9.0, ptxas 13.4; docs/benchmarks.md,
-# "Triton kernels on sm_90"): expected failures until the tiles in ``soft_triton._blocks`` change.
-# Strict: once a kernel stops spilling, its entry must go.
-SPILLING = {("fwd", "plain"), ("kv", "plain"), ("q", "plain"), ("fwd", "docs-pos-softcap"),
-            ("kv", "docs-pos-softcap"), ("q", "docs-pos-softcap"), ("fwd", "local-docs"),
-            ("kv", "local-docs")}  # fmt: skip
-CASES = [(key, variant) for key in KERNELS for variant in VARIANTS]
+HEAD_DIMS = (64, 128, 256)
+CASES = [(d, key, variant) for d in HEAD_DIMS for key in KERNELS for variant in VARIANTS]
 
 
 def _missing_compiler() -> str | None:
@@ -43,12 +38,13 @@ def _missing_compiler() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.slow  # ~15 s warm, ~20 s CPU cold (Triton's compiler, 9 kernels)
+pytestmark = pytest.mark.slow  # Triton's compiler, 27 kernels
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
-    """The tool's rows for bf16, head dim 128, sm_90, by ``(kernel key, variant)``."""
+    """The tool's rows for bf16 at :data:`HEAD_DIMS`, sm_90, by ``(head dim, kernel key,
+    variant)``."""
     reason = _missing_compiler()
     if reason is not None:
         pytest.skip(reason)
@@ -57,13 +53,14 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, without its warning
     done = subprocess.run(
-        [sys.executable, str(TOOL), "--arch", "90", "--dtype", "bf16", "--head-dim", "128",
-         "--json", str(report)],
+        [sys.executable, str(TOOL), "--arch", "90", "--dtype", "bf16",
+         "--head-dim", *map(str, HEAD_DIMS), "--json", str(report)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert report.exists(), done.stdout[-2000:] + done.stderr[-3000:]
     by_name = {name: key for key, name in KERNELS.items()}
-    return {(by_name[r["kernel"]], r["variant"]): r for r in json.loads(report.read_text())["rows"]}
+    rows = json.loads(report.read_text())["rows"]
+    return {(r["head_dim"], by_name[r["kernel"]], r["variant"]): r for r in rows}
 
 
 def test_every_kernel_compiles_within_the_register_file(rows: dict) -> None:
@@ -78,25 +75,13 @@ def test_every_kernel_compiles_within_the_register_file(rows: dict) -> None:
         assert row["cubin_registers"] in (None, row["registers"]), case
 
 
-@pytest.mark.parametrize(
-    ("key", "variant"),
-    [
-        pytest.param(
-            key, variant,
-            marks=pytest.mark.xfail(
-                (key, variant) in SPILLING, strict=True,
-                reason="spills at the launched tiles (docs/benchmarks.md: the tile that does not)",
-            ),
-        )
-        for key, variant in CASES
-    ],
-)  # fmt: skip
-def test_no_register_spills(rows: dict, key: str, variant: str) -> None:
-    """No spill stores or loads to local memory at the launched tiles (bf16, head dim 128)."""
-    row = rows[(key, variant)]
+@pytest.mark.parametrize(("head_dim", "key", "variant"), CASES)
+def test_no_register_spills(rows: dict, head_dim: int, key: str, variant: str) -> None:
+    """No spill stores or loads to local memory at the launched tiles (bf16)."""
+    row = rows[(head_dim, key, variant)]
     assert row["ok"], row.get("error")
     spilled = (row["spill_stores"], row["spill_loads"])
     assert spilled == (0, 0), (
-        f"{row['kernel']} ({variant}, tile {row['block']}, {row['num_warps']} warps): "
-        f"{row['registers']} registers, spill stores/loads {spilled} bytes"
+        f"{row['kernel']} (D={head_dim}, {variant}, tile {row['block']}, {row['num_warps']} "
+        f"warps): {row['registers']} registers, spill stores/loads {spilled} bytes"
     )
