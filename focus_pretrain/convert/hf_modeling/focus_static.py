@@ -16,9 +16,11 @@ the host and has no per-row Python loop: the decode step compiles whole
 (``torch.compile(fullgraph=True)``) and can be captured in a CUDA graph. The prefill runs the
 same masked path (a step of several tokens).
 
-The step's cache slots come from the cache layer's ``cumulative_length`` tensor (transformers
->= 5.x releases that count on the device; the keys were just written at its previous value) or,
-before, from the ``cache_position`` the attention module received (captured by its pre-hook).
+The step's cache slots come from the cache layer's ``cumulative_length`` tensor where the
+release counts the cached tokens on the device (5.24: the keys were just written at its previous
+value) or else from the ``cache_position`` the attention module received (5.0: captured by its
+forward pre-hook; the keys were written there). Only a static layer of full attention can hold
+the routing: a sliding-window static layer (Gemma-2/3's local layers) is refused.
 
 Layouts: HF ``[b, heads, seq, d]`` for queries, keys and values; routing ``[b, L, K]``.
 """
