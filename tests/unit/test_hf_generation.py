@@ -249,7 +249,11 @@ def test_switching_the_attention_implementation_is_refused():
     assert model.config._attn_implementation == "focus"
 
 
-def test_a_static_cache_is_refused_with_the_fix():
+def test_a_static_cache_generates_like_the_dynamic_one():
+    """A static cache is supported (``focus_static.py``; tests/unit/test_hf_static_decode.py)."""
     model = focus_model()
-    with pytest.raises(ValueError, match="dynamic cache"), torch.no_grad():
-        greedy(model, sequences(6)[0][None], 3, cache_implementation="static")
+    prompt = sequences(6)[0][None]
+    with torch.no_grad():
+        static = greedy(model, prompt, 3, cache_implementation="static")
+        dynamic = greedy(model, prompt, 3)
+    assert torch.equal(static, dynamic)
