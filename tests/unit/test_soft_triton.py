@@ -300,12 +300,12 @@ def test_ring_step_benchmark_times_the_triton_kernel(tmp_path):
 
 
 def test_tile_override_for_tuning(monkeypatch):
-    from focus_pretrain.focus.soft_triton import _blocks
+    from focus_pretrain.focus.soft_triton import HALF_TILES, _blocks
 
-    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=64x32, warps=4")
+    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=128x64, warps=4")
     blocks = _blocks("cuda", 128)
-    assert blocks["fwd"] == (64, 32) and blocks["opts"]["num_warps"] == 4
-    assert blocks["kv"] == (64, 64)  # the rest keeps its default
+    assert blocks["fwd"] == (128, 64) and blocks["opts"]["num_warps"] == 4
+    assert blocks["kv"] == HALF_TILES[128][1]  # the rest keeps its default
     monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=64")
     with pytest.raises(ValueError, match="FOCUS_TRITON_BLOCKS: bad item 'fwd=64'"):
         _blocks("cuda", 128)
