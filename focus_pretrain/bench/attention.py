@@ -44,7 +44,7 @@ from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import pattern_density
 from focus_pretrain.focus.router import Routing
-from focus_pretrain.focus.sorted_layout import GroupSortedLayout
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout, segment_slots
 
 CHECK_TOKENS = 4096  # prefix checked against the reference before timing
 COUNT_TOKENS = 4096  # prefix whose launches and host syncs are counted (eager FlexAttention
@@ -122,7 +122,8 @@ def overhead_fn(
 
     def run():
         member = Routing(probs).membership(top_k)
-        layout = GroupSortedLayout.build(member)
+        slots = segment_slots(probs.shape[-1], top_k, documents=False)  # as the backends
+        layout = GroupSortedLayout.build(member, slots=slots)
         packed = [layout.pack(t) for t in (q, k, v)]  # [b * n, H|Hkv, D]
         if backend == "flex" and q.is_cuda:
             flex.same_group_block_mask(layout)
