@@ -21,6 +21,7 @@ spills).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per block (opt-in max)
@@ -119,7 +121,7 @@ def signature_of(kernel: Any, constants: dict, dtype: str) -> dict[str, str]:
         elif name in POINTERS:
             signature[name] = f"*{POINTERS[name]}"
         elif name in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"):
-            signature[name] = f"*{dtype}"
+            signature[name] = "*fp32" if dtype == "tf32" else f"*{dtype}"  # tf32: fp32 data
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
     return signature
@@ -141,6 +143,21 @@ def check(row: dict, compiled: Any, arch: int) -> None:
     row["spills"] = row["spill_stores"] + row["spill_loads"] > 0
 
 
+@contextlib.contextmanager
+def fp32_products(dtype: str) -> Iterator[None]:
+    """Within: PyTorch's fp32 matmul precision as a ``dtype`` row launches on CUDA (``tf32``:
+    TF32 allowed; ``fp32``: the default, 3xTF32)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32" if dtype == "tf32" else "ieee"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
 def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch: int) -> dict:
     """Compile one kernel (``key``: ``fwd``, ``kv`` or ``q``) and describe the result."""
     import torch
@@ -150,10 +167,16 @@ def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch
 
     from focus_pretrain.focus import soft_triton
 
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    blocks = soft_triton._blocks("cuda", head_dim, torch_dtype)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    with fp32_products(dtype):  # "tf32": fp32 inputs with TF32 products allowed
+        refused = soft_triton.cuda_refusal(torch_dtype, head_dim)
+        blocks = soft_triton._blocks("cuda", head_dim, torch_dtype)
+        qk_prec = soft_triton.fp32_products() if torch_dtype == torch.float32 else "tf32"
+    if refused:  # the backend does not launch these: nothing to report
+        return dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=None,
+                    options={}, variant=variant, ok=True, refused=refused, seconds=0.0)  # fmt: skip
     bm, bn = blocks[key]
-    qk_prec, gate_prec = ("tf32x3" if dtype == "fp32" else "tf32"), "tf32x3"  # as on CUDA
+    gate_prec = "tf32x3"  # as on CUDA (soft_triton._precisions)
     constants = {**dict(D=head_dim, KP=16, BM=bm, BN=bn, HAS_DOCS=False, HAS_POS=False,
                         SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec, GATE_PREC=gate_prec),
                  **variant}  # fmt: skip
@@ -191,7 +214,10 @@ def table_line(row: dict) -> str:
         return "-" if row.get(field) is None else str(row[field])
 
     shared = row.get("shared_bytes")
-    if not row["ok"]:
+    tile = "x".join(map(str, row["block"] or ["-"]))
+    if row.get("refused"):
+        status = "not launched (the backend refuses it)"
+    elif not row["ok"]:
         status = row["error"]
     elif row.get("spills"):
         status = "ok, spills"
@@ -199,17 +225,22 @@ def table_line(row: dict) -> str:
         status = "ok"
     return (
         f"| {row['kernel']} | {row['dtype']} | {row['head_dim']} | {row['variant']} | "
-        f"{row['block'][0]}x{row['block'][1]} | {cell('num_warps')} | {cell('num_stages')} | "
+        f"{tile} | {cell('num_warps')} | {cell('num_stages')} | "
         f"{'-' if shared is None else f'{shared / 1024:.0f}'} | {cell('registers')} | "
         f"{cell('spill_stores')} | {cell('spill_loads')} | {row['seconds']} | {status} |"
     )
+
+
+DTYPES = ["bf16", "fp16", "fp32", "tf32"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Compile the selected kernels, print the table, write the JSON; the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
-    parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=DTYPES,
+                        help="fp32: fp32 inputs at PyTorch's default precision (3xTF32 "
+                        "products); tf32: fp32 inputs with TF32 allowed")  # fmt: skip
     parser.add_argument("--head-dim", nargs="+", type=int, default=[128])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),

@@ -60,7 +60,12 @@ from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
-from focus_pretrain.focus.soft_triton import runs_on, supports, triton_focus_attention
+from focus_pretrain.focus.soft_triton import (
+    cuda_refusal,
+    runs_on,
+    supports,
+    triton_focus_attention,
+)
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 __all__ = [
@@ -317,9 +322,13 @@ def _flex_priority(r: AttentionRequest) -> int | None:
 
 
 def _triton_priority(r: AttentionRequest) -> int | None:
-    if not runs_on(r.device, r.dtype) or not supports(r.head_dim):
+    if not runs_on(r.device, r.dtype) or not supports(r.head_dim) or _triton_unavailable(r):
         return None
     return -30  # by name only, never ``auto`` (yet)
+
+
+def _triton_unavailable(r: AttentionRequest) -> str | None:
+    return cuda_refusal(r.dtype, r.head_dim) if r.device == "cuda" else None
 
 
 _ALL_MODES = frozenset({"soft", "hard", "local"})
@@ -352,5 +361,6 @@ register_backend(
         Capabilities(frozenset({"soft", "local"})),
         _triton_priority,
         "triton",
+        _triton_unavailable,
     )
 )

@@ -208,6 +208,9 @@ class Backend:
             or head dim its kernels do not take); otherwise ``auto`` picks the highest.
         ring_block: the ring step kernel that computes this backend's attention per block
             (:mod:`focus_pretrain.parallel.ring_kernels`), or ``None``: not in the ring.
+        unavailable: ``unavailable(request) -> str | None``: for a request ``priority`` turns
+            down, the specific reason and fix, when there is one more helpful than "not
+            available here".
     """
 
     name: str
@@ -215,12 +218,14 @@ class Backend:
     capabilities: Capabilities
     priority: Callable[[AttentionRequest], int | None]
     ring_block: str | None = None
+    unavailable: Callable[[AttentionRequest], str | None] | None = None
 
     def refusal(self, request: AttentionRequest) -> str | None:
         """Why this backend cannot run ``request`` exactly (``None``: it can)."""
         reason = self.capabilities.refusal(request)
         if reason is None and self.priority(request) is None:
-            reason = (
+            reason = self.unavailable(request) if self.unavailable is not None else None
+            reason = reason or (
                 f"{request.dtype} with head_dim {request.head_dim} on {request.device} here "
                 "(its library or kernels are not available for these)"
             )

@@ -13,10 +13,12 @@ are each document's first ``S`` tokens). Sliding-window layers (``local_only``: 
 dense twin is one with an unlimited window) run through the same kernels without the gate, so a
 model configured with ``focus.backend: triton`` runs every layer on them.
 
-Runs on CUDA (fp16/bf16/fp32) wherever Triton is installed, and on CPU tensors under Triton's
-interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests do this), where
-it is exact and slow. ``auto`` does not pick it yet: it is selected with ``backend="triton"``
-(model config ``focus.backend: triton``) until its GPU speed is measured (docs/benchmarks.md).
+Runs on CUDA (fp16/bf16; fp32 at head dim <= 64, or at any head dim with TF32 allowed:
+:func:`fp32_products`, :func:`cuda_refusal`) wherever Triton is installed, and on CPU tensors
+under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests
+do this), where it is exact and slow. ``auto`` does not pick it yet: it is selected with
+``backend="triton"`` (model config ``focus.backend: triton``) until its GPU speed is measured
+(docs/benchmarks.md).
 Layout: ``[batch, seq, heads, head_dim]``.
 
 The launches are operators (``torch.ops.focus_pretrain.soft_attention_forward`` and
@@ -68,28 +70,63 @@ def supports(head_dim: int) -> bool:
     return head_dim in HEAD_DIMS
 
 
-# (forward, dK/dV, dQ) tiles (BM, BN) per head dim: fp16/bf16 tiles spill no register on sm_90
-# (docs/benchmarks.md "Triton kernels on sm_90"; tests/unit/test_triton_registers.py); 4 warps
-# and 3 stages at D <= 64, else 8 warps and 2 stages
+# (forward, dK/dV, dQ) tiles (BM, BN) per head dim, none spilling a register on sm_90
+# (docs/benchmarks.md "Triton kernels on sm_90"; tests/unit/test_triton_registers.py).
+# fp16/bf16: 4 warps and 3 stages at D <= 64, else 8 warps and 2 stages
 HALF_TILES = {
     64: ((64, 32), (16, 32), (32, 32)),
     128: ((64, 32), (32, 32), (32, 32)),
     256: ((32, 64), (16, 32), (16, 64)),
 }
-# fp32 (one stage): spill-free at D <= 64; at D >= 128 the backward kernels spill at every tile
-# from 16x16 up (ptxas), so these are the halved fp16 tiles of before
-FP32_TILES = {
-    64: ((64, 32), (16, 16), (64, 16)),
-    128: ((16, 64), (32, 32), (32, 32)),
-    256: ((32, 32), (16, 32), (32, 16)),
+# fp32 inputs with TF32 products (the user allowed TF32 for fp32 matmuls): one stage, 4 warps at
+# D <= 64, else 8
+TF32_TILES = {
+    64: ((64, 32), (16, 32), (64, 16)),
+    128: ((32, 32), (32, 32), (32, 16)),
+    256: ((32, 32), (16, 32), (16, 32)),
 }
+# fp32 inputs with 3xTF32 products (PyTorch's default fp32 precision): one stage, 4 warps. Only
+# D <= 64: at D >= 128 the backward spills at every tile from 16x16 up with 1-8 warps (each
+# operand is held split in two), so the backend refuses those (:func:`cuda_refusal`)
+FP32_TILES = {64: ((64, 32), (16, 16), (64, 16))}
+
+
+@torch.compiler.assume_constant_result
+def fp32_products() -> str:
+    """How the kernels multiply fp32 inputs on CUDA: ``"tf32"`` when the user allowed TF32 for
+    fp32 matmuls (``torch.backends.cuda.matmul.fp32_precision = "tf32"``,
+    ``torch.set_float32_matmul_precision("high")`` or ``allow_tf32 = True``, as for cuBLAS),
+    else ``"tf32x3"`` (fp32-class accuracy, PyTorch's default)."""
+    try:
+        allowed = torch.backends.cuda.matmul.fp32_precision == "tf32"
+    except (AttributeError, RuntimeError):  # torch without the fp32_precision API
+        allowed = bool(torch.backends.cuda.matmul.allow_tf32)
+    return "tf32" if allowed else "tf32x3"
+
+
+def _tile_size(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def cuda_refusal(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernels are not launched on CUDA for ``dtype`` at ``head_dim`` (``None``: they
+    are): fp32 with 3xTF32 products at head dims above 64 would spill registers."""
+    if dtype != torch.float32 or fp32_products() != "tf32x3" or _tile_size(head_dim) in FP32_TILES:
+        return None
+    return (
+        f"fp32 at head_dim {head_dim} with PyTorch's default fp32 matmul precision: the 3xTF32 "
+        "backward kernels spill registers above head_dim 64 (docs/benchmarks.md); train in "
+        "bf16/fp16, allow TF32 (torch.backends.cuda.matmul.fp32_precision = 'tf32'), or use "
+        "backend 'flex'"
+    )
 
 
 def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Tile sizes ``(BM, BN)`` of each kernel and launch options.
 
-    CUDA: per head dim and input precision (:data:`HALF_TILES`, :data:`FP32_TILES`): tiles
-    that compile for sm_90 with no register spill (fp16/bf16) within an H100's shared memory
+    CUDA: per head dim and input precision (:data:`HALF_TILES`; fp32: :data:`TF32_TILES` or
+    :data:`FP32_TILES` by :func:`fp32_products`): tiles that compile for sm_90 with no register
+    spill within an H100's shared memory
     (``tools/compile_triton_kernels.py`` reads both from Triton's compiler and ``ptxas``, no GPU
     needed); not yet tuned for speed. ``FOCUS_TRITON_BLOCKS`` overrides them for tuning, e.g.
     ``fwd=128x64,kv=64x128,q=128x64,warps=8,stages=2`` (any subset). Interpreter: small square
@@ -98,8 +135,9 @@ def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> 
         block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
         return {"fwd": (block, block), "kv": (block, block), "q": (block, block), "opts": {}}
     half = dtype != torch.float32
-    size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-    blocks = dict(zip(("fwd", "kv", "q"), (HALF_TILES if half else FP32_TILES)[size], strict=True))
+    size = _tile_size(head_dim)
+    tiles = HALF_TILES if half else TF32_TILES if fp32_products() == "tf32" else FP32_TILES
+    blocks = dict(zip(("fwd", "kv", "q"), tiles.get(size, TF32_TILES[size]), strict=True))
     opts = {
         "num_warps": 4 if size == 64 else 8,
         "num_stages": (3 if size == 64 else 2) if half else 1,
@@ -124,12 +162,13 @@ def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> 
 
 
 def _precisions(q: Tensor) -> tuple[str, str]:
-    """``(QK_PREC, GATE_PREC)``: on CUDA fp32 products (fp32 inputs, the gate's assignments) use
-    3xTF32 (fp32-class accuracy on tensor cores); fp16/bf16 inputs are tensor-core native. The
-    interpreter computes in IEEE fp32."""
+    """``(QK_PREC, GATE_PREC)``: on CUDA fp32 inputs' products follow PyTorch's fp32 matmul
+    precision (:func:`fp32_products`: 3xTF32 by default, TF32 when allowed); the gate's
+    assignments always use 3xTF32; fp16/bf16 inputs are tensor-core native. The interpreter
+    computes in IEEE fp32."""
     if not q.is_cuda:
         return "ieee", "ieee"
-    return ("tf32x3" if q.dtype == torch.float32 else "tf32"), "tf32x3"
+    return (fp32_products() if q.dtype == torch.float32 else "tf32"), "tf32x3"
 
 
 def _document_ends(starts: Tensor) -> Tensor:

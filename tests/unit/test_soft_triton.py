@@ -311,6 +311,56 @@ def test_tile_override_for_tuning(monkeypatch):
         _blocks("cuda", 128)
 
 
+@pytest.fixture
+def fp32_precision():
+    """Restores PyTorch's fp32 matmul precision after a test that sets it."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    yield matmul
+    matmul.fp32_precision = before
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp32_tiles_and_products_follow_the_fp32_matmul_precision(fp32_precision, head_dim):
+    """fp32 inputs: 3xTF32 products by default, launched only at head dim 64 (above, the
+    backward spills: refused with the fixes); with TF32 allowed, TF32 products and their own
+    spill-free tiles at every head dim."""
+    from focus_pretrain.focus.soft_triton import (
+        FP32_TILES,
+        TF32_TILES,
+        _blocks,
+        cuda_refusal,
+        fp32_products,
+    )
+
+    fp32_precision.fp32_precision = "ieee"
+    assert fp32_products() == "tf32x3"
+    refusal = cuda_refusal(torch.float32, head_dim)
+    if head_dim == 64:
+        assert refusal is None and _blocks("cuda", 64, torch.float32)["fwd"] == FP32_TILES[64][0]
+    else:
+        assert "spill" in refusal and "fp32_precision = 'tf32'" in refusal and "flex" in refusal
+    assert cuda_refusal(torch.bfloat16, head_dim) is None
+    fp32_precision.fp32_precision = "tf32"
+    assert fp32_products() == "tf32" and cuda_refusal(torch.float32, head_dim) is None
+    blocks = _blocks("cuda", head_dim, torch.float32)
+    assert (blocks["fwd"], blocks["kv"], blocks["q"]) == TF32_TILES[head_dim]
+    assert blocks["opts"]["num_stages"] == 1
+
+
+def test_the_backend_names_the_fp32_refusal(fp32_precision):
+    """A request the kernels would spill on is refused with that reason, not "unavailable"."""
+    import focus_pretrain.focus.attention  # noqa: F401  (registers the backends)
+    from focus_pretrain.focus.backends import AttentionRequest, get_backend
+
+    fp32_precision.fp32_precision = "ieee"
+    request = AttentionRequest("cuda", torch.float32, 1, 64, 2, 2, 128, "soft", 1, False, 8,
+                               False, True)  # fmt: skip
+    assert "spill" in get_backend("triton").refusal(request)
+    fp32_precision.fp32_precision = "tf32"
+    assert "spill" not in (get_backend("triton").refusal(request) or "")
+
+
 def test_strided_views_are_read_in_place_and_give_the_same_gradients():
     """Megatron's ``[s, b, h, d]`` tensors viewed as ``[b, s, h, d]`` (read in place) and a
     non-dense slice (copied) give the output and gradients of contiguous inputs."""

@@ -3,8 +3,10 @@
 ``tools/compile_triton_kernels.py`` compiles each kernel with Triton's real compiler at the tiles
 the backend launches on CUDA and reads the registers per thread and the spilled bytes from the
 ``ptxas`` Triton's wheel ships (``ptxas -v`` on the kernel's PTX, with Triton's flags). Here:
-bf16 (fp16's tiles are the same) at head dims 64, 128 (production) and 256, the forward, dK/dV and
-dQ kernels in every compile-time variant the backend launches (27 compiles).
+bf16 (fp16's tiles are the same), fp32 inputs with TF32 products allowed (``tf32``) and fp32 at
+PyTorch's default precision (3xTF32: launched at head dim 64 only, refused above) at head dims 64,
+128 (production) and 256, the forward, dK/dV and dQ kernels in every compile-time variant the
+backend launches (63 compiles).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ KERNELS = {"fwd": "soft_forward_kernel", "kv": "soft_backward_kv_kernel",
            "q": "soft_backward_q_kernel"}  # fmt: skip
 VARIANTS = ("plain", "docs-pos-softcap", "local-docs")
 HEAD_DIMS = (64, 128, 256)
-CASES = [(d, key, variant) for d in HEAD_DIMS for key in KERNELS for variant in VARIANTS]
+DTYPES = ("bf16", "tf32", "fp32")
+ALL = [(t, d, k, v) for t in DTYPES for d in HEAD_DIMS for k in KERNELS for v in VARIANTS]
+REFUSED = [case for case in ALL if case[0] == "fp32" and case[1] > 64]  # 3xTF32 spills there
+CASES = [case for case in ALL if case not in REFUSED]
 
 
 def _missing_compiler() -> str | None:
@@ -38,13 +43,13 @@ def _missing_compiler() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.slow  # Triton's compiler, 27 kernels
+pytestmark = pytest.mark.slow  # Triton's compiler, 63 kernels
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict]:
-    """The tool's rows for bf16 at :data:`HEAD_DIMS`, sm_90, by ``(head dim, kernel key,
-    variant)``."""
+def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
+    """The tool's rows for :data:`DTYPES` at :data:`HEAD_DIMS`, sm_90, by ``(dtype, head dim,
+    kernel key, variant)``."""
     reason = _missing_compiler()
     if reason is not None:  # Triton and its ptxas come with the locked install (make setup):
         if os.environ.get("CI"):  # in CI their absence is a broken install, not a skip
@@ -55,21 +60,23 @@ def rows(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default, without its warning
     done = subprocess.run(
-        [sys.executable, str(TOOL), "--arch", "90", "--dtype", "bf16",
+        [sys.executable, str(TOOL), "--arch", "90", "--dtype", *DTYPES,
          "--head-dim", *map(str, HEAD_DIMS), "--json", str(report)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert report.exists(), done.stdout[-2000:] + done.stderr[-3000:]
     by_name = {name: key for key, name in KERNELS.items()}
     rows = json.loads(report.read_text())["rows"]
-    return {(r["head_dim"], by_name[r["kernel"]], r["variant"]): r for r in rows}
+    return {(r["dtype"], r["head_dim"], by_name[r["kernel"]], r["variant"]): r for r in rows}
 
 
 def test_every_kernel_compiles_within_the_register_file(rows: dict) -> None:
     """Each kernel compiles for sm_90 at its launched tiles and warps, its shared memory within
     the H100's, at most 255 registers per thread, the count ptxas reports matching the cubin's."""
-    assert sorted(rows) == sorted(CASES)
-    for case, row in rows.items():
+    assert sorted(rows) == sorted(ALL)
+    assert all(rows[case].get("refused") for case in REFUSED)
+    for case in CASES:
+        row = rows[case]
         assert row["ok"], (case, row.get("error"))
         assert row["num_warps"] == row["options"]["num_warps"], case
         assert row["num_stages"] == row["options"].get("num_stages", row["num_stages"]), case
@@ -77,13 +84,14 @@ def test_every_kernel_compiles_within_the_register_file(rows: dict) -> None:
         assert row["cubin_registers"] in (None, row["registers"]), case
 
 
-@pytest.mark.parametrize(("head_dim", "key", "variant"), CASES)
-def test_no_register_spills(rows: dict, head_dim: int, key: str, variant: str) -> None:
-    """No spill stores or loads to local memory at the launched tiles (bf16)."""
-    row = rows[(head_dim, key, variant)]
+@pytest.mark.parametrize(("dtype", "head_dim", "key", "variant"), CASES)
+def test_no_register_spills(rows: dict, dtype: str, head_dim: int, key: str, variant: str) -> None:
+    """No spill stores or loads to local memory at the launched tiles."""
+    row = rows[(dtype, head_dim, key, variant)]
     assert row["ok"], row.get("error")
     spilled = (row["spill_stores"], row["spill_loads"])
     assert spilled == (0, 0), (
-        f"{row['kernel']} (D={head_dim}, {variant}, tile {row['block']}, {row['num_warps']} "
-        f"warps): {row['registers']} registers, spill stores/loads {spilled} bytes"
+        f"{row['kernel']} ({dtype}, D={head_dim}, {variant}, tile {row['block']}, "
+        f"{row['num_warps']} warps): {row['registers']} registers, spill stores/loads "
+        f"{spilled} bytes"
     )
