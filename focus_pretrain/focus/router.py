@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from focus_pretrain.focus.compiled import fused_on_cuda
 from focus_pretrain.focus.config import BALANCE_MODES, MAX_GROUPS, FocusConfig
 from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
 from focus_pretrain.validation import check_choice, check_int, check_positive
@@ -72,8 +73,19 @@ class Routing(NamedTuple):
         return self.probs.detach().topk(top_k, dim=-1).indices
 
     def membership(self, top_k: int) -> Tensor:
-        """``[b, s]`` int64 bitmask of each token's ``top_k`` groups (the hard pattern)."""
-        return membership_bitmask(self.top_groups(top_k))
+        """``[b, s]`` int64 bitmask of each token's ``top_k`` groups (the hard pattern); on CUDA
+        the top-k and the packing run as one compiled program (:func:`hard_membership`)."""
+        check_int("top_k", top_k, low=1, high=self.num_groups, high_name="num_groups (K)")
+        return hard_membership(self.probs.detach(), top_k)
+
+
+@fused_on_cuda
+def hard_membership(probs: Tensor, top_k: int) -> Tensor:
+    """``[b, s, K]`` soft assignments -> ``[b, s]`` int64 bitmask of each token's ``top_k`` most
+    probable groups: top-k and bit packing fused on CUDA (a few launches become one), traced
+    into a caller's compiled graph; eager elsewhere (:func:`~focus_pretrain.focus.compiled.
+    fused_on_cuda`)."""
+    return membership_bitmask(probs.topk(top_k, dim=-1).indices)  # [b, s, top_k] -> [b, s]
 
 
 @dataclass

@@ -23,6 +23,7 @@ from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.flex import same_group_blocks
 from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.router import Routing, hard_membership
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout, layout_tensors
 from tests.distributed import run_workers
 from tests.helpers import random_probs, random_qkv
@@ -178,6 +179,22 @@ def test_compiled_layout_equals_eager(packed):
     compiled = torch.compile(layout_tensors.eager, fullgraph=True, dynamic=False)(*args)
     for want, got in zip(eager, compiled, strict=True):
         assert (want is None and got is None) or torch.equal(got, want)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_compiled_membership_equals_eager(top_k):
+    """CUDA computes the hard membership (top-k + bit packing) compiled: the same bitmasks as
+    eagerly, and as a brute-force packing of each token's top-k groups."""
+    probs = torch.softmax(torch.randn(B, N, GROUPS, generator=torch.Generator().manual_seed(5)), -1)
+    eager = hard_membership.eager(probs, top_k)
+    compiled = torch.compile(hard_membership.eager, fullgraph=True, dynamic=False)(probs, top_k)
+    assert torch.equal(compiled, eager) and eager.dtype == torch.int64
+    ranks = probs.argsort(dim=-1, descending=True)[..., :top_k]  # [b, s, top_k]
+    brute = torch.zeros(B, N, dtype=torch.int64)
+    for j in range(top_k):
+        brute |= 1 << ranks[..., j]
+    assert torch.equal(eager, brute)
+    assert torch.equal(Routing(probs).membership(top_k), eager)
 
 
 def test_finite_check_compiles_as_a_device_assertion():
