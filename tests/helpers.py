@@ -66,9 +66,12 @@ def brute_force_focus(
                     if local_only:
                         if not local:
                             continue
-                    elif mode == "hard":
+                    elif mode in ("hard", "hard_gated"):
                         if not local and not (sets[i] & sets[j]):
                             continue
+                        if mode == "hard_gated" and not local:  # kept, and gated
+                            affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
+                            bias = log_sigmoid(gate_lambda * (affinity - 0.5))
                     elif not local:
                         affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
                         bias = log_sigmoid(gate_lambda * (affinity - 0.5))

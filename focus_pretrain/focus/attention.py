@@ -7,6 +7,9 @@ keys and values (GQA when ``heads_kv < heads``). Causal self-attention with the 
 * ``mode="soft"`` (training): every causal pair, with the soft gate on pairs beyond the window;
   differentiable in ``q``, ``k``, ``v`` and the routing's soft assignments.
 * ``mode="hard"`` (inference): the window plus pairs whose ``top_k`` groups intersect.
+* ``mode="hard_gated"`` (sparse training): the hard pattern's pairs only, with the soft gate
+  on those beyond the window; differentiable in ``q``, ``k``, ``v`` and the soft assignments
+  (through the gate; the top-k choice is not differentiated).
 * ``local_only=True``: a sliding-window layer (interleaved local/global models); no routing.
 * ``sinks=S``: attention sinks, the first ``S`` positions visible to every query in any of
   these (no gate on them in soft mode); every backend computes them exactly.
@@ -50,7 +53,7 @@ from focus_pretrain.focus.backends import (
     register_backend,
     select_backend,
 )
-from focus_pretrain.focus.config import ATTENTION_MODES
+from focus_pretrain.focus.config import PATTERN_MODES
 from focus_pretrain.focus.decomposed import (
     decomposed_attention,
     flash_attn_available,
@@ -107,8 +110,9 @@ def focus_attention(
         routing: the layer's :class:`Routing` (or its soft assignments ``[batch, seq, K]``);
             may be ``None`` only with ``local_only=True``.
         window: local window ``w >= 0``: keys with ``0 <= i - j <= w`` are always attended.
-        mode: ``"soft"`` (training, soft gate) or ``"hard"`` (inference, top-k groups).
-        top_k: groups per token in hard mode, ``1 <= top_k <= K``.
+        mode: ``"soft"`` (training, soft gate), ``"hard"`` (inference, top-k groups) or
+            ``"hard_gated"`` (sparse training: the hard pattern, gated beyond the window).
+        top_k: groups per token in the hard modes, ``1 <= top_k <= K``.
         backend: ``"auto"`` or one of :func:`available_backends`.
         gate_lambda: sharpness of the soft gate (soft mode).
         softcap: Gemma-2 logit soft-capping ``c`` (:func:`~focus_pretrain.focus.pattern.soft_cap`),
@@ -151,6 +155,8 @@ def focus_attention(
     elif mode == "hard":
         member = Routing(probs).membership(top_k)  # [b, s] int64
         probs = None
+    elif mode == "hard_gated":
+        member = Routing(probs).membership(top_k)  # [b, s] int64 (the choice: not differentiated)
     pattern = AttentionPattern(
         window=window, mode=mode, local_only=local_only, gate_lambda=gate_lambda,
         softcap=softcap, scale=q.shape[-1] ** -0.5 if scale is None else scale, sinks=sinks,
@@ -222,7 +228,7 @@ def _validate(
     if hkv < 1 or h % hkv != 0:
         raise ValueError(f"heads ({h}) must be divisible by heads_kv ({hkv})")
     check_int("window", window, low=0)
-    check_choice("mode", mode, ATTENTION_MODES)
+    check_choice("mode", mode, PATTERN_MODES)
     check_positive("gate_lambda", gate_lambda)
     if softcap is not None:
         check_positive("softcap", softcap)
@@ -331,7 +337,7 @@ def _triton_unavailable(r: AttentionRequest) -> str | None:
     return cuda_refusal(r.dtype, r.head_dim) if r.device == "cuda" else None
 
 
-_ALL_MODES = frozenset({"soft", "hard", "local"})
+_ALL_MODES = frozenset({"soft", "hard", "hard_gated", "local"})
 _CPU_CUDA = frozenset({"cpu", "cuda"})
 register_backend(
     Backend("reference", reference_attention, Capabilities(_ALL_MODES), lambda r: 0, "blockwise")

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-MODES = ("soft", "hard", "local")  # local: a sliding-window layer (no routing)
+# local: a sliding-window layer (no routing); hard_gated: the hard pattern with the soft gate on
+# its routed pairs (sparse training)
+MODES = ("soft", "hard", "hard_gated", "local")
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,14 @@ class AttentionPattern:
 
     Attributes:
         window: the local window ``w >= 0``.
-        mode: ``"soft"`` or ``"hard"`` (ignored when ``local_only``).
+        mode: ``"soft"``, ``"hard"`` or ``"hard_gated"`` (ignored when ``local_only``).
         local_only: a sliding-window layer: the window and the sinks only.
         gate_lambda: the soft gate's sharpness; softcap: logit soft-capping or ``None``.
         scale: the score scale.
         sinks: attention sinks ``S >= 0`` (the first ``S`` tokens of each document).
-        probs: ``[b, s, K]`` soft assignments (soft mode), else ``None``.
-        member: ``[b, s]`` int64 membership bitmasks (hard mode), else ``None``.
+        probs: ``[b, s, K]`` soft assignments (soft and hard_gated modes), else ``None``.
+        member: ``[b, s]`` int64 membership bitmasks (hard and hard_gated modes), else
+            ``None``.
         documents: ``[b, s]`` int64 document starts, or ``None`` (one document per sample).
         groups: ``K``, the number of groups (0 for a sliding-window layer); top_k: groups per
             token in hard mode. Static ints: they bound the group-sorted layout's segment
@@ -62,7 +65,7 @@ class AttentionPattern:
 
     @property
     def kind(self) -> str:
-        """``"local"``, ``"soft"`` or ``"hard"``: what the pattern is."""
+        """``"local"``, ``"soft"``, ``"hard"`` or ``"hard_gated"``: what the pattern is."""
         return "local" if self.local_only else self.mode
 
 
@@ -127,7 +130,7 @@ class AttentionRequest:
 
     @property
     def kind(self) -> str:
-        """``"local"``, ``"soft"`` or ``"hard"``."""
+        """``"local"``, ``"soft"``, ``"hard"`` or ``"hard_gated"``."""
         return "local" if self.local_only else self.mode
 
 
@@ -137,7 +140,7 @@ class Capabilities:
 
     Attributes:
         modes: a subset of :data:`MODES`.
-        max_top_k: the largest ``top_k`` of the hard mode (``None``: any).
+        max_top_k: the largest ``top_k`` of the hard modes (``None``: any).
         documents, sinks, softcap: whether it takes packed documents, sinks, soft-capping.
         devices: the device types it runs on (``None``: any).
         gradients_on: the device types where it differentiates (``None``: wherever it runs).
@@ -156,7 +159,9 @@ class Capabilities:
         checks = (
             (r.kind not in self.modes, f"mode {r.kind!r} (it computes {sorted(self.modes)})"),
             (
-                r.kind == "hard" and self.max_top_k is not None and r.top_k > self.max_top_k,
+                r.kind in ("hard", "hard_gated")
+                and self.max_top_k is not None
+                and r.top_k > self.max_top_k,
                 f"top_k={r.top_k} (at most {self.max_top_k})",
             ),
             (r.documents and not self.documents, "packed documents"),
@@ -177,7 +182,8 @@ class Capabilities:
     def computes(self, mode: str, top_k: int) -> bool:
         """Whether it computes the routed pattern ``mode`` (``"soft"``/``"hard"``) at
         ``top_k``."""
-        too_many = mode == "hard" and self.max_top_k is not None and top_k > self.max_top_k
+        routed = mode in ("hard", "hard_gated")
+        too_many = routed and self.max_top_k is not None and top_k > self.max_top_k
         return mode in self.modes and not too_many
 
     def describe(self) -> str:
@@ -185,8 +191,8 @@ class Capabilities:
         hard = (
             "hard attention" if self.max_top_k is None else f"hard top-{self.max_top_k} attention"
         )
-        words = {"soft": "the soft pattern", "hard": hard}
-        routed = [words[m] for m in ("soft", "hard") if m in self.modes]
+        words = {"soft": "the soft pattern", "hard": hard, "hard_gated": f"gated {hard}"}
+        routed = [words[m] for m in ("soft", "hard", "hard_gated") if m in self.modes]
         return " and ".join(routed) if routed else "sliding-window layers"
 
     def differentiates_on(self, device: str) -> bool:
@@ -260,13 +266,15 @@ def backend_names() -> tuple[str, ...]:
 
 
 def training_backend_names() -> tuple[str, ...]:
-    """``"auto"`` and the backends of the soft pattern that differentiate somewhere."""
+    """``"auto"`` and the backends of a training pattern (soft or hard_gated) that
+    differentiate somewhere."""
+    trains = {"soft", "hard_gated"}
     return (
         "auto",
         *(
             b.name
             for b in _BACKENDS.values()
-            if "soft" in b.capabilities.modes and b.capabilities.gradients_on != frozenset()
+            if trains & b.capabilities.modes and b.capabilities.gradients_on != frozenset()
         ),
     )
 

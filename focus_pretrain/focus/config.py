@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
-ATTENTION_MODES = ("soft", "hard")
+ATTENTION_MODES = ("soft", "hard")  # the patterns a model infers with (focus.inference_mode)
+TRAINING_MODES = ("soft", "hard")  # focus.training_mode: the soft gate, or sparse training
+# what focus_attention computes: the two patterns, and the hard one gated (sparse training)
+PATTERN_MODES = ("soft", "hard", "hard_gated")
 MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 
@@ -55,7 +58,11 @@ class FocusConfig:
             potentials after each optimizer step (``causal`` mode), in ``(0, 1]``.
         top_k: groups kept per token by the hard (inference) pattern, 1 or 2.
         inference_mode: the pattern a model uses in ``eval()``: ``"hard"`` (default) or
-            ``"soft"`` (training always uses the soft gate).
+            ``"soft"``.
+        training_mode: the pattern a model trains on: ``"soft"`` (default: the soft gate over
+            every causal pair, dense cost) or ``"hard"`` (sparse training: only the hard top-k
+            pattern's pairs, forward and backward, with the soft gate on its routed pairs so
+            the routers learn; ``docs/focus-method.md``, "Sparse training").
         gate_lambda: sharpness ``lambda`` of the soft gate on pairs beyond the window
             (:func:`~focus_pretrain.focus.pattern.soft_gate`).
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
@@ -69,9 +76,10 @@ class FocusConfig:
             (:mod:`focus_pretrain.train.bad_steps`); turn it on to find where a NaN starts.
         window_only: ablation: no router, every layer attends only inside the window (the
             sliding-window twin a Focus model is compared against; same other weights).
-        backend: attention backend of the soft (training) pattern: ``"auto"`` (an exact one
-            for each call, by fixed rules), ``"reference"``, ``"flex"`` or ``"triton"`` (fused
-            Triton kernels; by name only until measured on a GPU).
+        backend: attention backend of the training pattern: ``"auto"`` (an exact one for each
+            call, by fixed rules), ``"reference"``, ``"flex"`` or ``"triton"`` (fused Triton
+            kernels; by name only until measured on a GPU); one that computes
+            ``training_mode``'s pattern with gradients.
         inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
             ``"flex"``, ``"decomposed"`` (hard top-1 only) or ``"triton"`` (soft only).
         sinks: ``S >= 0`` attention sinks (StreamingLLM): the first ``S`` tokens of every
@@ -91,6 +99,7 @@ class FocusConfig:
     balance_rate: float = 0.1
     top_k: int = 1
     inference_mode: str = "hard"
+    training_mode: str = "soft"
     gate_lambda: float = 10.0
     normalize: bool = True
     check_finite: bool = False
@@ -113,10 +122,35 @@ class FocusConfig:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
+        check_choice("focus.training_mode", self.training_mode, TRAINING_MODES)
         registry = _backends()
         check_choice("focus.backend", self.backend, registry.training_backend_names())
         check_choice("focus.inference_backend", self.inference_backend, registry.backend_names())
         self._check_inference_backend()
+        self._check_training_backend()
+
+    @property
+    def training_pattern(self) -> str:
+        """The attention mode a training forward computes: ``"soft"`` or ``"hard_gated"``."""
+        return "hard_gated" if self.training_mode == "hard" else "soft"
+
+    def _check_training_backend(self) -> None:
+        """The named training backend computes ``training_mode``'s pattern."""
+        registry = _backends()
+        name, mode = self.backend, self.training_pattern
+        if name == "auto" or registry.get_backend(name).capabilities.computes(mode, self.top_k):
+            return
+        others = [
+            other
+            for other in registry.training_backend_names()[1:]
+            if registry.get_backend(other).capabilities.computes(mode, self.top_k)
+        ]
+        computes = registry.get_backend(name).capabilities.describe()
+        raise ValueError(
+            f"focus.backend {name!r} does not train with focus.training_mode="
+            f"{self.training_mode!r} (it computes {computes}); use 'auto' or one of {others}, "
+            "or focus.training_mode='soft'"
+        )
 
     def _check_inference_backend(self) -> None:
         """The named inference backend computes the ``eval()`` pattern (its capabilities)."""

@@ -354,6 +354,44 @@ def same_group(
     return out[0], lse[0]
 
 
+def same_group_gated(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: GroupSortedLayout,
+    probs: Tensor,
+    *,
+    window: int,
+    sinks: int,
+    gate_lambda: float,
+    scale: float,
+    softcap: float | None,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[Tensor, Tensor]:
+    """:func:`same_group` with the soft gate on the pairs beyond the window whose key is not a
+    sink (the hard_gated mode's routed pairs): ``[T, H|Hkv, D]`` and the packed soft assignments
+    ``probs [T, K]`` -> ``([T, H, D], [T, H])``; differentiable in ``probs`` through the gate."""
+    g_q, g_k = gate_tables(probs[None])  # K x [1, T] each: one table per group and side
+    cap, lam = score_constant(softcap, q), score_constant(gate_lambda, q)
+    position = layout.position  # [T] position in the sample (pairs are of one sample)
+    doc = layout.document
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        score = soft_cap(score, cap)
+        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
+        k_doc = None if doc is None or not sinks else doc[kv_idx]
+        _, near = pair_rule(
+            position[q_idx], position[kv_idx], window=window, sinks=sinks, k_doc=k_doc
+        )
+        return score + torch.where(near, torch.zeros_like(gate), gate)
+
+    mask = same_group_block_mask(layout, block)
+    out, lse = _call(
+        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=score_mod
+    )  # [1, T, H, D], [1, T, H]
+    return out[0], lse[0]
+
+
 def band(
     q: Tensor,
     k: Tensor,
@@ -454,7 +492,14 @@ def flex_focus_attention(
         )  # fmt: skip
     layout = GroupSortedLayout.of_pattern(pattern)
     packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
-    out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
+    if pattern.mode == "hard_gated":  # sparse training: the routed pairs gated
+        out_a, lse_a = same_group_gated(
+            *packed, layout, layout.pack(pattern.probs), window=pattern.window,
+            sinks=pattern.sinks, gate_lambda=pattern.gate_lambda, scale=scale, softcap=softcap,
+            block=block,
+        )  # fmt: skip
+    else:
+        out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
     cross = band(q, k, v, member=member, **band_kwargs)  # with the sink-only pairs
     return merge_by_lse(shared, cross)

@@ -21,6 +21,10 @@ structure is ``[b, s]`` integers, never an ``n x n`` mask.
   (soft-capped) score, where ``g`` are the soft group assignments. As ``lambda -> inf`` the gate
   tends to ``0`` when ``g_i . g_j > 1/2`` and to ``-inf`` when ``g_i . g_j < 1/2``: with near
   one-hot assignments, exactly the hard top-1 mask.
+* **hard_gated** (sparse training, ``focus.training_mode: hard``): the hard pattern's pairs
+  only (the others ``-inf``), and on its routed pairs (beyond the window, not a sink) the soft
+  gate of the soft mode, so that the routers still get a gradient from the kept pairs. The
+  top-k selection itself is not differentiated (``docs/focus-method.md``, "Sparse training").
 * **local only** (the sliding-window layers of interleaved local/global models): only
   ``0 <= i - j <= window`` (and the sinks); no routing.
 
@@ -279,7 +283,8 @@ def pair_bias(
     """Additive score bias (at least fp32) implementing the pattern: ``0``, gate or ``-inf``.
 
     ``mode="hard"`` needs ``member_q/member_k``; ``mode="soft"`` needs ``probs_q/probs_k``
-    (``[b, L, K]``); ``local_only`` needs neither. Sink keys (positions ``< sinks``) are
+    (``[b, L, K]``); ``mode="hard_gated"`` both (the hard pattern's pairs, gated beyond the
+    window); ``local_only`` needs neither. Sink keys (positions ``< sinks``) are
     allowed with no gate, like keys inside the window. Document starts ``q_doc [b, Lq]`` and
     ``k_doc [b, Lk]`` (packed documents) disallow pairs across documents.
 
@@ -300,12 +305,14 @@ def pair_bias(
             k_doc=k_doc,
         )
         return torch.where(allowed, torch.zeros((), device=q_pos.device), neg_inf)
-    if mode != "soft":
-        raise ValueError(f"mode must be 'soft' or 'hard', got {mode!r}")
+    if mode not in ("soft", "hard_gated"):
+        raise ValueError(f"mode must be 'soft', 'hard' or 'hard_gated', got {mode!r}")
     causal, local = causal_and_local(q_pos, k_pos, window, sinks, q_doc=q_doc, k_doc=k_doc)
     causal, local = _batched(causal), _batched(local)  # [b|1, Lq, Lk]
     gate = soft_gate(group_affinity(probs_q, probs_k), gate_lambda)  # [b, Lq, Lk]
     bias = torch.where(causal & ~local, gate, torch.zeros((), device=gate.device))
+    if mode == "hard_gated":  # only the hard pattern's pairs: local or sharing a group
+        causal = local | (causal & shares_group(member_q, member_k))
     return torch.where(causal, bias, neg_inf)
 
 

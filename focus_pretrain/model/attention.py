@@ -164,7 +164,7 @@ class FocusCoreAttention(MegatronModule):
             scale=self.softmax_scale,
             local_only=local_only,
             check_finite=self.focus.check_finite,
-            backend=self.focus.backend if mode == "soft" else self.focus.inference_backend,
+            backend=self.focus.backend if mode != "hard" else self.focus.inference_backend,
             **({"sinks": self.sinks} if self.sinks else {}),
             **({"documents": documents} if documents is not None else {}),
         )  # [b, s, np, d]
@@ -340,7 +340,7 @@ class FocusSelfAttention(SelfAttention):
             )
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
-        mode = "soft" if self.training else self.focus.inference_mode
+        mode = self.focus.training_pattern if self.training else self.focus.inference_mode
         if self.checkpoint_core_attention and self.training:
             probs = None if routing is None else routing.probs
 

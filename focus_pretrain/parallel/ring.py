@@ -297,6 +297,11 @@ def ring_focus_attention(
     :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
     check_int("sinks", sinks, low=0)
+    if mode == "hard_gated" and not local_only:
+        raise ValueError(
+            "sparse training (focus.training_mode='hard', mode 'hard_gated') does not run under "
+            "ring context parallelism yet; use cp_mode 'a2a' or focus.training_mode='soft'"
+        )
     kernel = resolve_block_kernel(block_kernel, q)
     if kernel == "triton" and mode == "hard" and not local_only:
         raise ValueError("block_kernel 'triton' runs soft and sliding-window steps, not 'hard'")

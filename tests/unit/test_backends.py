@@ -45,7 +45,7 @@ def skewed_probs(b: int, n: int, k: int, *, seed: int, skew: float) -> torch.Ten
 def problems(draw):
     hkv = draw(st.integers(1, 2))
     k_groups = draw(st.integers(1, 9))
-    mode = draw(st.sampled_from(["hard", "hard", "soft"]))
+    mode = draw(st.sampled_from(["hard", "hard", "soft", "hard_gated"]))
     top_k = 1 if mode == "soft" else draw(st.integers(1, min(3, k_groups)))
     n = draw(st.integers(1, 90))
     return dict(
@@ -141,8 +141,9 @@ def test_backends_equal_reference_fp32(p):
 
 @pytest.mark.parametrize(
     "mode, top_k, local_only",
-    [("hard", 1, False), ("hard", 2, False), ("soft", 1, False), ("hard", 1, True)],
-)
+    [("hard", 1, False), ("hard", 2, False), ("soft", 1, False), ("hard", 1, True),
+     ("hard_gated", 2, False)],
+)  # fmt: skip
 def test_backends_equal_reference_bf16(mode, top_k, local_only):
     p = problem(mode=mode, top_k=top_k, local_only=local_only)
     with torch.no_grad():
@@ -161,7 +162,8 @@ def test_backends_equal_reference_bf16(mode, top_k, local_only):
 @pytest.mark.parametrize(
     "mode, top_k, local_only, softcap",
     [("hard", 1, False, None), ("hard", 2, False, 2.0), ("soft", 1, False, 2.0),
-     ("hard", 1, True, None), ("hard", 3, False, None)],
+     ("hard", 1, True, None), ("hard", 3, False, None), ("hard_gated", 1, False, 2.0),
+     ("hard_gated", 3, False, None)],
 )  # fmt: skip
 def test_backends_with_sinks_equal_reference(sinks, mode, top_k, local_only, softcap):
     """Attention sinks in every backend: output and log-sum-exp equal the reference's, which
@@ -508,10 +510,14 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2)])
+@pytest.mark.parametrize(
+    "mode, top_k",
+    [("soft", 1), ("hard", 1), ("hard", 2), ("hard_gated", 1), ("hard_gated", 2),
+     ("hard_gated", 3)],
+)  # fmt: skip
 @pytest.mark.parametrize("softcap, sinks", [(None, 0), (3.0, 0), (None, 4)])
 def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap, sinks):
-    """FlexAttention's backward (GPU only): q, k, v and, in soft mode, the assignments."""
+    """FlexAttention's backward (GPU only): q, k, v and, in the gated modes, the assignments."""
     assert_flex_gradients_equal_reference(mode=mode, top_k=top_k, softcap=softcap, sinks=sinks)
 
 
@@ -533,7 +539,8 @@ def assert_flex_gradients_equal_reference(
             **kwargs, **extra,
         )  # fmt: skip
         (out * torch.linspace(-1, 1, d, device="cuda")).sum().backward()
-        differentiable = 4 if kwargs["mode"] == "soft" and not local_only else 3
+        gated = kwargs["mode"] in ("soft", "hard_gated")
+        differentiable = 4 if gated and not local_only else 3
         grads[name] = [out] + [t.grad for t in leaves[:differentiable]]
     for want, got in zip(grads["reference"], grads["flex"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)

@@ -46,11 +46,24 @@ def test_recipe_and_overrides_are_typed():
         ("model.num_layers", r"override 'model.num_layers' must look like section.key=value"),
         ("model.num_layers.x=1", r"model.num_layers is a value, not a section"),
         ("model=3", r"model must be a mapping, got 3"),
+        ("model.focus.training_mode=sparse", r"focus.training_mode must be one of 'soft', 'hard'"),
     ],
 )
 def test_bad_overrides_name_the_key(override, error):
     with pytest.raises(ValueError, match=error):
         load_config(RECIPE, [override])
+
+
+def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
+    """``training_mode: hard`` trains on the gated hard pattern: the model's training mode, and
+    a backend that computes only the soft pattern (triton) is refused naming those that do."""
+    config = load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=flex"])
+    assert config.model.focus.training_pattern == "hard_gated"
+    assert load_config(RECIPE).model.focus.training_pattern == "soft"
+    with pytest.raises(ValueError, match=r"'triton' does not train with focus.training_mode='har"
+                       r"d' \(it computes the soft pattern\); use 'auto' or one of \['reference', "
+                       r"'flex'\]"):  # fmt: skip
+        load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=triton"])
 
 
 def test_missing_recipe_is_a_clear_error(tmp_path):

@@ -43,7 +43,8 @@ def run(backend: str, ids: Tensor, *, dtype=torch.float32, **kwargs) -> tuple[Te
     ("mode", "top_k", "local_only", "sinks", "softcap"),
     [("hard", 1, False, 0, None), ("hard", 2, False, 2, None), ("hard", 3, False, 1, 2.0),
      ("soft", 1, False, 0, None), ("soft", 1, False, 3, 2.0), ("hard", 1, True, 2, None),
-     ("hard", 1, True, 0, 2.0)],
+     ("hard", 1, True, 0, 2.0), ("hard_gated", 1, False, 2, None),
+     ("hard_gated", 2, False, 3, 2.0)],
 )  # fmt: skip
 @pytest.mark.parametrize("hkv", [1, 4], ids=["gqa", "mha"])
 def test_flex_with_documents_equals_reference(mode, top_k, local_only, sinks, softcap, hkv):
@@ -57,7 +58,10 @@ def test_flex_with_documents_equals_reference(mode, top_k, local_only, sinks, so
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("mode", "local_only"), [("hard", False), ("soft", False), ("hard", True)])
+@pytest.mark.parametrize(
+    ("mode", "local_only"),
+    [("hard", False), ("soft", False), ("hard", True), ("hard_gated", False)],
+)
 def test_one_document_equals_no_documents(mode, local_only):
     ids = torch.zeros(2, 50, dtype=torch.long)
     kwargs = dict(window=6, mode=mode, top_k=2, local_only=local_only, sinks=2)

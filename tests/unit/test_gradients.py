@@ -128,3 +128,65 @@ def test_gradcheck_with_sinks(sinks, mode, top_k, local_only):
     for a, b in zip(with_sinks, blockwise, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert max((a - b).abs().max() for a, b in zip(with_sinks, without, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "top_k, heads, heads_kv, softcap, sinks, packed",
+    [(1, 2, 1, None, 0, False), (2, 3, 3, 1.5, 2, False), (3, 4, 2, None, 1, True),
+     (1, 2, 2, 2.0, 3, True)],
+)  # fmt: skip
+def test_gradcheck_hard_gated_through_qkv_and_router(
+    top_k, heads, heads_kv, softcap, sinks, packed
+):
+    """Sparse training (mode ``hard_gated``): float64 gradcheck through q, k, v and the router's
+    weights (the gate on the kept routed pairs), GQA, sinks, packed documents; the router's
+    gradient is non-zero, and the output equals a dense masked softmax written here."""
+    b, s, d_model, d = 2, 10, 5, 3
+    router = FocusRouter(d_model, num_groups=4, group_dim=4, tau=0.5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(top_k)
+    hidden = torch.randn(b, s, d_model, generator=gen, dtype=torch.float64)
+    q, k, v = random_qkv(b, s, heads, heads_kv, d, seed=top_k, requires_grad=True)
+    weight = router.proj.weight.detach().clone().requires_grad_(True)
+    centroids = router.centroids.detach().clone().requires_grad_(True)
+    documents = torch.tensor([[0] * 6 + [1] * 4, [0] * 3 + [1] * 7]) if packed else None
+    kwargs = dict(window=1, mode="hard_gated", top_k=top_k, gate_lambda=4.0, softcap=softcap,
+                  sinks=sinks, documents=documents)  # fmt: skip
+
+    def attention(q, k, v, weight, centroids):
+        params = {"proj.weight": weight, "centroids": centroids}
+        return focus_attention(q, k, v, functional_call(router, params, (hidden,)), **kwargs)
+
+    inputs = (q, k, v, weight, centroids)
+    assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+    out = attention(*inputs)
+    grads = torch.autograd.grad(out.pow(2).sum(), (weight, centroids))
+    assert all(g.abs().max() > 1e-6 for g in grads)  # the routers learn from the kept pairs
+    probs = functional_call(router, {"proj.weight": weight, "centroids": centroids}, (hidden,))
+    torch.testing.assert_close(out, _dense_hard_gated(q, k, v, probs.probs, **kwargs))
+
+
+def _dense_hard_gated(q, k, v, probs, *, window, top_k, gate_lambda, softcap, sinks, documents,
+                      mode):  # fmt: skip
+    """Dense ``[s, s]`` masked softmax of the hard_gated pattern, from the spec (no package
+    code): kept = causal, one document, and (local, a sink, or sharing a top-k group); the gate
+    ``log sigmoid(lambda (g_i . g_j - 1/2))`` on kept pairs beyond the window that are not
+    sinks."""
+    assert mode == "hard_gated"
+    b, s, h, d = q.shape
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    ids = torch.zeros(b, s, dtype=torch.long) if documents is None else documents
+    start = torch.stack([torch.tensor([list(r).index(x) for x in r]) for r in ids.tolist()])
+    one_doc = ids[:, :, None] == ids[:, None, :]  # [b, s, s]
+    near = (i - j <= window) | (j - start[:, None, :] < sinks)  # [b, s, s]
+    top = probs.detach().topk(top_k, dim=-1).indices  # [b, s, top_k]
+    onehot = torch.zeros(b, s, probs.shape[-1]).scatter_(-1, top, 1.0)
+    shares = (onehot @ onehot.transpose(1, 2)) > 0  # [b, s, s]
+    kept = (j <= i) & one_doc & (near | shares)
+    gate = F.logsigmoid(gate_lambda * (probs @ probs.transpose(1, 2) - 0.5))  # [b, s, s]
+    bias = torch.where(near, 0.0, gate).masked_fill(~kept, float("-inf"))
+    kv = k.repeat_interleave(h // k.shape[2], dim=2), v.repeat_interleave(h // v.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kv[0]) * d**-0.5  # [b, h, s, s]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = torch.softmax(scores + bias[:, None], dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", weights, kv[1])  # [b, s, h, d]

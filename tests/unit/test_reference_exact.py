@@ -30,7 +30,7 @@ def problems(draw):
         k_groups=k_groups,
         top_k=draw(st.integers(1, min(2, k_groups))),
         window=draw(st.integers(0, s + 1)),
-        mode=draw(st.sampled_from(["soft", "hard"])),
+        mode=draw(st.sampled_from(["soft", "hard", "hard_gated"])),
         local_only=draw(st.booleans()),
         softcap=draw(st.sampled_from([None, 0.7, 5.0])),
         gate_lambda=draw(st.sampled_from([1.0, 10.0, 40.0])),
@@ -53,7 +53,7 @@ def test_reference_equals_brute_force(p):
         sinks=p["sinks"],
     )
     expected = brute_force_focus(q, k, v, probs, top_k=p["top_k"], **kwargs)
-    member = Routing(probs).membership(p["top_k"]) if p["mode"] == "hard" else None
+    member = Routing(probs).membership(p["top_k"]) if p["mode"] != "soft" else None
     got, lse = reference_attention(
         q,
         k,
@@ -70,7 +70,9 @@ def test_reference_equals_brute_force(p):
     torch.testing.assert_close(public, expected, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2)])
+@pytest.mark.parametrize(
+    "mode, top_k", [("soft", 1), ("hard", 1), ("hard", 2), ("hard_gated", 1), ("hard_gated", 3)]
+)
 @pytest.mark.parametrize("heads, heads_kv", [(2, 2), (4, 2), (3, 1)])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("window", [0, 2, 5])
@@ -87,7 +89,8 @@ def test_reference_equals_brute_force_grid(mode, top_k, heads, heads_kv, softcap
 @pytest.mark.parametrize("sinks", [1, 3, 7])  # 7: more sinks than the window
 @pytest.mark.parametrize(
     "mode, top_k, local_only", [("soft", 1, False), ("hard", 1, False), ("hard", 2, False),
-                                ("hard", 1, True)]
+                                ("hard", 1, True), ("hard_gated", 1, False),
+                                ("hard_gated", 2, False)]
 )  # fmt: skip
 @pytest.mark.parametrize("window", [0, 2])
 def test_reference_with_sinks_equals_brute_force(sinks, mode, top_k, local_only, window):
