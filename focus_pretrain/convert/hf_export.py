@@ -247,10 +247,17 @@ def attach_focus_adapter(model, adapter_dir: str | os.PathLike):
 
 
 # Training-only knobs the shipped modeling code does not read (an export routes causally, with
-# the balance offsets saved as tensors, and does not re-check inputs); every other FocusConfig
+# the balance offsets saved as tensors, and does not re-check inputs; a model trained sparsely,
+# training_mode hard, infers like any other: the same hard pattern); every other FocusConfig
 # field goes into config.json's ``focus`` section. The shipped FOCUS_DEFAULTS must list exactly
 # the exported fields with FocusConfig's defaults (tested).
-NOT_EXPORTED_FOCUS_FIELDS = ("balance", "sinkhorn_iters", "balance_rate", "check_finite")
+NOT_EXPORTED_FOCUS_FIELDS = (
+    "balance",
+    "sinkhorn_iters",
+    "balance_rate",
+    "check_finite",
+    "training_mode",
+)
 EXPORTED_FOCUS_FIELDS = tuple(
     f.name for f in dataclasses.fields(FocusConfig) if f.name not in NOT_EXPORTED_FOCUS_FIELDS
 )

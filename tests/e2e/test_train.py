@@ -89,6 +89,36 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path, cache):
     assert "| loss " in line and "| max_group_share " in line  # the console shows the same
 
 
+@pytest.mark.hf
+def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, monkeypatch):
+    """``model.focus.training_mode=hard`` (sparse training on the gated hard pattern): the loss
+    falls, a checkpoint resumes, and the export is a plain Focus model (no training-only key)
+    whose hard-pattern logits equal ours from the checkpoint."""
+    from focus_pretrain.convert import export_hf
+    from tests.e2e.test_export import _export_outputs
+
+    sets = ["model.focus.training_mode=hard"]
+    first = launch(overrides(tmp_path / "run", cache, "train.steps=3", *sets))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = launch(overrides(tmp_path / "run", cache, "train.steps=6", *sets))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    starts = events(tmp_path / "run", "start")
+    assert [(e["step"], e["resumed"]) for e in starts] == [(0, False), (3, True)]
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert "training_mode: hard" in (ckpt / "config.yaml").read_text()
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    focus = json.loads((out / "config.json").read_text())["focus"]
+    assert "training_mode" not in focus and focus["inference_mode"] == "hard"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 4)
+    _, hard, _, greedy = _export_outputs(out, tokens, 4)
+    torch.testing.assert_close(hard, ours["hard"][..., : hard.shape[-1]], rtol=1e-4, atol=1e-4)
+    assert greedy.tolist() == ours["greedy"].tolist()
+
+
 def test_resume_with_another_model_is_refused_unless_allowed(tmp_path, cache, one_process):
     """A resume whose recipe changes a ``model`` key is refused before anything is built,
     naming the key and both values; with ``train.allow_changes`` it continues, and the run
