@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
+from focus_pretrain.focus.pair_count import kept_pairs
 from focus_pretrain.model.packing import DocumentParams, rope_for_positions
 from focus_pretrain.model.rope import RopeScaling, set_rope_frequencies
 
@@ -224,6 +225,8 @@ class FocusSelfAttention(SelfAttention):
         self.own_rope = local_rotary_base is not None  # replaces the model's table too
         local = getattr(self.core_attention, "local_window", None) is not None
         self.router = None
+        # sparse training's (kept, causal) pair counts since the last log interval
+        self.pair_counts: Tensor | None = None
         if focus.enabled and not local:
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             # Router init draws from its own seeded stream so that the rest of the model gets
@@ -288,6 +291,22 @@ class FocusSelfAttention(SelfAttention):
         )
         return Routing(probs)
 
+    def _count_pairs(self, routing: Routing, documents: Tensor | None) -> None:
+        """Sparse training: add the pairs this call keeps and the causal pairs of its samples
+        to :attr:`pair_counts` (``[2]`` int64 on the device; no host sync), read and reset once
+        per log interval (:func:`~focus_pretrain.train.focus_stats.attention_density`). Not
+        counted under context parallelism (a rank holds a zigzag part of the sequence)."""
+        if self.config.context_parallel_size > 1:
+            return
+        b, n = routing.probs.shape[:2]
+        top_groups = routing.probs.detach().topk(self.focus.top_k, dim=-1).indices  # [b, n, k]
+        sinks = self.core_attention.sinks
+        kept = kept_pairs(top_groups, self.focus.window, sinks, documents).sum()
+        counts = torch.stack([kept, kept.new_tensor(b * n * (n + 1) // 2)])  # [2]
+        if self.pair_counts is None:
+            self.pair_counts = torch.zeros_like(counts)
+        self.pair_counts += counts
+
     def _local_rotary_emb(self, model_emb: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         """This layer's RoPE ``[s_local, 1, 1, d]`` for the positions of the model's embedding
         ``model_emb`` (same length; under context parallelism each rank holds ``1 / CP`` of
@@ -341,6 +360,8 @@ class FocusSelfAttention(SelfAttention):
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
         mode = self.focus.training_pattern if self.training else self.focus.inference_mode
+        if mode == "hard_gated" and routing is not None:
+            self._count_pairs(routing, documents)
         if self.checkpoint_core_attention and self.training:
             probs = None if routing is None else routing.probs
 

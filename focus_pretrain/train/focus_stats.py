@@ -1,5 +1,6 @@
 """Focus bookkeeping of a training run: router balance updates after each optimizer step, and
-the statistics logged each interval (largest group share, ring blocks skipped)."""
+the statistics logged each interval (largest group share, the pairs sparse training computed,
+ring blocks skipped)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,22 @@ def max_group_share(routers: list[FocusRouter], group: dist.ProcessGroup) -> flo
     dist.all_reduce(counts, group=group)
     shares = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
     return float(shares.max())
+
+
+def attention_density(layers: list, group: dist.ProcessGroup) -> float | None:
+    """Sparse training: the share of causal pairs the Focus layers computed since the last call
+    (kept pairs over ``n (n + 1) / 2`` per sample and layer, summed over ``group``), from each
+    layer's on-device ``pair_counts`` (read here, once per log interval, then reset); ``None``
+    when no layer counted (soft training, context parallelism)."""
+    counted = [layer for layer in layers if getattr(layer, "pair_counts", None) is not None]
+    if not counted:
+        return None
+    totals = torch.stack([layer.pair_counts for layer in counted]).sum(dim=0).double()  # [2]
+    for layer in counted:
+        layer.pair_counts = None
+    dist.all_reduce(totals, group=group)
+    kept, causal = totals.tolist()
+    return kept / causal if causal else None
 
 
 def ring_skipped_share(stats: RingStats | None) -> float | None:

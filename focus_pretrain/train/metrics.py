@@ -26,8 +26,9 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10"
 def attention_pairs(seq: int, mode: str, density: float | None = None) -> float:
     """Query-key pairs one head computes over a causal sequence of ``seq`` tokens.
 
-    Training (soft gate) computes every causal pair; the hard pattern computes ``density`` of
-    them (the window's pairs included; measured or estimated), all of them when unknown.
+    The soft gate computes every causal pair; the hard patterns (``hard`` inference,
+    ``hard_gated`` sparse training) compute ``density`` of them (the window's pairs included;
+    measured or estimated), all of them when unknown.
     """
     causal = seq * (seq + 1) / 2
     if mode == "soft" or density is None:
@@ -41,8 +42,10 @@ def flops_per_sample(
     """Model FLOPs of one sample of ``seq`` tokens (forward x3 when ``training``).
 
     Dense matmuls (2 FLOPs per multiply-add per weight and token), attention over the pairs
-    Focus actually computes (QK^T and PV: 4 * head_dim FLOPs per pair and head), the router
-    projection and its ``K`` logits, and the output layer.
+    Focus actually computes (QK^T and PV: 4 * head_dim FLOPs per pair and head: every causal
+    pair for the soft gate; ``density`` of them for the hard patterns, inference and sparse
+    training, ``focus.training_mode: hard``), the router projection and its ``K`` logits, and
+    the output layer.
     """
     h, d = config.hidden_size, config.kv_channels
     heads, groups, ffn = config.num_attention_heads, config.kv_heads, config.ffn_hidden_size
@@ -57,7 +60,8 @@ def flops_per_sample(
             window = config.sliding_window - 1
             pairs = sum(min(i, window) + 1 for i in range(seq))
         else:
-            mode = "soft" if training or not focus.enabled else focus.inference_mode
+            mode = focus.training_pattern if training else focus.inference_mode
+            mode = mode if focus.enabled else "soft"
             pairs = attention_pairs(seq, mode, None if not focus.enabled else density)
             if focus.enabled:
                 attn_flops += seq * 2 * (h * focus.group_dim + focus.group_dim * focus.num_groups)
@@ -136,15 +140,17 @@ class IntervalMeter:
             self.losses += 1
         self.steps += 1
 
-    def scalars(self) -> dict[str, float | None]:
+    def scalars(self, flops_per_sample: float | None = None) -> dict[str, float | None]:
         """``loss`` (mean over the interval's good steps; ``None`` if none), ``tokens_per_s``,
         ``tflops`` (per device), ``mfu`` over the training time of the interval, and
         ``<name>_s`` for the time spent in each :meth:`excluded` part (evaluation,
-        checkpointing); starts the next interval."""
+        checkpointing); starts the next interval. ``flops_per_sample``: this interval's, when
+        it differs from the constructor's (sparse training: the pairs counted this interval)."""
         elapsed = self.clock() - self.tic - sum(self.outside.values())
         elapsed = max(elapsed, 1e-9)
         samples = self.steps * self.samples_per_step
-        tflops = self.flops_per_sample * samples / elapsed / (self.devices * 1e12)
+        flops = self.flops_per_sample if flops_per_sample is None else flops_per_sample
+        tflops = flops * samples / elapsed / (self.devices * 1e12)
         out = {
             "loss": self.loss / self.losses if self.losses else None,
             "tokens_per_s": samples * self.tokens_per_sample / elapsed,

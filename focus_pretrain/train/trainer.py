@@ -30,6 +30,7 @@ from focus_pretrain.data.datasets import ResumableSampler, build_datasets
 from focus_pretrain.data.tokenizer import Tokenizer
 from focus_pretrain.focus import FocusRouter
 from focus_pretrain.model import build_model
+from focus_pretrain.model.attention import FocusSelfAttention
 from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
@@ -42,6 +43,7 @@ from focus_pretrain.train.checkpoint import (
     write_atomic,
 )
 from focus_pretrain.train.focus_stats import (
+    attention_density,
     discard_balance,
     max_group_share,
     ring_skipped_share,
@@ -107,6 +109,7 @@ class Trainer:
         self.validator = Validator(config, valid_set, self.tokenizer, self.layout, self.device)
         self.model, self.counts, self.ring_stats = self._build_model()
         self.routers = [m for m in self.model.modules() if isinstance(m, FocusRouter)]
+        self.focus_layers = [m for m in self.model.modules() if isinstance(m, FocusSelfAttention)]
         self.engine, self.optimizer, self.gate = self._build_engine()
         self.schedule = lr_lambda(config.train)
         self.checkpointer = Checkpointer(
@@ -342,7 +345,12 @@ class Trainer:
             self.checkpointer.save(self.step)
 
     def _train_scalars(self, meter: IntervalMeter) -> dict[str, float | None]:
-        interval = meter.scalars()
+        density = attention_density(self.focus_layers, self.layout.data_context_group)
+        flops = None
+        if density is not None:  # sparse training: FLOPs of the pairs computed
+            config = self.config
+            flops = flops_per_sample(config.model, config.data.seq_length, density=density)
+        interval = meter.scalars(flops)
         self.last_train_loss = interval["loss"]
         norm = self.engine.get_global_grad_norm()
         norm = None if norm is None else float(norm)
@@ -357,6 +365,7 @@ class Trainer:
             "mfu": interval["mfu"],
             "peak_mem_gb": peak_memory_gb(),
             "max_group_share": max_group_share(self.routers, self.layout.data_context_group),
+            "attention_density": density,  # sparse training: share of causal pairs computed
             "ring_skipped": ring_skipped_share(self.ring_stats),
             "skipped_steps": self.bad_steps.skipped,  # bad steps so far (not in loss)
             "eval_s": interval.get("eval_s", 0.0),  # left out of tokens_per_s, tflops, mfu

@@ -92,7 +92,8 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path, cache):
 @pytest.mark.hf
 def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, monkeypatch):
     """``model.focus.training_mode=hard`` (sparse training on the gated hard pattern): the loss
-    falls, a checkpoint resumes, and the export is a plain Focus model (no training-only key)
+    falls, each log line has the share of pairs computed (what FLOPs and MFU count), a
+    checkpoint resumes, and the export is a plain Focus model (no training-only key)
     whose hard-pattern logits equal ours from the checkpoint."""
     from focus_pretrain.convert import export_hf
     from tests.e2e.test_export import _export_outputs
@@ -106,6 +107,8 @@ def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, m
     assert [(e["step"], e["resumed"]) for e in starts] == [(0, False), (3, True)]
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
+    records = [r for r in _records(tmp_path / "run") if r.get("split") == "train"]
+    assert len(records) == 6 and all(0 < r["attention_density"] < 1 for r in records)
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000006"
     assert "training_mode: hard" in (ckpt / "config.yaml").read_text()
     out = export_hf(tmp_path / "run", tmp_path / "hf")
