@@ -257,6 +257,7 @@ NOT_EXPORTED_FOCUS_FIELDS = (
     "balance_rate",
     "check_finite",
     "training_mode",
+    "soft_warmup_steps",
 )
 EXPORTED_FOCUS_FIELDS = tuple(
     f.name for f in dataclasses.fields(FocusConfig) if f.name not in NOT_EXPORTED_FOCUS_FIELDS

@@ -63,6 +63,9 @@ class FocusConfig:
             every causal pair, dense cost) or ``"hard"`` (sparse training: only the hard top-k
             pattern's pairs, forward and backward, with the soft gate on its routed pairs so
             the routers learn; ``docs/focus-method.md``, "Sparse training").
+        soft_warmup_steps: with ``training_mode: hard``, the optimizer steps trained with the
+            soft gate first (the routers learn groups on every pair, then training turns
+            sparse); ``0`` (default): sparse from the first step.
         gate_lambda: sharpness ``lambda`` of the soft gate on pairs beyond the window
             (:func:`~focus_pretrain.focus.pattern.soft_gate`).
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
@@ -100,6 +103,7 @@ class FocusConfig:
     top_k: int = 1
     inference_mode: str = "hard"
     training_mode: str = "soft"
+    soft_warmup_steps: int = 0
     gate_lambda: float = 10.0
     normalize: bool = True
     check_finite: bool = False
@@ -123,6 +127,12 @@ class FocusConfig:
         check_choice("focus.balance", self.balance, BALANCE_MODES)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
         check_choice("focus.training_mode", self.training_mode, TRAINING_MODES)
+        check_int("focus.soft_warmup_steps", self.soft_warmup_steps, low=0)
+        if self.soft_warmup_steps and self.training_mode != "hard":
+            raise ValueError(
+                f"focus.soft_warmup_steps={self.soft_warmup_steps} warms up sparse training "
+                "with the soft gate: set focus.training_mode=hard, or soft_warmup_steps=0"
+            )
         registry = _backends()
         check_choice("focus.backend", self.backend, registry.training_backend_names())
         check_choice("focus.inference_backend", self.inference_backend, registry.backend_names())
@@ -131,8 +141,14 @@ class FocusConfig:
 
     @property
     def training_pattern(self) -> str:
-        """The attention mode a training forward computes: ``"soft"`` or ``"hard_gated"``."""
+        """The attention mode sparse or soft training computes (after any warm-up):
+        ``"soft"`` or ``"hard_gated"``."""
         return "hard_gated" if self.training_mode == "hard" else "soft"
+
+    def training_pattern_at(self, step: int) -> str:
+        """The attention mode of the optimizer step ``step`` (0-based): the soft gate during
+        the ``soft_warmup_steps``, then :attr:`training_pattern`."""
+        return "soft" if step < self.soft_warmup_steps else self.training_pattern
 
     def _check_training_backend(self) -> None:
         """The named training backend computes ``training_mode``'s pattern."""

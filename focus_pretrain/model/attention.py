@@ -227,6 +227,9 @@ class FocusSelfAttention(SelfAttention):
         self.router = None
         # sparse training's (kept, causal) pair counts since the last log interval
         self.pair_counts: Tensor | None = None
+        # what train() computes: the soft gate during focus.soft_warmup_steps (the trainer
+        # moves it on: focus_pretrain.train.focus_stats.set_training_pattern), then the recipe's
+        self.training_pattern = focus.training_pattern_at(0)
         if focus.enabled and not local:
             device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
             # Router init draws from its own seeded stream so that the rest of the model gets
@@ -359,7 +362,7 @@ class FocusSelfAttention(SelfAttention):
             )
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
-        mode = self.focus.training_pattern if self.training else self.focus.inference_mode
+        mode = self.training_pattern if self.training else self.focus.inference_mode
         if mode == "hard_gated" and routing is not None:
             self._count_pairs(routing, documents)
         if self.checkpoint_core_attention and self.training:

@@ -28,6 +28,15 @@ def update_balance(routers: list[FocusRouter], group: dist.ProcessGroup) -> None
         router.apply_balance(target, any_seen)
 
 
+def set_training_pattern(layers: list, focus, step: int) -> None:
+    """Before the optimizer step ``step`` (0-based): the attention mode the Focus layers train
+    with (:meth:`~focus_pretrain.focus.FocusConfig.training_pattern_at`: the soft gate during
+    ``focus.soft_warmup_steps``, then sparse); a resumed run picks it up from its step."""
+    pattern = focus.training_pattern_at(step)
+    for layer in layers:
+        layer.training_pattern = pattern
+
+
 def discard_balance(routers: list[FocusRouter]) -> None:
     """After a skipped bad step: drop what its batch accumulated; the offsets stay put."""
     for router in routers:

@@ -47,6 +47,7 @@ from focus_pretrain.train.focus_stats import (
     discard_balance,
     max_group_share,
     ring_skipped_share,
+    set_training_pattern,
     update_balance,
 )
 from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
@@ -259,6 +260,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             scale = self.gate.scale(group) if self.gate is not None else group.get("lr_scale", 1)
             group["lr"] = train.lr * self.schedule(self.step) * scale
+        set_training_pattern(self.focus_layers, self.config.model.focus, self.step)
         self.engine.train()
         loss = torch.zeros((), device=self.device)
         cp_group = self.layout.context_parallel_group

@@ -92,13 +92,13 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path, cache):
 @pytest.mark.hf
 def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, monkeypatch):
     """``model.focus.training_mode=hard`` (sparse training on the gated hard pattern): the loss
-    falls, each log line has the share of pairs computed (what FLOPs and MFU count), a
-    checkpoint resumes, and the export is a plain Focus model (no training-only key)
-    whose hard-pattern logits equal ours from the checkpoint."""
+    falls, after 2 soft warm-up steps each log line has the share of pairs computed (what FLOPs
+    and MFU count), a checkpoint resumes, and the export is a plain Focus model (no
+    training-only key) whose hard-pattern logits equal ours from the checkpoint."""
     from focus_pretrain.convert import export_hf
     from tests.e2e.test_export import _export_outputs
 
-    sets = ["model.focus.training_mode=hard"]
+    sets = ["model.focus.training_mode=hard", "model.focus.soft_warmup_steps=2"]
     first = launch(overrides(tmp_path / "run", cache, "train.steps=3", *sets))
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch(overrides(tmp_path / "run", cache, "train.steps=6", *sets))
@@ -108,7 +108,8 @@ def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, m
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]
     records = [r for r in _records(tmp_path / "run") if r.get("split") == "train"]
-    assert len(records) == 6 and all(0 < r["attention_density"] < 1 for r in records)
+    assert len(records) == 6 and not any("attention_density" in r for r in records[:2])
+    assert all(0 < r["attention_density"] < 1 for r in records[2:])  # sparse after warm-up
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000006"
     assert "training_mode: hard" in (ckpt / "config.yaml").read_text()
     out = export_hf(tmp_path / "run", tmp_path / "hf")

@@ -47,6 +47,11 @@ def test_recipe_and_overrides_are_typed():
         ("model.num_layers.x=1", r"model.num_layers is a value, not a section"),
         ("model=3", r"model must be a mapping, got 3"),
         ("model.focus.training_mode=sparse", r"focus.training_mode must be one of 'soft', 'hard'"),
+        (
+            "model.focus.soft_warmup_steps=5",
+            r"soft_warmup_steps=5 warms up sparse training .*"
+            r"set focus.training_mode=hard",
+        ),
     ],
 )
 def test_bad_overrides_name_the_key(override, error):
@@ -60,6 +65,10 @@ def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     config = load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=flex"])
     assert config.model.focus.training_pattern == "hard_gated"
     assert load_config(RECIPE).model.focus.training_pattern == "soft"
+    warm = ["model.focus.training_mode=hard", "model.focus.soft_warmup_steps=3"]
+    warm = load_config(RECIPE, warm)
+    patterns = [warm.model.focus.training_pattern_at(step) for step in range(5)]
+    assert patterns == ["soft"] * 3 + ["hard_gated"] * 2
     with pytest.raises(ValueError, match=r"'triton' does not train with focus.training_mode='har"
                        r"d' \(it computes the soft pattern\); use 'auto' or one of \['reference', "
                        r"'flex'\]"):  # fmt: skip
