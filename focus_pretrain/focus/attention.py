@@ -26,6 +26,8 @@ one for the request (:func:`select_backend`). Backends:
   inference as group sort + one varlen causal call + cross-group band + log-sum-exp merge.
 * ``flex`` (:mod:`~focus_pretrain.focus.flex`): FlexAttention, hard any ``top_k`` (block-sparse on
   the group-sorted layout), soft gate as ``score_mod`` (training), sliding window.
+* ``segments`` (:mod:`~focus_pretrain.focus.segments`): hard and hard_gated top-1 on the
+  group-sorted layout in differentiable PyTorch, forward and backward (CPU sparse training).
 * ``triton`` (:mod:`~focus_pretrain.focus.soft_triton`): the soft gate (training) and
   sliding-window layers as fused Triton kernels, forward and backward, with no atomics; CUDA,
   or CPU under Triton's interpreter.
@@ -63,6 +65,7 @@ from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
+from focus_pretrain.focus.segments import segments_attention
 from focus_pretrain.focus.soft_triton import (
     cuda_refusal,
     runs_on,
@@ -327,6 +330,14 @@ def _flex_priority(r: AttentionRequest) -> int | None:
     return -20  # CPU FlexAttention: eager, exact, never automatic
 
 
+def _segments_priority(r: AttentionRequest) -> int | None:
+    # differentiable top-1 on the sorted layout: CPU sparse training's path at length (on
+    # CUDA flex is block-sparse and compiled; this one reads block starts on the host)
+    if r.device == "cuda":
+        return -5
+    return 5 if r.seq >= CPU_DECOMPOSED_MIN_SEQ else -5
+
+
 def _triton_priority(r: AttentionRequest) -> int | None:
     if not runs_on(r.device, r.dtype) or not supports(r.head_dim) or _triton_unavailable(r):
         return None
@@ -358,6 +369,14 @@ register_backend(
         flex_focus_attention,
         Capabilities(_ALL_MODES, devices=_CPU_CUDA, gradients_on=frozenset({"cuda"})),
         _flex_priority,
+    )
+)
+register_backend(
+    Backend(
+        "segments",
+        segments_attention,
+        Capabilities(frozenset({"hard", "hard_gated"}), max_top_k=1),
+        _segments_priority,
     )
 )
 register_backend(

@@ -91,10 +91,10 @@ def backend_names(p: dict, dtype: torch.dtype = torch.float32) -> list[str]:
 
 def test_every_registered_backend_is_checked_against_the_reference():
     assert set(CHECKED_ELSEWHERE) <= set(available_backends())
-    p = problem(local_only=True)  # a sliding-window layer: every backend computes it
-    assert set(backend_names(p)) | set(CHECKED_ELSEWHERE) | {"reference"} == set(
-        available_backends()
-    )
+    local = problem(local_only=True)  # a sliding-window layer: all but the routed-only ones
+    routed = problem(mode="hard_gated", top_k=1)  # sparse training top-1: segments, flex
+    checked = set(backend_names(local)) | set(backend_names(routed))
+    assert checked | set(CHECKED_ELSEWHERE) | {"reference"} == set(available_backends())
 
 
 def run(p: dict, backend: str, dtype: torch.dtype):
@@ -485,8 +485,13 @@ def test_auto_selection_on_cpu():
     assert select_backend("auto", request(seq=128)).name == "reference"
     assert select_backend("auto", request(top_k=2)).name == "reference"
     assert select_backend("auto", request(mode="soft")).name == "reference"
-    assert select_backend("auto", request(needs_grad=True)).name == "reference"
-    assert select_backend("auto", request(softcap=True)).name == "reference"
+    # differentiable top-1 on the sorted layout: hard with gradients, sparse training
+    assert select_backend("auto", request(needs_grad=True)).name == "segments"
+    assert select_backend("auto", request(softcap=True)).name == "segments"
+    gated = dict(mode="hard_gated", needs_grad=True)
+    assert select_backend("auto", request(**gated)).name == "segments"
+    assert select_backend("auto", request(**gated, seq=128)).name == "reference"
+    assert select_backend("auto", request(**gated, top_k=2)).name == "reference"
     assert select_backend("auto", request(sinks=4)).name == "decomposed"  # exact with sinks
     assert select_backend("auto", request(sinks=4, top_k=2)).name == "reference"
     with pytest.raises(ValueError, match="'decomposed' cannot run mode='hard', top_k=2"):
@@ -500,7 +505,7 @@ def test_auto_selection_on_cpu():
 def test_hard_mode_with_gradients_uses_an_exact_differentiable_backend():
     q, k, v = random_qkv(1, 1100, 2, 2, 8, seed=1, dtype=torch.float32, requires_grad=True)
     probs = random_probs(1, 1100, 4, seed=2).float()
-    out = focus_attention(q, k, v, Routing(probs), window=16, mode="hard")  # auto: reference
+    out = focus_attention(q, k, v, Routing(probs), window=16, mode="hard")  # auto: segments
     out.square().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 
