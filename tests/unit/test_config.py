@@ -71,7 +71,7 @@ def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     assert patterns == ["soft"] * 3 + ["hard_gated"] * 2
     with pytest.raises(ValueError, match=r"'triton' does not train with focus.training_mode='har"
                        r"d' \(it computes the soft pattern\); use 'auto' or one of \['reference', "
-                       r"'flex'\]"):  # fmt: skip
+                       r"'flex', 'segments'\]"):  # fmt: skip
         load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=triton"])
 
 
