@@ -16,9 +16,9 @@ repeats (CUDA events on GPU, ``perf_counter`` on CPU):
 * optionally (``graphs=True``) every timed call captured whole: ``torch.compile(fullgraph=True,
   mode="reduce-overhead")``, i.e. replayed as a CUDA graph on CUDA (no launch or host cost
   per kernel), dense SDPA alike; on CPU the ``aot_eager`` backend (a smoke check of capture);
-* optionally (``train=True``) one soft-gate training step (forward + backward) of each of the
-  ``flex`` and ``triton`` backends asked for, against dense SDPA forward + backward; each is
-  first checked (output and every gradient) against the reference on a prefix.
+* optionally (``train=True``) one training step (forward + backward) with the soft gate and,
+  per ``top_k``, on the sparse (hard_gated) pattern, of each backend asked for that trains it
+  here, against dense SDPA forward + backward (:mod:`~focus_pretrain.bench.attention_train`).
 
 The ideal speedup is ``1 / density`` of the routed pattern's exact allowed-pair count. Before
 timing, each backend is checked against the reference on a prefix of the inputs. Rows are plain
@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from focus_pretrain.bench.attention_train import train_rows
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.bench.report import DTYPES, markdown, median_ms
-from focus_pretrain.focus import flex, soft_triton
+from focus_pretrain.focus import flex
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import pattern_density
@@ -68,7 +69,7 @@ class BenchConfig:
     warmup: int = 3
     repeats: int = 10
     train: bool = False
-    hard: bool = True  # False: only the soft-gate training rows (with train=True)
+    hard: bool = True  # False: only the training rows (with train=True)
     device: str = "cuda"
     seed: int = 0
     profile: str | None = None  # append torch.profiler tables of one call per backend here
@@ -231,12 +232,9 @@ def run_benchmark(
             routing = Routing(probs)
             for top_k in (t for t in cfg.top_k if t <= groups and cfg.hard):
                 add(hard_row(cfg, q, k, v, routing, top_k, dense, measure))
-            trainers = [name for name in cfg.backends if name in TRAINING_BACKENDS]
-            for name in trainers if cfg.train else []:
-                if _trainable(name, q) is not None:
-                    log(f"{name} training step skipped: {_trainable(name, q)}")
-            if cfg.train and any(_trainable(name, q) is None for name in trainers):
-                add(train_row(cfg, n, groups, q, k, v, probs, measure, scale, trainers))
+            if cfg.train:
+                for row in train_rows(cfg, q, k, v, probs, measure, log):
+                    add(row)
     return rows
 
 
@@ -317,80 +315,6 @@ def _hard_times(
         with open(cfg.profile, "a") as f:
             f.write(profile_table(call, f"{name} {shape}") + "\n\n")
     return total, overhead
-
-
-TRAINING_BACKENDS = ("flex", "triton")  # the soft gate with a fused backward
-
-
-def _trainable(name: str, q: Tensor) -> str | None:
-    """Why ``name`` cannot time a training step on ``q``'s device, or ``None``."""
-    if name == "flex" and not q.is_cuda:
-        return "FlexAttention's backward needs CUDA"
-    if name == "triton" and not soft_triton.runs_on(q.device.type, q.dtype):
-        return "Triton is not installed (or, on CPU, not in its interpreter)"
-    return None
-
-
-def _soft_step(name: str, leaves: list[Tensor], window: int, grad: Tensor) -> list[Tensor]:
-    """One soft-gate forward + backward through ``name``: ``[out, dq, dk, dv, dprobs]``."""
-    for t in leaves:
-        t.grad = None
-    out = focus_attention(
-        *leaves[:3], Routing(leaves[3]), window=window, mode="soft", backend=name,
-        check_finite=False,
-    )  # fmt: skip
-    out.backward(grad)
-    return [out.detach()] + [t.grad for t in leaves]
-
-
-def _check_train(name: str, leaves: list[Tensor], window: int, grad: Tensor) -> float:
-    """Largest error of the output and every gradient against the reference on a prefix,
-    relative to each tensor's largest magnitude."""
-    n = min(leaves[0].shape[1], CHECK_TOKENS)
-    prefix = [t.detach()[:, :n].clone().requires_grad_(True) for t in leaves]
-    want = _soft_step("reference", prefix, window, grad[:, :n])
-    got = _soft_step(name, prefix, window, grad[:, :n])
-    return max(
-        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-        for a, b in zip(got, want, strict=True)
-    )
-
-
-def train_row(cfg, n, groups, q, k, v, probs, measure, scale, names) -> dict:
-    """Soft-gate training step (forward + backward) of each of ``names`` against dense SDPA's."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
-    grad = torch.randn_like(q)
-
-    def dense_step():
-        out = dense_baselines(*leaves[:3], scale)["sdpa"]()  # [b, h, s, d]
-        out.backward(grad.transpose(1, 2))
-
-    dense = measure(dense_step)
-    backends = {}
-    for name in names:
-        if _trainable(name, q) is not None:
-            continue
-        error = _check_train(name, leaves, cfg.window, grad)
-        total = measure(functools.partial(_soft_step, name, leaves, cfg.window, grad))
-        backends[name] = dict(
-            ms=total,
-            speedup=dense / total,
-            overhead_ms=None,
-            overhead_fraction=None,
-            max_abs_error_vs_reference=error,  # relative to each tensor's largest value
-        )
-    return dict(
-        seq=n,
-        groups=groups,
-        top_k=None,
-        window=cfg.window,
-        mode="soft-train",
-        dense_ms={"sdpa": dense},
-        baseline="sdpa",
-        ideal_speedup=1.0,
-        density=1.0,
-        backends=backends,
-    )
 
 
 def format_row(row: dict) -> str:

@@ -1,0 +1,120 @@
+"""Training rows of the attention benchmark: one training step (forward + backward) of the
+Focus backends against dense causal SDPA's, with the soft gate (every causal pair) and, per
+``top_k``, on the sparse training pattern (``hard_gated``: only the hard pattern's pairs, gated;
+``focus.training_mode: hard``), with the pair-count ideal ``1 / density`` next to each speedup.
+
+A backend is timed for a mode when the registry says it differentiates that mode on this device
+(on CPU: ``reference`` for both, ``segments`` for sparse top-1, ``triton`` in its interpreter
+for soft; on CUDA also ``flex``). Each is first checked (output and every gradient, the soft
+assignments' included) against the reference on a prefix. Layout: ``[batch, seq, heads,
+head_dim]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from focus_pretrain.focus.attention import _request, focus_attention
+from focus_pretrain.focus.backends import AttentionPattern, get_backend
+from focus_pretrain.focus.pattern import pattern_density
+from focus_pretrain.focus.router import Routing
+
+CHECK_TOKENS = 2048  # prefix whose output and gradients are checked against the reference
+
+
+def train_rows(
+    cfg, q: Tensor, k: Tensor, v: Tensor, probs: Tensor, measure: Callable, log: Callable
+) -> Iterator[dict]:
+    """The soft row, then one sparse row per ``cfg.top_k``, each with the backends of
+    ``cfg.backends`` that train it here (the others are logged as skipped)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
+    grad = torch.randn_like(q)
+    dense = measure(functools.partial(_dense_step, leaves, grad, cfg.head_dim**-0.5))
+    for mode, top_k in [("soft", 1)] + [("hard_gated", t) for t in cfg.top_k]:
+        if top_k > probs.shape[-1]:
+            continue
+        names = [name for name in cfg.backends if _trains(name, leaves, mode, top_k, cfg, log)]
+        if names:
+            yield _row(cfg, leaves, grad, mode, top_k, dense, measure, names)
+
+
+def _trains(name: str, leaves: list[Tensor], mode: str, top_k: int, cfg, log) -> bool:
+    """Whether ``name`` differentiates ``mode`` at ``top_k`` here (else logs why not)."""
+    try:
+        backend = get_backend(name)
+    except ValueError:
+        return False
+    pattern = AttentionPattern(
+        window=cfg.window, mode=mode, local_only=False, gate_lambda=10.0, softcap=None,
+        scale=cfg.head_dim**-0.5, probs=leaves[3], groups=leaves[3].shape[-1], top_k=top_k,
+    )  # fmt: skip
+    reason = backend.refusal(_request(*leaves[:3], pattern, top_k))
+    if reason is not None:
+        log(f"{name} {mode} top_k={top_k} training step skipped: it does not take {reason}")
+    return reason is None
+
+
+def _dense_step(leaves: list[Tensor], grad: Tensor, scale: float) -> None:
+    """Dense causal SDPA forward + backward (``[b, s, H, D]`` -> SDPA's ``[b, H, s, D]``)."""
+    q, k, v = (t.transpose(1, 2) for t in leaves[:3])  # [b, s, H, D] -> [b, H, s, D]
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    out.backward(grad.transpose(1, 2))
+
+
+def _step(name: str, leaves: list[Tensor], mode: str, top_k: int, window: int, grad: Tensor):
+    """One forward + backward through ``name``: ``[out, dq, dk, dv, dprobs]``."""
+    for t in leaves:
+        t.grad = None
+    out = focus_attention(
+        *leaves[:3], Routing(leaves[3]), window=window, mode=mode, top_k=top_k, backend=name,
+        check_finite=False,
+    )  # fmt: skip
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _check(name: str, leaves: list[Tensor], mode: str, top_k: int, window: int, grad) -> float:
+    """Largest error of the output and every gradient against the reference on a prefix,
+    relative to each tensor's largest magnitude."""
+    n = min(leaves[0].shape[1], CHECK_TOKENS)
+    prefix = [t.detach()[:, :n].clone().requires_grad_(True) for t in leaves]
+    want = _step("reference", prefix, mode, top_k, window, grad[:, :n])
+    got = _step(name, prefix, mode, top_k, window, grad[:, :n])
+    return max(
+        float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def _row(cfg, leaves, grad, mode, top_k, dense, measure, names) -> dict:
+    """The training row of ``mode`` at ``top_k``: each backend's time and speedup over dense."""
+    density = 1.0
+    if mode == "hard_gated":
+        member = Routing(leaves[3].detach()).membership(top_k).cpu()
+        density = float(pattern_density(member, cfg.window).mean())
+    backends = {}
+    for name in names:
+        error = _check(name, leaves, mode, top_k, cfg.window, grad)
+        total = measure(functools.partial(_step, name, leaves, mode, top_k, cfg.window, grad))
+        backends[name] = dict(
+            ms=total, speedup=dense / total, overhead_ms=None, overhead_fraction=None,
+            max_abs_error_vs_reference=error,  # relative to each tensor's largest value
+        )  # fmt: skip
+    return dict(
+        seq=leaves[0].shape[1],
+        groups=leaves[3].shape[-1],
+        top_k=None if mode == "soft" else top_k,
+        window=cfg.window,
+        mode="soft-train" if mode == "soft" else "hard-train",
+        dense_ms={"sdpa": dense},
+        baseline="sdpa",
+        ideal_speedup=1.0 / density,
+        density=density,
+        backends=backends,
+    )
