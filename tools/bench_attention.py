@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", default=defaults.backends)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
-    parser.add_argument("--train", action="store_true", help="also time training steps (fwd+bwd): soft gate, and sparse (hard_gated) per --top-k")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="also time training steps (fwd+bwd): the soft gate, and sparse training "
+        "(hard_gated) per --top-k",
+    )
     parser.add_argument("--device", default=defaults.device, help="cuda (figures) or cpu (smoke)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--no-hard", action="store_true", help="only the --train rows")
