@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--no-hard", action="store_true", help="only the --train rows")
     parser.add_argument(
+        "--train-modes",
+        nargs="+",
+        choices=["soft", "hard"],
+        default=defaults.train_modes,
+        help="the --train rows: the soft gate, sparse training (hard_gated) per --top-k",
+    )
+    parser.add_argument(
         "--graphs",
         action="store_true",
         help="time calls captured whole (torch.compile reduce-overhead: CUDA graphs), dense too",
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup=args.warmup,
         repeats=args.repeats,
         train=args.train,
+        train_modes=args.train_modes,
         device=args.device,
         seed=args.seed,
         profile=args.profile,

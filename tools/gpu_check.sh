@@ -9,7 +9,10 @@
 #   graphs  the hard path at 4K-32K captured whole (CUDA graphs, torch.compile reduce-overhead)
 #           against dense SDPA captured alike: launches and host syncs per call next to the
 #           time; targets: >= 1.0x dense at 4K, >= 2x at 16K (K=8, top-1)
-#   train   the soft-gate training step vs dense, triton then flex (bench_attention.py --train)
+#   train   the training step vs dense at 8K-32K: soft gate (triton, flex) and sparse training
+#           (hard_gated, flex, top-1 and top-2) (bench_attention.py --train)
+#   sparse_train  sparse training (hard_gated, flex, top-1, K=8) vs dense fwd+bwd at 16K-1M,
+#           with the pair-count ideal (goal: >= 0.7x the ideal from 16K)
 #   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
 #   mfu_triton  the ~1B recipe trained through the triton backend (focus.backend=triton)
@@ -19,7 +22,8 @@
 # Each stage gets a time limit (TIMEOUT_<stage>, else STAGE_TIMEOUT seconds, default 600); a failed stage is
 # recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
 # from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
-# Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, RING_ARGS, MFU_ARGS, RECIPE_STEPS.
+# Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, SPARSE_TRAIN_SEQ,
+# RING_ARGS, MFU_ARGS, RECIPE_STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -114,6 +118,15 @@ stage_train() {
     --markdown "$LOGS/bench_train.md" ${TRAIN_ARGS:-}
 }
 
+stage_sparse_train() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${SPARSE_TRAIN_SEQ:-16384 65536 262144 1048576} --groups 8 \
+    --top-k 1 --no-hard --heads 8 --head-dim 128 --dtype bf16 --train --train-modes hard \
+    --backends ${SPARSE_TRAIN_BACKENDS:-flex} --warmup 1 --repeats 3 \
+    --json "$OUT/bench_sparse_train.json" --markdown "$LOGS/bench_sparse_train.md" \
+    ${SPARSE_TRAIN_ARGS:-}
+}
+
 stage_ring() {
   # shellcheck disable=SC2086
   $PY tools/bench_ring_step.py --json "$OUT/bench_ring.json" --markdown "$LOGS/bench_ring.md" \
@@ -131,7 +144,7 @@ stage_mfu_triton() {
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench graphs train ring mfu mfu_triton)
+ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"

@@ -30,12 +30,15 @@ CHECK_TOKENS = 2048  # prefix whose output and gradients are checked against the
 def train_rows(
     cfg, q: Tensor, k: Tensor, v: Tensor, probs: Tensor, measure: Callable, log: Callable
 ) -> Iterator[dict]:
-    """The soft row, then one sparse row per ``cfg.top_k``, each with the backends of
-    ``cfg.backends`` that train it here (the others are logged as skipped)."""
+    """The soft row, then one sparse row per ``cfg.top_k`` (those of ``cfg.train_modes``), each
+    with the backends of ``cfg.backends`` that train it here (the others are logged as
+    skipped)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, probs)]
     grad = torch.randn_like(q)
     dense = measure(functools.partial(_dense_step, leaves, grad, cfg.head_dim**-0.5))
-    for mode, top_k in [("soft", 1)] + [("hard_gated", t) for t in cfg.top_k]:
+    soft = [("soft", 1)] if "soft" in cfg.train_modes else []
+    sparse = [("hard_gated", t) for t in cfg.top_k] if "hard" in cfg.train_modes else []
+    for mode, top_k in soft + sparse:
         if top_k > probs.shape[-1]:
             continue
         names = [name for name in cfg.backends if _trains(name, leaves, mode, top_k, cfg, log)]
