@@ -34,6 +34,9 @@ def cases() -> list[dict]:
     # also take rank 1's first chunk); more sinks than the window (3)
     out.append(dict(BASE, cp_mode="a2a", mode="soft", sinks=3, seed=97))
     out.append(dict(BASE, cp_mode="a2a", mode="hard", top_k=2, sinks=6, seed=96))
+    # sparse training under the all-to-all mode (whole-sequence attention per head)
+    out.append(dict(BASE, cp_mode="a2a", mode="hard_gated", seed=89))
+    out.append(dict(BASE, cp_mode="a2a", mode="hard_gated", top_k=2, sinks=3, docs=DOCS, seed=88))
     out.append(dict(BASE, cp_mode="ring", mode="soft", sinks=6, softcap=2.0, seed=95))
     out.append(dict(BASE, cp_mode="ring", mode="hard", sinks=1, score_budget=3 * 4 * 2 * 16,
                     seed=94))  # fmt: skip
@@ -72,6 +75,8 @@ def test_output_and_gradients_equal_single_process(cp_results):
         assert max(q, k, v) < 1e-9, label
         if not case.get("local_only"):
             assert router and max(router) < 1e-9, label  # soft: through the gate; hard: none
+        if case["mode"] == "hard_gated":  # sparse training: the routers learn through the gate
+            assert result["router_grad"] > 1e-6, label
 
 
 def test_ring_refuses_what_it_cannot_compute(cp_results):
@@ -85,6 +90,7 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
         assert "must be the document starts of the full sequence" in refusals["ids"]
         assert "must be the document starts of the full sequence" in refusals["a2a_ids"]
         assert "documents must be an integer tensor" in refusals["float"]
+        assert "does not run under ring context parallelism yet" in refusals["sparse"]
 
 
 def test_ring_skips_exactly_the_blocks_without_allowed_pairs(cp_results):

@@ -104,7 +104,7 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
         want.backward(upstream)
         want_grads = [t.grad for t in leaves] + [
             torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in router.parameters()
-        ]  # hard mode: no gradient reaches the router
+        ]  # hard mode: no gradient reaches the router (hard_gated: through the gate)
         router.zero_grad()
 
         # context parallel: this rank's shard
@@ -131,6 +131,7 @@ def attention_matches_single_process(rank: int, world_size: int, cases: list) ->
             dict(
                 output=float((got - want.detach()).abs().max()),
                 grads=errors,
+                router_grad=max([float(g.abs().max()) for g in want_grads[3:]], default=0.0),
                 scale=float(want.abs().max()),
                 skipped=stats.skipped,
                 computed=stats.computed,
@@ -160,6 +161,7 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
         ("ids", dict(documents=ids), (q, k, v)),
         ("a2a_ids", dict(documents=ids, cp_mode="a2a"), (q, k, v)),
         ("float", dict(documents=ids.double()), (q, k, v)),
+        ("sparse", dict(mode="hard_gated"), (q, k, v)),  # sparse training: a2a only, for now
     ):
         mode = extra.pop("cp_mode", "ring")
         try:
