@@ -401,6 +401,26 @@ class Trainer:
             )
             for key, old, new in self.recipe_changes:  # allowed by train.allow_changes
                 print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
+            self._announce_sparse_training()
+
+    def _announce_sparse_training(self) -> None:
+        """With ``focus.training_mode: hard``: what it trains on, and how FLOPs are counted."""
+        focus = self.config.model.focus
+        if not focus.enabled or focus.training_mode != "hard":
+            return
+        warmup = (
+            f" after {focus.soft_warmup_steps} soft-gate steps" if focus.soft_warmup_steps else ""
+        )
+        counted = (
+            "every causal pair (not counted under context parallelism)"
+            if self.layout.context_parallel_size > 1
+            else "the pairs computed (attention_density: their share of the causal pairs)"
+        )
+        print(
+            f"focus-pretrain: sparse training{warmup}: attention on the hard top-{focus.top_k} "
+            f"pattern, gated; TFLOP/s and MFU count {counted}",
+            flush=True,
+        )
 
     def _finish(self) -> dict[str, Any]:
         """The end line, the ``end`` record, and the result."""

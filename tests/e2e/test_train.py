@@ -103,6 +103,7 @@ def test_sparse_training_learns_resumes_and_exports_like_soft(tmp_path, cache, m
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch(overrides(tmp_path / "run", cache, "train.steps=6", *sets))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "sparse training after 2 soft-gate steps" in first.stdout  # what the user is told
     starts = events(tmp_path / "run", "start")
     assert [(e["step"], e["resumed"]) for e in starts] == [(0, False), (3, True)]
     losses = train_losses(tmp_path / "run")
