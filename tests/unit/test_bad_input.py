@@ -40,7 +40,7 @@ def test_shape_errors(inputs, change, message):
     [
         (dict(window=-1), r"window must be >= 0, got -1"),
         (dict(window=2.5), r"window must be an integer"),
-        (dict(mode="fuzzy"), r"mode must be one of 'soft', 'hard'; got 'fuzzy'"),
+        (dict(mode="fuzzy"), r"mode must be one of 'soft', 'hard', 'hard_gated'; got 'fuzzy'"),
         (dict(mode="hard", top_k=5), r"top_k must be <= K \(number of groups\) \(4\), got 5"),
         (dict(mode="hard", top_k=0), r"top_k must be >= 1, got 0"),
         (dict(gate_lambda=0.0), r"gate_lambda must be > 0"),
@@ -49,7 +49,7 @@ def test_shape_errors(inputs, change, message):
         (dict(sinks=1.5), r"sinks must be an integer, got 1.5"),
         (
             dict(backend="triton-magic"),
-            r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference', 'triton'\]",
+            r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference', 'segments', 'triton'\]",
         ),
     ],
 )
