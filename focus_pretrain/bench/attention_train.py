@@ -13,6 +13,7 @@ head_dim]``.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -43,7 +44,7 @@ def train_rows(
             continue
         names = [name for name in cfg.backends if _trains(name, leaves, mode, top_k, cfg, log)]
         if names:
-            yield _row(cfg, leaves, grad, mode, top_k, dense, measure, names)
+            yield _row(cfg, leaves, grad, mode, top_k, dense, measure, names, log)
 
 
 def _trains(name: str, leaves: list[Tensor], mode: str, top_k: int, cfg, log) -> bool:
@@ -60,6 +61,13 @@ def _trains(name: str, leaves: list[Tensor], mode: str, top_k: int, cfg, log) ->
     if reason is not None:
         log(f"{name} {mode} top_k={top_k} training step skipped: it does not take {reason}")
     return reason is None
+
+
+def _synchronized(fn: Callable, device: torch.device) -> None:
+    """``fn()``, then wait for the device."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _dense_step(leaves: list[Tensor], grad: Tensor, scale: float) -> None:
@@ -95,19 +103,31 @@ def _check(name: str, leaves: list[Tensor], mode: str, top_k: int, window: int, 
     )
 
 
-def _row(cfg, leaves, grad, mode, top_k, dense, measure, names) -> dict:
-    """The training row of ``mode`` at ``top_k``: each backend's time and speedup over dense."""
+def _row(cfg, leaves, grad, mode, top_k, dense, measure, names, log) -> dict:
+    """The training row of ``mode`` at ``top_k``: each backend's time and speedup over dense,
+    with the seconds its check and its first (compiling) call took, logged as they end (a run
+    stopped by a time limit still says where the time went)."""
     density = 1.0
     if mode == "hard_gated":
         member = Routing(leaves[3].detach()).membership(top_k).cpu()
         density = float(pattern_density(member, cfg.window).mean())
     backends = {}
     for name in names:
+        step = functools.partial(_step, name, leaves, mode, top_k, cfg.window, grad)
+        started = time.perf_counter()
         error = _check(name, leaves, mode, top_k, cfg.window, grad)
-        total = measure(functools.partial(_step, name, leaves, mode, top_k, cfg.window, grad))
+        checked = time.perf_counter()
+        _synchronized(step, leaves[0].device)
+        first = time.perf_counter()
+        log(
+            f"  {name} {mode} top_k={top_k} seq={leaves[0].shape[1]}: checked in "
+            f"{checked - started:.1f} s, first full-size call {first - checked:.1f} s"
+        )
+        total = measure(step)
         backends[name] = dict(
             ms=total, speedup=dense / total, overhead_ms=None, overhead_fraction=None,
             max_abs_error_vs_reference=error,  # relative to each tensor's largest value
+            check_s=checked - started, first_call_s=first - checked,
         )  # fmt: skip
     return dict(
         seq=leaves[0].shape[1],

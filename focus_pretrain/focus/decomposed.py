@@ -36,7 +36,6 @@ Layout: ``[batch, seq, heads, head_dim]``.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import math
@@ -50,14 +49,17 @@ from focus_pretrain.focus.band import band_attention, with_sinks
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
+# looked up once at import: backend selection runs inside compiled (and CUDA-graph captured)
+# calls, where dynamo refuses ``importlib.util.find_spec`` (seen on an H200, 2026-11-26)
+_FLASH_ATTN_FOUND = importlib.util.find_spec("flash_attn") is not None
+
 
 def flash_attn_available() -> bool:
     """Whether the optional ``flash-attn`` package is importable (CUDA only)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    return torch.cuda.is_available() and _FLASH_ATTN_FOUND
 
 
-@functools.cache
-def _torch_varlen():
+def _load_torch_varlen():
     """PyTorch's varlen FlashAttention (``torch.nn.attention.varlen.varlen_attn``) and the names
     of its parameters, or ``None`` where this PyTorch has none."""
     try:
@@ -65,6 +67,14 @@ def _torch_varlen():
     except ImportError:
         return None
     return varlen_attn, AuxRequest, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_TORCH_VARLEN = _load_torch_varlen()  # once, outside any graph (as above)
+
+
+def _torch_varlen():
+    """:func:`_load_torch_varlen`'s answer, looked up at import."""
+    return _TORCH_VARLEN
 
 
 def torch_varlen_installed() -> bool:

@@ -103,10 +103,13 @@ def _with_mask_mod(mask: BlockMask, mask_mod) -> BlockMask:
     return out
 
 
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None  # at import: not in a graph
+
+
 def flex_available_on(device: str) -> bool:
     """FlexAttention can run here: CUDA with Triton (compiled), or CPU (eager, forward only)."""
     if device == "cuda":
-        return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+        return torch.cuda.is_available() and _TRITON_FOUND
     return device == "cpu"
 
 

@@ -21,7 +21,8 @@ import torch
 
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.focus.attention import focus_attention
-from focus_pretrain.focus.flex import same_group_blocks
+from focus_pretrain.focus.decomposed import flash_attn_available, torch_varlen_installed
+from focus_pretrain.focus.flex import flex_available_on, same_group_blocks
 from focus_pretrain.focus.pattern import document_starts
 from focus_pretrain.focus.router import Routing, hard_membership
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout, layout_tensors
@@ -219,3 +220,19 @@ def test_automatic_backend_choice_compiles_whole(mode):
     compiled = torch.compile(attend, fullgraph=True, dynamic=False, backend="aot_eager")
     want = _attend("reference", mode, 1, packed=True)(q, k, v, probs, documents)
     torch.testing.assert_close(compiled(q, k, v, probs, documents), want, rtol=2e-5, atol=2e-5)
+
+
+def test_availability_checks_look_nothing_up_when_called(monkeypatch):
+    """On a CUDA machine choosing a backend asks which packages are installed, inside the
+    captured call, where dynamo refuses ``importlib.util.find_spec`` (the ``graphs`` stage
+    stopped on it on an H200): the answers are constants looked up at import. CUDA is pretended
+    (eagerly: dynamo itself would use it) so that the checks take their CUDA branches."""
+    import importlib.util
+
+    def refuse(name, *args):
+        raise AssertionError(f"find_spec({name!r}) at call time")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", refuse)
+    assert flex_available_on("cuda")  # triton is a dependency
+    flash_attn_available(), torch_varlen_installed()  # answered without a lookup

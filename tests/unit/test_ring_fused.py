@@ -329,6 +329,13 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("name", [*GRADIENT_CASES, "soft"])
 def test_fused_ring_step_gradients_equal_blockwise_on_gpu(name, dtype):
     """The compiled fused kernel (``auto`` on CUDA) in the ring's forward and backward step:
-    600 tokens per side (two zigzag chunks of 300; blocks of 128 with padding), head dim 64."""
+    600 tokens per side (two zigzag chunks of 300; blocks of 128 with padding), head dim 64.
+    Documents as long relative to the sequence as in the CPU cases (96 tokens): at the CPU
+    cases' rate, 12-token documents leave no gated pair across the two blocks (zero
+    assignment gradients, seen on an H200)."""
     assert resolve_block_kernel("auto", torch.zeros(1, device="cuda")) == "flex"
-    assert_step_gradients_agree(name, "cuda", dtype, seq=1200, d=64)
+    seq = 1200
+    case = dict(CASES[name])
+    if "docs" in case:
+        case["docs"] *= 96 / seq  # [b, seq] document starts: the same count per sequence
+    assert_step_gradients_agree(case, "cuda", dtype, seq=seq, d=64)

@@ -127,6 +127,8 @@ def test_bench_attention_times_soft_and_sparse_training(tmp_path):
     for row in rows:
         for b in row["backends"].values():
             assert b["max_abs_error_vs_reference"] < 1e-4 and b["ms"] > 0
+            assert b["check_s"] > 0 and b["first_call_s"] > 0  # where a slow run's time went
+    assert "segments hard_gated top_k=1 seq=600: checked in" in done.stdout
 
 
 @pytest.mark.capture
