@@ -38,6 +38,7 @@ VARIANTS = {  # name: compile-time switches
     "plain": dict(),
     "docs-pos-softcap": dict(HAS_DOCS=True, HAS_POS=True, SOFTCAP=True),
     "local-docs": dict(LOCAL=True, HAS_DOCS=True),
+    "packed-docs-pos": dict(HAS_DOCS=True, HAS_POS=True, PACKED=True),  # sorted top-1
 }
 KERNELS = {"fwd": "soft_forward_kernel", "kv": "soft_backward_kv_kernel",
            "q": "soft_backward_q_kernel"}  # fmt: skip
@@ -169,8 +170,9 @@ def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     with fp32_products(dtype):  # "tf32": fp32 inputs with TF32 products allowed
-        refused = soft_triton.cuda_refusal(torch_dtype, head_dim)
-        blocks = soft_triton._blocks("cuda", head_dim, torch_dtype)
+        packed = bool(variant.get("PACKED"))  # the sorted top-1 path: its own tiles, refusals
+        refused = soft_triton.cuda_refusal(torch_dtype, head_dim, packed=packed)
+        blocks = soft_triton._blocks("cuda", head_dim, torch_dtype, packed=packed)
         qk_prec = soft_triton.fp32_products() if torch_dtype == torch.float32 else "tf32"
     if refused:  # the backend does not launch these: nothing to report
         return dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=None,
@@ -178,7 +180,8 @@ def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch
     bm, bn = blocks[key]
     gate_prec = "tf32x3"  # as on CUDA (soft_triton._precisions)
     constants = {**dict(D=head_dim, KP=16, BM=bm, BN=bn, HAS_DOCS=False, HAS_POS=False,
-                        SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec, GATE_PREC=gate_prec),
+                        SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec, GATE_PREC=gate_prec,
+                        PACKED=False),
                  **variant}  # fmt: skip
     start = time.perf_counter()
     row = dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=[bm, bn],

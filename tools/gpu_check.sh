@@ -11,7 +11,8 @@
 #           time; targets: >= 1.0x dense at 4K, >= 2x at 16K (K=8, top-1)
 #   train   the training step vs dense at 8K-32K: soft gate (triton, flex) and sparse training
 #           (hard_gated, flex, top-1 and top-2) (bench_attention.py --train)
-#   sparse_train  sparse training (hard_gated, flex, top-1, K=8) vs dense fwd+bwd at 16K-1M,
+#   sparse_train  sparse training (hard_gated, top-1, K=8: triton's sorted path, flex) vs dense
+#           fwd+bwd at 16K-1M,
 #           with the pair-count ideal (goal: >= 0.7x the ideal from 16K)
 #   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
@@ -122,7 +123,7 @@ stage_sparse_train() {
   # shellcheck disable=SC2086
   $PY tools/bench_attention.py --seq ${SPARSE_TRAIN_SEQ:-16384 65536 262144 1048576} --groups 8 \
     --top-k 1 --no-hard --heads 8 --head-dim 128 --dtype bf16 --train --train-modes hard \
-    --backends ${SPARSE_TRAIN_BACKENDS:-flex} --warmup 1 --repeats 3 \
+    --backends ${SPARSE_TRAIN_BACKENDS:-triton flex} --warmup 1 --repeats 3 \
     --json "$OUT/bench_sparse_train.json" --markdown "$LOGS/bench_sparse_train.md" \
     ${SPARSE_TRAIN_ARGS:-}
 }

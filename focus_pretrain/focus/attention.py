@@ -29,9 +29,11 @@ one for the request (:func:`select_backend`). Backends:
 * ``segments`` (:mod:`~focus_pretrain.focus.segments`): hard and hard_gated top-1 on the
   group-sorted layout in differentiable PyTorch, forward and backward (CPU sparse training).
 * ``triton`` (:mod:`~focus_pretrain.focus.soft_triton`): the soft gate (training) and
-  sliding-window layers as fused Triton kernels, forward and backward, with no atomics; CUDA,
-  or CPU under Triton's interpreter.
-  Selected by name only until its GPU speed is measured (``auto`` never picks it).
+  sliding-window layers as fused Triton kernels, forward and backward, with no atomics, and
+  hard / hard_gated top-1 (sparse training) through the same kernels on the group-sorted layout
+  (:mod:`~focus_pretrain.focus.sorted_triton`); CUDA, or CPU under Triton's interpreter.
+  Selected by name only until its GPU speed is tuned (``auto`` never picks it: 14x dense's
+  time for the soft gate at 8K on an H200, untuned tiles, docs/benchmarks.md).
 
 ``auto`` on CUDA: ``decomposed`` for hard top-1 fp16/bf16 when a FlashAttention varlen kernel
 is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measured faster than
@@ -66,12 +68,8 @@ from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.segments import segments_attention
-from focus_pretrain.focus.soft_triton import (
-    cuda_refusal,
-    runs_on,
-    supports,
-    triton_focus_attention,
-)
+from focus_pretrain.focus.soft_triton import cuda_refusal, runs_on, supports
+from focus_pretrain.focus.sorted_triton import triton_attention
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 __all__ = [
@@ -345,7 +343,10 @@ def _triton_priority(r: AttentionRequest) -> int | None:
 
 
 def _triton_unavailable(r: AttentionRequest) -> str | None:
-    return cuda_refusal(r.dtype, r.head_dim) if r.device == "cuda" else None
+    if r.device != "cuda":
+        return None
+    packed = r.kind in ("hard", "hard_gated")  # top-1 on the group-sorted layout
+    return cuda_refusal(r.dtype, r.head_dim, packed=packed)
 
 
 _ALL_MODES = frozenset({"soft", "hard", "hard_gated", "local"})
@@ -382,8 +383,8 @@ register_backend(
 register_backend(
     Backend(
         "triton",
-        triton_focus_attention,
-        Capabilities(frozenset({"soft", "local"})),
+        triton_attention,
+        Capabilities(frozenset({"soft", "local", "hard", "hard_gated"}), max_top_k=1),
         _triton_priority,
         "triton",
         _triton_unavailable,

@@ -193,7 +193,9 @@ class Capabilities:
         )
         words = {"soft": "the soft pattern", "hard": hard, "hard_gated": f"gated {hard}"}
         routed = [words[m] for m in ("soft", "hard", "hard_gated") if m in self.modes]
-        return " and ".join(routed) if routed else "sliding-window layers"
+        if not routed:
+            return "sliding-window layers"
+        return " and ".join([", ".join(routed[:-1]), routed[-1]] if len(routed) > 1 else routed)
 
     def differentiates_on(self, device: str) -> bool:
         """Whether it differentiates on ``device`` (a device type)."""

@@ -153,9 +153,22 @@ def decomposed_attention(
     q_p, k_p, v_p = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     out_a, lse_a = _segments_causal(q_p, k_p, v_p, layout, scale=scale, softcap=softcap)
     same_group = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
-    cross_band = _band(q, k, v, member=member, **common)
+    return with_cross_group_pairs(same_group, q, k, v, pattern)
+
+
+def with_cross_group_pairs(
+    same_group: tuple[Tensor, Tensor], q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern
+) -> tuple[Tensor, Tensor]:
+    """A top-1 pattern's same-group part ``(out [b, n, H, D], lse [b, n, H])`` merged with the
+    rest of its pairs: the cross-group local band (FlexAttention on CUDA, else PyTorch) and the
+    cross-group sink pairs beyond the window; differentiable (flex on CUDA)."""
+    common = dict(
+        window=pattern.window, scale=pattern.scale, softcap=pattern.softcap,
+        documents=pattern.documents,
+    )  # fmt: skip
+    cross_band = _band(q, k, v, member=pattern.member, **common)
     result = merge_by_lse(same_group, cross_band)
-    return with_sinks(result, q, k, v, sinks=sinks, member=member, **common)
+    return with_sinks(result, q, k, v, sinks=pattern.sinks, member=pattern.member, **common)
 
 
 def _band(

@@ -81,20 +81,35 @@ def key_range(
     HAS_DOCS: tl.constexpr,
     HAS_POS: tl.constexpr,
     LOCAL: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """``[lo, hi)``: the keys query tile ``pid_m`` (of ``BM`` queries, sample ``bi``) may see, in
     steps of ``BN``. With positions (``HAS_POS``: a ring step's chunks), all; on one sequence, up
     to its diagonal, from its first query's document start and, in a sliding-window layer
-    without sinks, its window."""
+    without sinks, its window. ``PACKED`` (positions for the pair rule on one packed sequence
+    whose document starts are indices, e.g. the group-sorted layout): the diagonal and the
+    document start bound the range as on one sequence."""
     lo = pid_m * 0
     hi = LK + pid_m * 0
     if not HAS_POS:
-        hi = (pid_m + 1) * BM  # keys past Lk (last tile) are masked
-        if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
-            lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
+        lo, hi = _index_key_range(DOC_Q, pid_m, bi, LQ, BM, BN, HAS_DOCS)
         if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): no key before the window
             if sinks == 0:
                 lo = tl.maximum(lo, tl.maximum(pid_m * BM - window, 0) // BN * BN)
+    if PACKED:
+        lo, hi = _index_key_range(DOC_Q, pid_m, bi, LQ, BM, BN, HAS_DOCS)
+    return lo, hi
+
+
+@triton.jit
+def _index_key_range(
+    DOC_Q, pid_m, bi, LQ, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr
+):
+    """:func:`key_range` by index: from the first query's document start to the diagonal."""
+    lo = pid_m * 0
+    hi = (pid_m + 1) * BM  # keys past Lk (last tile) are masked
+    if HAS_DOCS:  # document starts never decrease: the first query's is the lowest
+        lo = (tl.load(DOC_Q + bi * LQ + pid_m * BM).to(tl.int32) // BN) * BN
     return lo, hi
 
 
@@ -112,19 +127,32 @@ def query_range(
     HAS_DOCS: tl.constexpr,
     HAS_POS: tl.constexpr,
     LOCAL: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """``[lo, hi)``: the queries that may see key tile ``pid_n`` (of ``BN`` keys, sample
-    ``bi``), in steps of ``BM``. With positions, all; on one sequence, from its diagonal to its
-    last key's document end (``DOC_END``: each token's next document start) and, in a
-    sliding-window layer without sinks, its window."""
+    ``bi``), in steps of ``BM``. With positions, all (``PACKED``: as on one sequence); on one
+    sequence, from its diagonal to its last key's document end (``DOC_END``: each token's next
+    document start) and, in a sliding-window layer without sinks, its window."""
     lo = pid_n * 0
     hi = LQ + pid_n * 0
     if not HAS_POS:
-        lo = (pid_n * BN // BM) * BM
-        if HAS_DOCS:
-            last = tl.minimum(pid_n * BN + BN, LK) - 1
-            hi = tl.load(DOC_END + bi * LK + last).to(tl.int32)  # its document's end
+        lo, hi = _index_query_range(DOC_END, pid_n, bi, LQ, LK, BM, BN, HAS_DOCS)
         if LOCAL:  # noqa: SIM102 (compile-time if, then run-time): none past the window
             if sinks == 0:
                 hi = tl.minimum(hi, pid_n * BN + BN + window)
+    if PACKED:
+        lo, hi = _index_query_range(DOC_END, pid_n, bi, LQ, LK, BM, BN, HAS_DOCS)
+    return lo, hi
+
+
+@triton.jit
+def _index_query_range(
+    DOC_END, pid_n, bi, LQ, LK, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr
+):
+    """:func:`query_range` by index: from the diagonal to the last key's document end."""
+    lo = (pid_n * BN // BM) * BM
+    hi = LQ + pid_n * 0
+    if HAS_DOCS:
+        last = tl.minimum(pid_n * BN + BN, LK) - 1
+        hi = tl.load(DOC_END + bi * LK + last).to(tl.int32)  # its document's end
     return lo, hi

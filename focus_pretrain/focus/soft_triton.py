@@ -108,9 +108,16 @@ def _tile_size(head_dim: int) -> int:
     return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 
-def cuda_refusal(dtype: torch.dtype, head_dim: int) -> str | None:
+def cuda_refusal(dtype: torch.dtype, head_dim: int, packed: bool = False) -> str | None:
     """Why the kernels are not launched on CUDA for ``dtype`` at ``head_dim`` (``None``: they
-    are): fp32 with 3xTF32 products at head dims above 64 would spill registers."""
+    are): fp32 with 3xTF32 products at head dims above 64, or fp32 at head dim 256 on the
+    group-sorted layout (``packed``: sparse training), would spill registers."""
+    if packed and dtype == torch.float32 and _tile_size(head_dim) > 128:
+        return (
+            f"fp32 at head_dim {head_dim} on the group-sorted layout (hard top-1): its dQ kernel "
+            "spills registers at every tile (docs/benchmarks.md); train in bf16/fp16 or use "
+            "backend 'flex'"
+        )
     if dtype != torch.float32 or fp32_products() != "tf32x3" or _tile_size(head_dim) in FP32_TILES:
         return None
     return (
@@ -121,7 +128,14 @@ def cuda_refusal(dtype: torch.dtype, head_dim: int) -> str | None:
     )
 
 
-def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+# the group-sorted layout's calls (PACKED) at half precision: the dK/dV kernel's loop bounds
+# cost registers; its 32 x 32 tile spilled 4 bytes at head dim 128, 16 x 32 spills none
+PACKED_HALF_TILES = {128: {"kv": (16, 32)}}
+
+
+def _blocks(
+    device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16, packed: bool = False
+) -> dict:
     """Tile sizes ``(BM, BN)`` of each kernel and launch options.
 
     CUDA: per head dim and input precision (:data:`HALF_TILES`; fp32: :data:`TF32_TILES` or
@@ -138,6 +152,8 @@ def _blocks(device: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> 
     size = _tile_size(head_dim)
     tiles = HALF_TILES if half else TF32_TILES if fp32_products() == "tf32" else FP32_TILES
     blocks = dict(zip(("fwd", "kv", "q"), tiles.get(size, TF32_TILES[size]), strict=True))
+    if packed and half:
+        blocks.update(PACKED_HALF_TILES.get(size, {}))
     opts = {
         "num_warps": 4 if size == 64 else 8,
         "num_stages": (3 if size == 64 else 2) if half else 1,
@@ -214,6 +230,7 @@ class _Settings:
     local: bool
     documents: bool
     positions: bool
+    packed: bool = False  # positions for the pair rule, loops bounded by index (one sequence)
 
     def scalars(self) -> tuple:
         """``(scale, lam, window, sinks, cap)`` in the kernels' argument order."""
@@ -232,7 +249,8 @@ class _Settings:
             LOCAL=self.local,
             QK_PREC=qk_prec,
             GATE_PREC=gate_prec,
-            **_blocks(q.device.type, q.shape[-1], q.dtype)["opts"],
+            PACKED=self.packed,
+            **_blocks(q.device.type, q.shape[-1], q.dtype, self.packed)["opts"],
         )
 
 
@@ -284,7 +302,7 @@ class _Launch:
         pos_k: Tensor | None,
         options: tuple,
     ) -> _Launch:
-        """``options``: ``(window, gate_lambda, softcap, scale, sinks)``."""
+        """``options``: ``(window, gate_lambda, softcap, scale, sinks, packed)``."""
         b, lq = q.shape[:2]
         local = probs_q is None  # a sliding-window layer: no gate, pairs beyond the window cut
         num_groups = 0 if local else probs_q.shape[-1]
@@ -294,12 +312,14 @@ class _Launch:
         g_k = g_q if probs_k is probs_q else _table(probs_k, kp)
         doc_q, doc_k = (None if t is None else t.contiguous() for t in (doc_q, doc_k))
         (pos_q, stride_pq), (pos_k, stride_pk) = _positions(pos_q, b), _positions(pos_k, b)
-        window, gate_lambda, softcap, scale, sinks = options
+        window, gate_lambda, softcap, scale, sinks, packed = options
         positions = pos_q is not None
+        if packed and (not positions or doc_q is None or lq != k.shape[1]):
+            raise ValueError("packed=True needs positions, document starts and Lq == Lk")
         settings = _Settings(
             window=window if positions else min(window, lq), lam=gate_lambda, softcap=softcap,
             scale=scale, sinks=sinks, num_groups=num_groups, kp=kp, local=local,
-            documents=doc_q is not None, positions=positions,
+            documents=doc_q is not None, positions=positions, packed=packed,
         )  # fmt: skip
         return _Launch(
             q, k, v, g_q, g_k, doc_q, doc_k, pos_q, pos_k, (stride_pq, stride_pk), settings
@@ -340,6 +360,7 @@ def soft_attention_forward(
     softcap: float | None,
     scale: float,
     sinks: int,
+    packed: bool,
 ) -> tuple[Tensor, Tensor]:
     """The forward kernel as an operator: ``(out [b, Lq, H, D] (q's strides when read in
     place), lse [b, H, Lq] fp32)``. Arguments as :func:`attend`'s; ``probs_q=None``: a
@@ -348,7 +369,7 @@ def soft_attention_forward(
 
     run = _Launch.build(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k,
-        (window, gate_lambda, softcap, scale, sinks),
+        (window, gate_lambda, softcap, scale, sinks, packed),
     )  # fmt: skip
     q, k, v = run.q, run.k, run.v
     b, lq, h, d = q.shape
@@ -357,7 +378,7 @@ def soft_attention_forward(
     lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)  # [b, H, Lq]
     sides = [q if t is None else t for t in (run.g_q, run.g_k, run.doc_q, run.doc_k)]
     sides += [q if t is None else t for t in (run.pos_q, run.pos_k)]
-    bm, bn = _blocks(q.device.type, d, q.dtype)["fwd"]
+    bm, bn = _blocks(q.device.type, d, q.dtype, packed)["fwd"]
     kernels.soft_forward_kernel[(_cdiv(lq, bm), b * h)](
         q, k, v, *sides, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -394,6 +415,7 @@ def soft_attention_backward(
     softcap: float | None,
     scale: float,
     sinks: int,
+    packed: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The two backward kernels as an operator: ``(dq, dk, dv, d_probs_q, d_probs_k)`` from
     the gradients of ``out [b, Lq, H, D]`` and ``lse [b, H, Lq]`` (``None``: unused), the
@@ -404,7 +426,7 @@ def soft_attention_backward(
 
     run = _Launch.build(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k,
-        (window, gate_lambda, softcap, scale, sinks),
+        (window, gate_lambda, softcap, scale, sinks, packed),
     )  # fmt: skip
     q, k, v, settings = run.q, run.k, run.v, run.settings
     b, lq, h, d = q.shape
@@ -422,12 +444,12 @@ def soft_attention_backward(
         dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
         dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
     doc_end = q
-    if run.doc_q is not None and not settings.positions:
+    if run.doc_q is not None and (settings.packed or not settings.positions):
         doc_end = _document_ends(run.doc_q)
     sides = [q if t is None else t for t in (run.g_q, run.g_k, run.doc_q, run.doc_k)]
     pos = [q if t is None else t for t in (run.pos_q, run.pos_k)]
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *run.pos_strides)
-    blocks = _blocks(q.device.type, d, q.dtype)
+    blocks = _blocks(q.device.type, d, q.dtype, packed)
     bm, bn = blocks["kv"]
     kernels.soft_backward_kv_kernel[(_cdiv(lk, bn), b * hkv)](
         q, k, v, *sides, doc_end, *pos, d_out, lse, delta, dk, dv, dg_k,
@@ -467,7 +489,7 @@ _TENSORS = 9  # q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k; then the 
 
 def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     """Saves what :func:`_backward` hands the backward operator: the forward's tensors, its
-    outputs and its options (window, gate lambda, softcap, scale, sinks)."""
+    outputs and its options (window, gate lambda, softcap, scale, sinks, packed)."""
     ctx.save_for_backward(*inputs[:_TENSORS], *output)
     ctx.options = tuple(inputs[_TENSORS:])
 
@@ -504,6 +526,7 @@ def attend(
     doc_k: Tensor | None = None,
     pos_q: Tensor | None = None,
     pos_k: Tensor | None = None,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Queries against keys through the fused kernels: soft-gated, or a sliding window when
     ``probs_q`` is ``None``; differentiable in ``q``, ``k``, ``v``, the assignments and
@@ -517,6 +540,9 @@ def attend(
         pos_q, pos_k: ``[Lq]``/``[b, Lq]`` and ``[Lk]``/``[b, Lk]`` increasing global
             positions (a ring step's blocks), or ``None``: one sequence, positions ``0..L-1``
             (then ``Lq = Lk`` and the loops skip the blocks no query may see).
+        packed: one packed sequence (``Lq = Lk``, the same tokens) whose ``doc_q``/``doc_k``
+            are its document starts as indices: the positions serve the pair rule only and the
+            loops skip blocks as on one sequence (the group-sorted layout, :func:`hard_top1`).
 
     Returns:
         ``(out [b, Lq, H, D] in q.dtype, lse [b, Lq, H] fp32)``; a query with no allowed key
@@ -525,7 +551,7 @@ def attend(
     _check_launch(q, k, probs_q)
     out, lse = torch.ops.focus_pretrain.soft_attention_forward(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(window), float(gate_lambda),
-        None if softcap is None else float(softcap), float(scale), int(sinks),
+        None if softcap is None else float(softcap), float(scale), int(sinks), bool(packed),
     )  # fmt: skip
     return out, lse.transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
 

@@ -181,7 +181,7 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
     LQ, LK, H, GROUP, scale, lam, window, sinks, cap,
     D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
     HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr,
+    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BM`` queries of one (sample, head) against the key blocks they may see.
     Grid ``(cdiv(Lq, BM), b * H)``."""
@@ -197,7 +197,9 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
     g_q, pos_q, doc_q = _side(
         G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
     )
-    lo, hi = key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
+    lo, hi = key_range(
+        DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
+    )
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -240,7 +242,7 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
     LQ, LK, H, HKV, GROUP, scale, lam, window, sinks, cap,
     D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
     HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr,
+    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BN`` keys of one (sample, KV head) against the query blocks that may see
     them, for each of the ``GROUP`` query heads: ``dK, dV [b, Lk, Hkv, D]`` (contiguous; ``dO``
@@ -259,7 +261,7 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
         G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
     )
     lo, hi = query_range(
-        DOC_END, pid_n, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL
+        DOC_END, pid_n, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
     )
     dk = tl.zeros([BN, D], dtype=tl.float32)
     dv = tl.zeros([BN, D], dtype=tl.float32)
@@ -304,7 +306,7 @@ def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-tim
     LQ, LK, H, GROUP, scale, lam, window, sinks, cap,
     D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
     HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr,
+    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BM`` queries of one (sample, head): ``dQ [b, Lq, H, D]`` (``q``'s
     strides) and the query-side assignment gradient ``dG_q [b, H, Lq, KP]``. Grid
@@ -325,7 +327,9 @@ def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-tim
     )
     lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
     delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
-    lo, hi = key_range(DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL)
+    lo, hi = key_range(
+        DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
+    )
     dq = tl.zeros([BM, D], dtype=tl.float32)
     dg_q = tl.zeros([BM, KP], dtype=tl.float32)
     for start_n in range(lo, hi, BN):

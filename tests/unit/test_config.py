@@ -61,7 +61,8 @@ def test_bad_overrides_name_the_key(override, error):
 
 def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     """``training_mode: hard`` trains on the gated hard pattern: the model's training mode, and
-    a backend that computes only the soft pattern (triton) is refused naming those that do."""
+    a backend that does not compute it at the recipe's top_k (triton: top-1 only) is refused
+    naming those that do."""
     config = load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=flex"])
     assert config.model.focus.training_pattern == "hard_gated"
     assert load_config(RECIPE).model.focus.training_pattern == "soft"
@@ -69,10 +70,15 @@ def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     warm = load_config(RECIPE, warm)
     patterns = [warm.model.focus.training_pattern_at(step) for step in range(5)]
     assert patterns == ["soft"] * 3 + ["hard_gated"] * 2
-    with pytest.raises(ValueError, match=r"'triton' does not train with focus.training_mode='har"
-                       r"d' \(it computes the soft pattern\); use 'auto' or one of \['reference', "
-                       r"'flex', 'segments'\]"):  # fmt: skip
-        load_config(RECIPE, ["model.focus.training_mode=hard", "model.focus.backend=triton"])
+    sparse_triton = ["model.focus.training_mode=hard", "model.focus.backend=triton"]
+    assert load_config(RECIPE, sparse_triton).model.focus.backend == "triton"  # top-1
+    refusal = (
+        r"'triton' does not train with focus.training_mode='hard' \(it computes the soft "
+        r"pattern, hard top-1 attention and gated hard top-1 attention\); use 'auto' or one of "
+        r"\['reference', 'flex'\]"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        load_config(RECIPE, [*sparse_triton, "model.focus.top_k=2"])
 
 
 def test_missing_recipe_is_a_clear_error(tmp_path):

@@ -172,14 +172,18 @@ def test_triton_backend_selection_and_refusals():
     assert runs_on(_request().device, torch.float32)
     assert select_backend("triton", _request()).name == "triton"
     assert select_backend("auto", _request()).name != "triton"  # by name only until measured
-    with pytest.raises(ValueError, match=r"'triton' cannot run mode='hard'"):
-        select_backend("triton", _request(mode="hard"))
+    for mode in ("hard", "hard_gated"):  # top-1 on the group-sorted layout (sorted_triton)
+        assert select_backend("triton", _request(mode=mode)).name == "triton"
+        assert select_backend("auto", _request(mode=mode)).name != "triton"
+    with pytest.raises(ValueError, match=r"'triton' cannot run .*top_k=2 \(at most 1\)"):
+        select_backend("triton", _request(mode="hard_gated", top_k=2))
     with pytest.raises(ValueError, match=r"'triton' cannot run .*head_dim=24"):
         select_backend("triton", _request(head_dim=24))
     assert select_backend("triton", _request(local_only=True, mode="hard")).name == "triton"
     assert FocusConfig(backend="triton").backend == "triton"
-    with pytest.raises(ValueError, match="'triton' computes the soft pattern only"):
-        FocusConfig(inference_backend="triton")
+    assert FocusConfig(inference_backend="triton").inference_backend == "triton"  # hard top-1
+    with pytest.raises(ValueError, match=r"'triton' computes the soft pattern, hard top-1 .* only"):
+        FocusConfig(inference_backend="triton", top_k=2, num_groups=4)
     assert FocusConfig(inference_backend="triton", inference_mode="soft").inference_mode == "soft"
 
 
@@ -383,7 +387,7 @@ def test_strided_views_are_read_in_place_and_give_the_same_gradients():
     torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.slow  # about 20 s: Triton's compiler and ptxas, a dozen kernels
+@pytest.mark.slow  # about 20 s: Triton's compiler and ptxas, 15 kernels
 def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
     """The interpreter runs the kernels as Python; Triton's real compiler (``tools/
     compile_triton_kernels.py``, no GPU needed) must also accept them for sm_90, for the
@@ -409,7 +413,7 @@ def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
         )  # fmt: skip
         assert report.exists(), done.stderr[-3000:]
         rows += json.loads(report.read_text())["rows"]
-    assert len(rows) == 12
+    assert len(rows) == 15  # bf16: 4 variants x 3 kernels; fp32 plain: 3
     failed = [(r["kernel"], r["dtype"], r["variant"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed
     assert all(0 < r["shared_bytes"] <= r["shared_limit"] for r in rows)

@@ -126,25 +126,31 @@ def test_compiled_graphs_call_the_operators():
     assert_close(got, want, 1e-6)
 
 
-def _op_args(local: bool, requires_grad: bool) -> tuple:
+def _op_args(local: bool, requires_grad: bool, packed: bool = False) -> tuple:
     """A small call of the forward operator: ``b=1, n=32``, GQA, documents (soft) or a softcap
-    (sliding window)."""
+    (sliding window); ``packed``: the sorted top-1 path's call (segments as documents by index,
+    the pair rule's own positions)."""
     q, k, v = random_qkv(1, 32, 2, 1, 16, seed=1, dtype=torch.float32)
     probs = random_probs(1, 32, 3, seed=2).float()
     tensors = [t.requires_grad_(requires_grad) for t in (q, k, v, probs)]
     documents = torch.zeros(1, 32, dtype=torch.int64)  # [b, n] starts: two documents
     documents[0, 20:] = 20
-    if local:  # (window, gate_lambda, softcap, scale, sinks)
-        return (*tensors[:3], None, None, None, None, None, None, 8, 10.0, 3.0, 0.25, 1)
+    if local:  # (window, gate_lambda, softcap, scale, sinks, packed)
+        return (*tensors[:3], None, None, None, None, None, None, 8, 10.0, 3.0, 0.25, 1, False)
     p, docs = tensors[3], documents
-    return (*tensors[:3], p, p, docs, docs, None, None, 8, 10.0, None, 0.25, 2)
+    if packed:  # rule positions: segment start + a spread-out position inside the document
+        rule = docs + torch.arange(32).mul(3)[None] % 50  # [1, 32], increasing per segment
+        rule = docs + torch.cummax(rule - docs, dim=1).values
+        return (*tensors[:3], p, p, docs, docs, rule, rule, 8, 10.0, None, 0.25, 2, True)
+    return (*tensors[:3], p, p, docs, docs, None, None, 8, 10.0, None, 0.25, 2, False)
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["soft", "sliding-window"])
-def test_opcheck_forward_operator(local):
+@pytest.mark.parametrize("local, packed", [(False, False), (True, False), (False, True)],
+                         ids=["soft", "sliding-window", "packed"])  # fmt: skip
+def test_opcheck_forward_operator(local, packed):
     """Schema, autograd registration, fake (meta) against real outputs and AOT dispatch with
     dynamic shapes (forward and backward): a few seconds under the interpreter."""
-    torch.library.opcheck(FORWARD, _op_args(local, requires_grad=True))
+    torch.library.opcheck(FORWARD, _op_args(local, requires_grad=True, packed=packed))
 
 
 def test_opcheck_backward_operator():
