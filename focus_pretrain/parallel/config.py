@@ -115,6 +115,23 @@ class ParallelConfig:
                         "step runs the exact per-block attention); use one of "
                         f"{ring_backend_names()} or parallel.cp_mode 'a2a'"
                     )
+            self._check_ring_triton(model)
+
+    @staticmethod
+    def _check_ring_triton(model: ModelConfig) -> None:
+        """The ring's ``triton`` step computes the soft gate and sliding windows, not the hard
+        pattern: a ``triton`` backend whose pattern is hard (sparse training, hard inference)
+        is refused under the ring before training."""
+        focus = model.focus
+        patterns = {"backend": focus.training_pattern, "inference_backend": focus.inference_mode}
+        for key, pattern in patterns.items():
+            if getattr(focus, key) == "triton" and pattern in ("hard", "hard_gated"):
+                raise ValueError(
+                    f"model.focus.{key} 'triton' runs the {pattern!r} pattern on the "
+                    "group-sorted layout, which the ring's triton step does not (it runs the "
+                    f"soft gate and sliding windows); use model.focus.{key} 'auto' (flex on "
+                    "CUDA) or 'reference', or parallel.cp_mode 'a2a'"
+                )
 
     def check_seq_length(self, seq_len: int, name: str = "data.seq_length") -> None:
         """Raise ``ValueError`` unless sequences of ``seq_len`` tokens split over the ranks:

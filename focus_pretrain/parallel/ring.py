@@ -20,15 +20,17 @@ step, forward and backward, through the fused Triton kernels
 (:func:`~focus_pretrain.parallel.ring_kernels.triton_attend_block`).
 
 Backward is its own ring: the blocks travel again, now carrying accumulators for their
-``dk, dv`` (and, in soft mode, the gradient of their soft assignments). Each rank recomputes
-its queries against the visiting block, takes the block's share of the merged output's gradient
+``dk, dv`` (and, where the gate applies, the gradient of their soft assignments). Each rank
+recomputes its queries against the visiting block, takes the block's share of the merged output's gradient
 (``d out_b = w_b d out`` and ``d lse_b = w_b <d out, out_b - out>`` with
 ``w_b = exp(lse_b - lse)``), adds its ``dk, dv`` into the travelling accumulators and keeps its
 ``dq``; after a full turn the accumulators are home.
 
 A block with no allowed pair is skipped in both passes (decided exactly, from positions, group
 bits and document starts, without an ``n x n`` test: :func:`block_has_pair`); :class:`RingStats`
-counts them. Without documents that happens in hard and local-only mode; with packed documents
+counts them. Without documents that happens in hard and local-only mode and in sparse training
+(``hard_gated``: the hard pattern's memberships, from the detached top-k, travel with the soft
+assignments that the gate on its routed pairs reads and differentiates); with packed documents
 also in soft mode, whenever no query of the block shares a document with an earlier key of the
 visiting block (with short documents, most blocks).
 
@@ -106,13 +108,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, probs, member, positions, docs, group, options, stats):
         size = dist.get_world_size(group)
-        soft = options["mode"] == "soft" and not options["local_only"]
-        block = _block(k, v, positions, probs if soft else None, member, docs)
+        gated = _gated(options)  # the assignments travel and get gradients (soft, hard_gated)
+        block = _block(k, v, positions, probs if gated else None, member, docs)
         out = lse = None
         computed = []  # per step: was the visiting block attended (backward skips the same)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
-            result = _attend(q, probs, member, docs, positions, block, soft, options, stats)
+            result = _attend(q, probs, member, docs, positions, block, gated, options, stats)
             computed.append(result is not None)
             if result is not None:
                 out, lse = result if out is None else merge_by_lse((out, lse), result)
@@ -121,31 +123,31 @@ class _RingAttention(torch.autograd.Function):
         if out is None:  # cannot happen: a rank's own block holds its diagonal
             raise RuntimeError("ring attention computed no block")
         ctx.save_for_backward(q, k, v, probs, member, positions, docs, out, lse)
-        ctx.group, ctx.options, ctx.soft, ctx.computed = group, options, soft, computed
+        ctx.group, ctx.options, ctx.gated, ctx.computed = group, options, gated, computed
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, probs, member, positions, docs, out, lse = ctx.saved_tensors
-        group, options, soft = ctx.group, ctx.options, ctx.soft
+        group, options, gated = ctx.group, ctx.options, ctx.gated
         size = dist.get_world_size(group)
-        block = _block(k, v, positions, probs if soft else None, member, docs)
+        block = _block(k, v, positions, probs if gated else None, member, docs)
         grads = [torch.zeros_like(at_least_fp32(t)) for t in (k, v)]  # accumulators
-        if soft:
+        if gated:
             grads.append(torch.zeros_like(at_least_fp32(probs)))
         d_q = torch.zeros_like(at_least_fp32(q))
-        d_probs = torch.zeros_like(grads[2]) if soft else None
+        d_probs = torch.zeros_like(grads[2]) if gated else None
         d_out = at_least_fp32(d_out)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
             if ctx.computed[step]:
                 shares = _block_grads(
-                    q, probs, member, docs, positions, block, soft, options, out, lse, d_out
+                    q, probs, member, docs, positions, block, gated, options, out, lse, d_out
                 )
                 d_q += shares[0]
-                for acc, g in zip(grads, shares[1:-1] if soft else shares[1:], strict=True):
+                for acc, g in zip(grads, shares[1:-1] if gated else shares[1:], strict=True):
                     acc += g
-                if soft:
+                if gated:
                     d_probs += shares[-1]
             if size > 1:  # the accumulators travel with their block; a full turn: home
                 grad_requests, grads = _exchange(grads, group)
@@ -153,8 +155,14 @@ class _RingAttention(torch.autograd.Function):
             _wait(requests)
             block = incoming
         d_k, d_v = grads[0].to(k.dtype), grads[1].to(v.dtype)
-        d_p = (d_probs + grads[2]).to(probs.dtype) if soft else None
+        d_p = (d_probs + grads[2]).to(probs.dtype) if gated else None
         return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None, None
+
+
+def _gated(options: dict) -> bool:
+    """Whether the gate applies (soft, or hard_gated: sparse training), so that the soft
+    assignments travel with their block and get gradients."""
+    return options["mode"] in ("soft", "hard_gated") and not options["local_only"]
 
 
 def _block(k, v, positions, probs, member, docs) -> list[Tensor]:
@@ -163,10 +171,10 @@ def _block(k, v, positions, probs, member, docs) -> list[Tensor]:
     return [t for t in (k, v, positions, probs, member, docs) if t is not None]
 
 
-def _unpack(block: list[Tensor], soft: bool, has_member: bool, has_docs: bool):
+def _unpack(block: list[Tensor], gated: bool, has_member: bool, has_docs: bool):
     """``(k, v, positions, probs, member, docs)`` of a block (``None`` where absent)."""
     k_b, v_b, pos_b, *rest = block
-    probs_b = rest.pop(0) if soft else None
+    probs_b = rest.pop(0) if gated else None
     member_b = rest.pop(0) if has_member else None
     docs_b = rest.pop(0) if has_docs else None
     return k_b, v_b, pos_b, probs_b, member_b, docs_b
@@ -179,10 +187,10 @@ def _row_chunks(q: Tensor, keys: int) -> list[slice]:
     return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
-def _attend(q, probs, member, docs, positions, block, soft, options, stats):
+def _attend(q, probs, member, docs, positions, block, gated, options, stats):
     """This rank's queries against one visiting block: ``(out, lse)`` or ``None`` (skipped)."""
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
-        block, soft, member is not None, docs is not None
+        block, gated, member is not None, docs is not None
     )
     if not block_has_pair(
         positions, pos_b, options["window"], member_q=member, member_k=member_b,
@@ -194,7 +202,7 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
     if stats is not None:
         stats.computed += 1
     pattern, keys = _block_pattern(options), BlockSide(pos_b, probs_b, member_b, docs_b)
-    queries = BlockSide(positions, probs if soft else None, member, docs)
+    queries = BlockSide(positions, probs if gated else None, member, docs)
     if options["kernel"] in FUSED_KERNELS:  # one fused call: no score memory to bound
         return FUSED_KERNELS[options["kernel"]](q, k_b, v_b, pattern, queries, keys)
     outs, lses = [], []
@@ -205,30 +213,30 @@ def _attend(q, probs, member, docs, positions, block, soft, options, stats):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _block_grads(q, probs, member, docs, positions, block, soft, options, out, lse, d_out):
-    """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (soft: ``+
+def _block_grads(q, probs, member, docs, positions, block, gated, options, out, lse, d_out):
+    """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (gated: ``+
     [dprobs_k, dprobs_q]``), at least fp32; recomputed by the backward kernel
     (:func:`~focus_pretrain.parallel.ring_kernels.backward_block_kernel`), the gradient through
     the block's ``lse`` included."""
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
-        block, soft, member is not None, docs is not None
+        block, gated, member is not None, docs is not None
     )
     kernel = backward_block_kernel(options["kernel"], q)
     fused = kernel in FUSED_KERNELS
     attend = FUSED_KERNELS.get(kernel, attend_block)
     d_q = torch.zeros_like(at_least_fp32(q))
     d_k, d_v = torch.zeros_like(at_least_fp32(k_b)), torch.zeros_like(at_least_fp32(v_b))
-    d_pk = torch.zeros_like(at_least_fp32(probs_b)) if soft else None
-    d_pq = torch.zeros_like(at_least_fp32(probs)) if soft else None
+    d_pk = torch.zeros_like(at_least_fp32(probs_b)) if gated else None
+    d_pq = torch.zeros_like(at_least_fp32(probs)) if gated else None
     for rows in [slice(None)] if fused else _row_chunks(q, k_b.shape[1]):
         leaves = [t.detach().requires_grad_(True) for t in (q[:, rows], k_b, v_b)]
-        if soft:
+        if gated:
             leaves += [probs_b.detach().requires_grad_(True), probs[:, rows].detach()]
             leaves[4].requires_grad_(True)
         queries = _rows(BlockSide(positions, None, member, docs), rows)._replace(
-            probs=leaves[4] if soft else None
+            probs=leaves[4] if gated else None
         )
-        keys = BlockSide(pos_b, leaves[3] if soft else None, member_b, docs_b)
+        keys = BlockSide(pos_b, leaves[3] if gated else None, member_b, docs_b)
         with torch.enable_grad():
             out_b, lse_b = attend(*leaves[:3], _block_pattern(options), queries, keys)
             weight = torch.exp(lse_b - lse[:, rows])  # [b, rows, H]: the block's share
@@ -243,9 +251,9 @@ def _block_grads(q, probs, member, docs, positions, block, soft, options, out, l
         for acc, g in zip((d_k, d_v, d_pk), grads[1:4], strict=False):
             if acc is not None and g is not None:
                 acc += g
-        if soft and grads[4] is not None:
+        if gated and grads[4] is not None:
             d_pq[:, rows] += grads[4]
-    return [d_q, d_k, d_v] + ([d_pk, d_pq] if soft else [])
+    return [d_q, d_k, d_v] + ([d_pk, d_pq] if gated else [])
 
 
 def _block_pattern(options: dict) -> AttentionPattern:
@@ -297,14 +305,12 @@ def ring_focus_attention(
     :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
     check_int("sinks", sinks, low=0)
-    if mode == "hard_gated" and not local_only:
-        raise ValueError(
-            "sparse training (focus.training_mode='hard', mode 'hard_gated') does not run under "
-            "ring context parallelism yet; use cp_mode 'a2a' or focus.training_mode='soft'"
-        )
     kernel = resolve_block_kernel(block_kernel, q)
-    if kernel == "triton" and mode == "hard" and not local_only:
-        raise ValueError("block_kernel 'triton' runs soft and sliding-window steps, not 'hard'")
+    if kernel == "triton" and mode in ("hard", "hard_gated") and not local_only:
+        raise ValueError(
+            f"block_kernel 'triton' runs soft and sliding-window steps, not {mode!r}; use "
+            "'auto' (flex on CUDA) or 'blockwise'"
+        )
     check_dtypes(q, k, v, None if local_only else probs)
     if documents is not None:
         documents = check_document_starts(documents, q)  # [b, s_loc] int64
@@ -318,16 +324,16 @@ def ring_focus_attention(
     member = None
     if local_only:
         probs = None
-    elif mode == "hard":
-        member = Routing(probs).membership(top_k)  # [b, s_loc]
+    elif mode in ("hard", "hard_gated"):  # the selection carries no gradient (the gate does)
+        member = Routing(probs.detach()).membership(top_k)  # [b, s_loc]
     options = dict(
         window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap,
         scale=q.shape[-1] ** -0.5 if scale is None else scale, local_only=local_only,
         sinks=sinks, kernel=kernel,
     )  # fmt: skip
+    gated = mode in ("soft", "hard_gated") and not local_only
     return _RingAttention.apply(
-        q, k, v, probs if mode == "soft" else None, member, positions, documents, group, options,
-        stats,
+        q, k, v, probs if gated else None, member, positions, documents, group, options, stats,
     )  # fmt: skip
 
 

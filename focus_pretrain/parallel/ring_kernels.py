@@ -250,14 +250,17 @@ def fused_call(
 ) -> FusedCall:
     """The FlexAttention call of :func:`flex_attend_block` (same arguments): inputs in kernel
     order, block mask and ``score_mod``."""
-    if pattern.mode not in ("soft", "hard"):
-        raise ValueError(f"mode must be 'soft' or 'hard', got {pattern.mode!r}")
-    routed = pattern.mode == "hard" and queries.member is not None and keys.member is not None
+    if pattern.mode not in ("soft", "hard", "hard_gated"):
+        raise ValueError(f"mode must be 'soft', 'hard' or 'hard_gated', got {pattern.mode!r}")
+    hard = pattern.mode in ("hard", "hard_gated")
+    routed = hard and queries.member is not None and keys.member is not None
+    if pattern.mode == "hard_gated" and not routed and not pattern.local_only:
+        raise ValueError("mode 'hard_gated' needs the memberships of queries and keys")
     kind = "local" if pattern.local_only else "hard" if routed else "causal"
-    gated = pattern.mode == "soft" and not pattern.local_only
+    gated = pattern.mode in ("soft", "hard_gated") and not pattern.local_only
     probs_q, probs_k = queries.probs, keys.probs
     if gated and (probs_q is None or probs_k is None):
-        raise ValueError("soft mode needs the soft assignments of queries and keys")
+        raise ValueError(f"mode {pattern.mode!r} needs the soft assignments of queries and keys")
     doc_q, doc_k = (
         (None, None) if queries.doc is None or keys.doc is None else (queries.doc, keys.doc)
     )
@@ -277,7 +280,11 @@ def fused_call(
         k, v = _take(k, plan.k.order), _take(v, plan.k.order)  # [b, Lk, Hkv, D]
     mask_mod = _mask_mod(plan.q, plan.k, kind, window, sinks)
     score_mod = softcap_mod(pattern.softcap, q)
-    if gated:  # soft mode keeps the caller's order: the assignments are read as given
+    if gated:  # the assignments in kernel order (hard_gated sorts the sides; soft keeps them)
+        if plan.q.order is not None:
+            probs_q = _take(probs_q, plan.q.order)  # [b, Lq, K]
+        if plan.k.order is not None:
+            probs_k = _take(probs_k, plan.k.order)  # [b, Lk, K]
         score_mod = _gate_mod(
             plan.q, plan.k, probs_q, probs_k, gate_lambda=pattern.gate_lambda,
             softcap=pattern.softcap, window=window, sinks=sinks,

@@ -34,9 +34,13 @@ def cases() -> list[dict]:
     # also take rank 1's first chunk); more sinks than the window (3)
     out.append(dict(BASE, cp_mode="a2a", mode="soft", sinks=3, seed=97))
     out.append(dict(BASE, cp_mode="a2a", mode="hard", top_k=2, sinks=6, seed=96))
-    # sparse training under the all-to-all mode (whole-sequence attention per head)
+    # sparse training: all-to-all (whole-sequence attention per head) and ring (the hard
+    # pattern's blocks only, the gate's gradient travelling with the blocks)
     out.append(dict(BASE, cp_mode="a2a", mode="hard_gated", seed=89))
     out.append(dict(BASE, cp_mode="a2a", mode="hard_gated", top_k=2, sinks=3, docs=DOCS, seed=88))
+    out.append(dict(BASE, cp_mode="ring", mode="hard_gated", softcap=2.0, seed=87))
+    out.append(dict(BASE, cp_mode="ring", mode="hard_gated", top_k=2, sinks=3, docs=DOCS,
+                    score_budget=3 * 4 * 2 * 16, seed=86))  # fmt: skip
     out.append(dict(BASE, cp_mode="ring", mode="soft", sinks=6, softcap=2.0, seed=95))
     out.append(dict(BASE, cp_mode="ring", mode="hard", sinks=1, score_budget=3 * 4 * 2 * 16,
                     seed=94))  # fmt: skip
@@ -90,7 +94,6 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
         assert "must be the document starts of the full sequence" in refusals["ids"]
         assert "must be the document starts of the full sequence" in refusals["a2a_ids"]
         assert "documents must be an integer tensor" in refusals["float"]
-        assert "does not run under ring context parallelism yet" in refusals["sparse"]
 
 
 def test_ring_skips_exactly_the_blocks_without_allowed_pairs(cp_results):

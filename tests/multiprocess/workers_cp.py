@@ -51,7 +51,7 @@ def expected_skips(case: dict, probs: torch.Tensor | None, rank: int, world_size
         starts = document_starts(ids)
     positions = torch.arange(s)
     member = None
-    if case["mode"] == "hard" and not case.get("local_only"):
+    if case["mode"] in ("hard", "hard_gated") and not case.get("local_only"):
         member = Routing(probs).membership(case.get("top_k", 1))  # [b, s]
     allowed = allowed_pairs(
         positions, positions, case["window"], member_q=member, member_k=member,
@@ -161,7 +161,6 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
         ("ids", dict(documents=ids), (q, k, v)),
         ("a2a_ids", dict(documents=ids, cp_mode="a2a"), (q, k, v)),
         ("float", dict(documents=ids.double()), (q, k, v)),
-        ("sparse", dict(mode="hard_gated"), (q, k, v)),  # sparse training: a2a only, for now
     ):
         mode = extra.pop("cp_mode", "ring")
         try:

@@ -81,6 +81,27 @@ def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
         load_config(RECIPE, [*sparse_triton, "model.focus.top_k=2"])
 
 
+def test_the_ring_refuses_a_triton_backend_on_the_hard_pattern():
+    """The ring's triton step runs the soft gate and sliding windows: triton for sparse
+    training or hard inference is refused under the ring before training, with the fix;
+    soft training through triton, and sparse training through auto, run there."""
+    ring = ["parallel.context_parallel_size=2", "parallel.cp_mode=ring"]
+    cases = {
+        "backend 'triton' runs the 'hard_gated' pattern": [
+            "model.focus.backend=triton", "model.focus.training_mode=hard"
+        ],
+        "inference_backend 'triton' runs the 'hard' pattern": [
+            "model.focus.inference_backend=triton"
+        ],
+    }  # fmt: skip
+    for message, overrides in cases.items():
+        with pytest.raises(ValueError, match=rf"{message} .* or parallel.cp_mode 'a2a'"):
+            load_config(RECIPE, ring + overrides)
+        assert load_config(RECIPE, overrides)  # without the ring: fine
+    assert load_config(RECIPE, [*ring, "model.focus.backend=triton"])
+    assert load_config(RECIPE, [*ring, "model.focus.training_mode=hard"])
+
+
 def test_missing_recipe_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -63,9 +63,9 @@ def ring_step(
     probs = random_probs(b, seq, groups, seed=seed + 2, sharpness=2.0).to(dtype)  # [b, seq, K]
     gen = torch.Generator().manual_seed(seed + 3)
     starts = document_starts((torch.rand(b, seq, generator=gen) < docs).cumsum(dim=1))
-    routed = mode == "hard" and not local_only
+    routed = mode in ("hard", "hard_gated") and not local_only
     member = Routing(probs).membership(top_k) if routed else None  # [b, seq]
-    soft = mode == "soft" and not local_only
+    soft = mode in ("soft", "hard_gated") and not local_only  # the gate reads the assignments
 
     def at(t: Tensor | None, pos: Tensor) -> Tensor | None:
         return None if t is None else t[:, pos]
@@ -107,6 +107,9 @@ CASES = {
     "hard-bf16": dict(mode="hard", top_k=2, sinks=2, docs=0.05, dtype=torch.bfloat16),
     "soft-bf16": dict(mode="soft", sinks=2, softcap=2.0, dtype=torch.bfloat16, ranks=(0, 0)),
     "soft-fp64": dict(mode="soft", docs=0.05, dtype=torch.float64),
+    # sparse training: the hard pattern (sorted sides) with the gate on its routed pairs
+    "gated-top1-softcap": dict(mode="hard_gated", softcap=2.0, ranks=(0, 0)),
+    "gated-top2-docs-sinks": dict(mode="hard_gated", top_k=2, docs=0.05, sinks=2),
 }
 
 
@@ -136,7 +139,7 @@ def kernel_order_pattern(args: tuple, kwargs: dict) -> tuple[Tensor, BlockMask, 
     _, _, _, _, _, member_q, member_k, doc_q, doc_k = args
     options = {key: kwargs[key] for key in ("window", "local_only", "sinks")}
     call = fused_call(*block_call(args, kwargs), block=8)
-    routed = kwargs["mode"] == "hard" and not kwargs["local_only"]
+    routed = kwargs["mode"] in ("hard", "hard_gated") and not kwargs["local_only"]
     allowed = allowed_pairs(
         kwargs["q_pos"], kwargs["k_pos"], member_q=member_q if routed else None,
         member_k=member_k if routed else None, q_doc=doc_q, k_doc=doc_k, **options,
@@ -163,7 +166,7 @@ def test_block_masks_keep_every_allowed_pair_and_skip_others():
         cp = pick(2, 3)
         case = dict(
             cp=cp, seq=48 * cp, ranks=(pick(*range(cp)), pick(*range(cp))),
-            mode=pick("hard", "hard", "soft"), top_k=pick(1, 2),
+            mode=pick("hard", "hard_gated", "soft"), top_k=pick(1, 2),
             local_only=pick(False, False, True),
             docs=pick(0.0, 0.03, 0.2), sinks=pick(0, 2, 5), window=pick(0, 3, 12), seed=seed,
         )  # fmt: skip
@@ -271,7 +274,7 @@ def assert_step_gradients_agree(
     kwargs = {
         key: val.to(device) if isinstance(val, Tensor) else val for key, val in kwargs.items()
     }
-    soft = kwargs["mode"] == "soft" and not kwargs["local_only"]
+    soft = kwargs["mode"] in ("soft", "hard_gated") and not kwargs["local_only"]
     keys = ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
     options = {key: kwargs[key] for key in keys}
     block = ring._block(k, v, kwargs["k_pos"], probs_k, member_k, doc_k)
@@ -300,7 +303,8 @@ def assert_step_gradients_agree(
 
 
 GRADIENT_CASES = ["hard-top2-docs-sinks", "soft-docs-sinks-softcap-gqa", "local-sinks-docs",
-                  "hard-top3-softcap-mha"]  # fmt: skip
+                  "hard-top3-softcap-mha", "gated-top1-softcap",
+                  "gated-top2-docs-sinks"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", GRADIENT_CASES)
