@@ -21,8 +21,8 @@ step, forward and backward, through the fused Triton kernels
 
 Backward is its own ring: the blocks travel again, now carrying accumulators for their
 ``dk, dv`` (and, where the gate applies, the gradient of their soft assignments). Each rank
-recomputes its queries against the visiting block, takes the block's share of the merged output's gradient
-(``d out_b = w_b d out`` and ``d lse_b = w_b <d out, out_b - out>`` with
+recomputes its queries against the visiting block, takes the block's share of the merged
+output's gradient (``d out_b = w_b d out`` and ``d lse_b = w_b <d out, out_b - out>`` with
 ``w_b = exp(lse_b - lse)``), adds its ``dk, dv`` into the travelling accumulators and keeps its
 ``dq``; after a full turn the accumulators are home.
 
