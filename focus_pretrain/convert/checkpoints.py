@@ -69,6 +69,50 @@ def load_tp_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tenso
     return shards
 
 
+def trained_tp_shards(ckpt: Path, config: Config) -> list[dict[str, Tensor]]:
+    """:func:`load_tp_shards` with the trained parameters at the precision they were trained
+    in: a bf16/fp16 run's module holds half-precision copies, while the optimizer updated fp32
+    master weights (ZeRO-1/2 files; ZeRO-3 is consolidated in fp32 already). An export takes
+    these, not the rounded copies."""
+    tp, zero_stage = config.parallel.tensor_parallel_size, config.parallel.zero_stage
+    shards = load_tp_shards(ckpt, tp, zero_stage)
+    if config.train.precision == "fp32" or zero_stage == 3:
+        return shards
+    for rank, shard_state in enumerate(shards):
+        masters = fp32_master_weights(ckpt, rank)
+        shard_state.update({k: v for k, v in masters.items() if k in shard_state})
+    return shards
+
+
+def fp32_master_weights(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
+    """The optimizer's fp32 master copy of tensor-parallel rank ``tp_rank``'s trainable
+    parameters (gathered over the data-parallel partitions of a ZeRO-1/2 checkpoint), by our
+    names; ``{}`` when the checkpoint holds no optimizer files. DeepSpeed's consolidation reads
+    every ``*_states.pt`` of a directory, so the rank's files are linked, as ``mp_rank_00``,
+    into a scratch directory first."""
+    import contextlib
+    import io
+    import tempfile
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tp_rank:02d}_"
+    optim = sorted(ckpt.glob(f"*zero_pp_rank_*_{suffix}optim_states.pt"))
+    model = ckpt / f"{suffix}model_states.pt"
+    if not optim or not model.is_file():
+        return {}
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with tempfile.TemporaryDirectory() as scratch, quiet[0], quiet[1]:
+        tag = Path(scratch) / ckpt.name
+        tag.mkdir()
+        for path in [*optim, model]:
+            (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
+        state = get_fp32_state_dict_from_zero_checkpoint(
+            scratch, tag=ckpt.name, exclude_frozen_parameters=True
+        )
+    return {k: v.detach().float() for k, v in state.items() if torch.is_tensor(v)}
+
+
 def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
     """One tensor-parallel rank's full (data-parallel-gathered) fp32 state from a ZeRO-3
     checkpoint. DeepSpeed's consolidation reads every ``*_states.pt`` of a directory, so the

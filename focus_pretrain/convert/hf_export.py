@@ -23,11 +23,16 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.config import Config
-from focus_pretrain.convert.checkpoints import checkpoint_config, load_tp_shards, resolve_checkpoint
+from focus_pretrain.convert.checkpoints import (
+    checkpoint_config,
+    resolve_checkpoint,
+    trained_tp_shards,
+)
 from focus_pretrain.convert.families import Geometry, unshard
+from focus_pretrain.convert.hf_import import load_hf_tensors
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.errors import InputError, UnsupportedInputError
+from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInputError
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import family as family_description
@@ -90,6 +95,44 @@ def hf_state_dict(shards: list[dict[str, Tensor]], config: ModelConfig) -> dict[
     return out
 
 
+_TRAINING_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def with_retrofit_originals(tensors: dict[str, Tensor], config: Config, ckpt: Path) -> dict | None:
+    """A retrofit's (``train.freeze: retrofit`` from ``train.init_from_hf``) frozen weights
+    replaced, in place, by the HuggingFace checkpoint's own tensors, bit for bit and in their
+    original dtype (a bf16 run holds them rounded to bf16). Each is first checked to be the
+    one the run froze (equal after the training precision's rounding): another directory at
+    that path is refused. Returns what the export records (source, tensors replaced), or
+    ``None`` when the run is not such a retrofit.
+
+    Raises:
+        MissingInputError: ``train.init_from_hf`` is gone (the export would otherwise write
+            the rounded copies silently).
+        InputError: a tensor there is not the one the run froze.
+    """
+    source = config.train.init_from_hf
+    if config.train.freeze != "retrofit" or not source:
+        return None
+    if not Path(source).is_dir():
+        raise MissingInputError(
+            f"{source} (train.init_from_hf of this retrofit) is missing: the export takes the "
+            f"original weights from it, bit for bit; restore it, or point train.init_from_hf in "
+            f"{ckpt / 'config.yaml'} at its copy"
+        )
+    originals = load_hf_tensors(source, {k for k in tensors if ".router." not in k})
+    rounding = _TRAINING_DTYPES[config.train.precision]
+    for key, original in originals.items():
+        if not torch.equal(original.to(rounding).float(), tensors[key].float()):
+            raise InputError(
+                f"{key} in {source} is not the tensor this retrofit froze (train.init_from_hf): "
+                f"the directory holds another checkpoint now; point train.init_from_hf in "
+                f"{ckpt / 'config.yaml'} at the one the run started from"
+            )
+        tensors[key] = original
+    return {"source": str(source), "tensors": len(originals)}
+
+
 def _check_router_shapes(tensors: dict[str, Tensor], config: ModelConfig) -> None:
     """Refuse routers whose shapes are not those ``config.focus`` describes (a checkpoint's
     ``config.yaml`` edited after training, or another run's), naming the field to restore."""
@@ -138,8 +181,8 @@ def export_hf(
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
     ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
-    shards = load_tp_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
-    tensors = hf_state_dict(shards, model_cfg)
+    tensors = hf_state_dict(trained_tp_shards(ckpt, config), model_cfg)
+    originals = with_retrofit_originals(tensors, config, ckpt)
     tokenizer = _tokenizer_for(config)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
         raise InputError(
@@ -149,6 +192,8 @@ def export_hf(
         )
     model = hf_export_model(model_cfg, tensors, tokenizer)
     record = {"checkpoint": str(ckpt)}
+    if originals is not None:
+        record["original_weights"] = originals
     if tokenizer is not None and tokenizer.hf is None:  # the .model the tokenizer.json encodes
         digest = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
         record["tokenizer_source"] = {"path": str(tokenizer.path), "sha256": digest}
@@ -222,7 +267,7 @@ def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     from safetensors.torch import save_file
 
     ckpt, config = _exportable_checkpoint(checkpoint)
-    shards = load_tp_shards(ckpt, config.parallel.tensor_parallel_size, config.parallel.zero_stage)
+    shards = trained_tp_shards(ckpt, config)  # the routers as trained (fp32 masters)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
         raise InputError(f"{ckpt} has no routers (focus disabled or window-only)")

@@ -578,6 +578,57 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
     assert "ships its own tokenizer" in wrong.stderr and "train step" not in wrong.stdout
 
 
+def test_bf16_retrofit_exports_the_original_weights_and_the_trained_routers(tmp_path):
+    """A bf16 retrofit holds its frozen weights rounded to bf16 and bf16 copies of its routers;
+    the export writes the HF checkpoint's own tensors, bit for bit and in their dtype, and the
+    fp32 routers the optimizer trained (full export and adapter alike), so the full export's
+    logits equal the original model's with the adapter attached. A directory at
+    ``train.init_from_hf`` that holds other weights, or none, is refused."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from focus_pretrain.convert import attach_focus_adapter, export_hf, export_router_adapter
+    from focus_pretrain.convert.checkpoints import checkpoint_config, resolve_checkpoint
+    from focus_pretrain.convert.hf_export import hf_state_dict, with_retrofit_originals
+    from focus_pretrain.convert.hf_import import load_hf_tensors
+    from focus_pretrain.errors import InputError, MissingInputError
+
+    hf = _hf_gpt2_with_tokenizer(tmp_path)
+    sets = overrides(
+        tmp_path / "run", str(tmp_path / "cache"), *RETROFIT_GPT2, f"data.tokenizer={hf}",
+        f"train.init_from_hf={hf}", "train.freeze=retrofit", "train.steps=2",
+        "train.precision=bf16",
+    )  # fmt: skip
+    run = launch(sets)
+    assert run.returncode == 0, run.stderr[-3000:]
+    full = export_hf(tmp_path / "run", tmp_path / "full")
+    adapter = export_router_adapter(tmp_path / "run", tmp_path / "adapter")
+    originals, exported = load_hf_tensors(hf), load_hf_tensors(full)
+    for key, original in originals.items():
+        assert exported[key].dtype == original.dtype and torch.equal(exported[key], original), key
+    routers = {k: v for k, v in exported.items() if ".router." in k and "balance" not in k}
+    assert routers and all(not torch.equal(r, r.bfloat16().float()) for r in routers.values())
+    shipped = load_file(str(adapter / "focus_adapter.safetensors"))
+    assert all(torch.equal(shipped[k], r) for k, r in routers.items())
+
+    original = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
+    attach_focus_adapter(original, adapter)
+    model = transformers.AutoModelForCausalLM.from_pretrained(full, trust_remote_code=True)
+    x = torch.randint(0, 400, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x).logits, original(x).logits, rtol=0, atol=1e-6)
+
+    ckpt = resolve_checkpoint(tmp_path / "run")
+    other = tmp_path / "other"
+    transformers.GPT2LMHeadModel(original.config).save_pretrained(other)  # fresh weights
+    for path, error in ((other, InputError), (tmp_path / "gone", MissingInputError)):
+        config = checkpoint_config(ckpt, [f"train.init_from_hf={path}"])
+        tensors = hf_state_dict([torch.load(ckpt / "mp_rank_00_model_states.pt")["module"]],
+                                config.model)  # fmt: skip
+        with pytest.raises(error, match=r"train\.init_from_hf"):
+            with_retrofit_originals(tensors, config, ckpt)
+
+
 @pytest.mark.multiprocess
 def test_context_parallel_with_data_parallel_through_torchrun(tmp_path, cache, one_process):
     """Four torchrun processes: CP=2 (all-to-all) x DP=2 with ZeRO-2 train like one process."""
