@@ -5,7 +5,8 @@
 
 Reads config.json, maps every tensor through our key maps (shapes checked, no model built),
 and prints YAML: the ``model`` section with the checkpoint's architecture and a Focus section,
-``data.tokenizer`` (when the checkpoint ships ``tokenizer.json``) and ``train.init_from_hf``.
+``data.tokenizer`` (the checkpoint's ``tokenizer.json`` or ``tokenizer.model``; refused with the
+fix when it ships neither) and ``train.init_from_hf``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 import yaml
 
-from focus_pretrain.convert import hf_model_config, import_hf
-from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS
+from focus_pretrain.convert import check_tokenizer_matches, hf_model_config, import_hf
+from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS, checkpoint_tokenizer
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 
@@ -43,8 +43,11 @@ def main() -> None:
         model["rope_scaling"] = {k: v for k, v in scaling.items() if v is not None}
     model["focus"] = {"num_groups": args.groups, "window": args.window}
     recipe = {"model": model, "train": {"init_from_hf": args.hf_dir, "freeze": "retrofit"}}
-    if (Path(args.hf_dir) / "tokenizer.json").is_file():
-        recipe["data"] = {"tokenizer": args.hf_dir}
+    tokenizer = checkpoint_tokenizer(args.hf_dir)
+    if tokenizer is None:  # a retrofit needs the model's own tokenizer: say so now, not later
+        with exit_on_input_error("import_hf"):
+            as_input_error(lambda: check_tokenizer_matches(args.hf_dir, None))
+    recipe["data"] = {"tokenizer": tokenizer}
     print(yaml.safe_dump(recipe, sort_keys=False), end="")
 
 

@@ -309,26 +309,83 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, config: M
 
 
 def check_tokenizer_matches(hf_dir: str | os.PathLike, tokenizer: str | os.PathLike | None) -> None:
-    """Refuse to retrofit an HF model on another tokenizer than the one it ships.
+    """Refuse to retrofit an HF model on another tokenizer than the one it was pretrained with.
+
+    The checkpoint's own tokenizer is ``tokenizer.json`` (``data.tokenizer: HF_DIR``) or a
+    SentencePiece ``tokenizer.model`` (``data.tokenizer: HF_DIR/tokenizer.model``); a checkpoint
+    shipping only slow-tokenizer files (``vocab.json`` + ``merges.txt``, ...) gets the command
+    that writes its ``tokenizer.json``; one shipping none needs ``data.tokenizer`` set to the
+    model's tokenizer (a new one would be trained otherwise, on ids the embeddings never saw).
 
     Raises:
-        ValueError: the checkpoint has a ``tokenizer.json`` and ``tokenizer`` (``data.tokenizer``)
-            is missing or a different tokenizer; the message names the fix.
+        ValueError: ``tokenizer`` (``data.tokenizer``) is missing or another tokenizer than the
+            checkpoint's; the message names the fix.
     """
-    shipped = Path(hf_dir) / "tokenizer.json"
-    if not shipped.is_file():
-        return  # nothing to compare with (a bare weights directory)
+    root = Path(hf_dir)
     chosen = None if tokenizer is None else Path(tokenizer)
-    record = Path(hf_dir) / "focus_export.json"  # our export of a SentencePiece-trained run
+    shipped = root / "tokenizer.json"
+    if shipped.is_file():
+        if _same_tokenizer_json(root, chosen, shipped):
+            return
+        fix = f"set data.tokenizer: {hf_dir}"
+    elif (root / "tokenizer.model").is_file():
+        model = root / "tokenizer.model"
+        if chosen is not None and chosen.is_file() and chosen.read_bytes() == model.read_bytes():
+            return
+        fix = f"set data.tokenizer: {model}"
+    elif any((root / name).is_file() for name in _SLOW_TOKENIZER_FILES):
+        quoted = repr(str(hf_dir))
+        raise ValueError(
+            f"the HuggingFace checkpoint {hf_dir} ships its tokenizer only as slow-tokenizer "
+            f"files ({', '.join(n for n in _SLOW_TOKENIZER_FILES if (root / n).is_file())}), "
+            "which data.tokenizer does not read: write its tokenizer.json with python -c "
+            f'"from transformers import AutoTokenizer; t = AutoTokenizer.from_pretrained('
+            f'{quoted}); t.save_pretrained({quoted})", then set data.tokenizer: {hf_dir}'
+        )
+    elif chosen is None:
+        raise ValueError(
+            f"the HuggingFace checkpoint {hf_dir} ships no tokenizer and data.tokenizer is not "
+            "set: a retrofit must use the tokenizer the model was pretrained with (a new one "
+            "would be trained on ids its embeddings never saw); put the model's tokenizer.json "
+            f"(or tokenizer.model) into {hf_dir}, or set data.tokenizer to it"
+        )
+    else:
+        return  # nothing shipped to compare with: the user named the model's tokenizer
+    raise ValueError(
+        f"the HuggingFace checkpoint {hf_dir} ships its own tokenizer, but data.tokenizer is "
+        f"{tokenizer}: its token ids would not mean what the pretrained embeddings learned; {fix}"
+    )
+
+
+def checkpoint_tokenizer(hf_dir: str | os.PathLike) -> str | None:
+    """What ``data.tokenizer`` is for the checkpoint's own tokenizer: the directory (it ships
+    ``tokenizer.json``), its SentencePiece ``tokenizer.model``, or ``None`` (neither)."""
+    root = Path(hf_dir)
+    if (root / "tokenizer.json").is_file():
+        return str(hf_dir)
+    if (root / "tokenizer.model").is_file():
+        return str(root / "tokenizer.model")
+    return None
+
+
+# what a checkpoint may ship instead of tokenizer.json (transformers' slow tokenizers)
+_SLOW_TOKENIZER_FILES = (
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def _same_tokenizer_json(root: Path, chosen: Path | None, shipped: Path) -> bool:
+    """Whether ``chosen`` is the checkpoint's ``tokenizer.json`` (its directory or the file),
+    or the very SentencePiece ``.model`` our export rebuilt it from."""
+    record = root / "focus_export.json"  # our export of a SentencePiece-trained run
     if chosen is not None and chosen.is_file() and record.is_file():
         source = json.loads(record.read_text()).get("tokenizer_source")
         if source and hashlib.sha256(chosen.read_bytes()).hexdigest() == source["sha256"]:
-            return  # the very .model the shipped tokenizer.json was rebuilt from
+            return True
     if chosen is not None and chosen.is_dir():
         chosen = chosen / "tokenizer.json"
-    if chosen is None or not chosen.is_file() or chosen.read_bytes() != shipped.read_bytes():
-        raise ValueError(
-            f"the HuggingFace checkpoint {hf_dir} ships its own tokenizer, but data.tokenizer is "
-            f"{tokenizer}: its token ids would not mean what the pretrained embeddings learned; "
-            f"set data.tokenizer: {hf_dir}"
-        )
+    return chosen is not None and chosen.is_file() and chosen.read_bytes() == shipped.read_bytes()

@@ -147,9 +147,15 @@ class Trainer:
         tokenizer_path, prefixes = prepare_data_in_job(config.data, config.run.seed)
         tokenizer = Tokenizer(tokenizer_path)
         if tokenizer.vocab_size > config.model.vocab_size:
+            fix = (  # a retrofit's embeddings are the checkpoint's: the tokenizer is wrong
+                f"data.tokenizer ({config.data.tokenizer}) is not the tokenizer of "
+                f"{train.init_from_hf}; set data.tokenizer to the checkpoint's"
+                if train.init_from_hf
+                else "raise model.vocab_size"
+            )
             raise ValueError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but "
-                f"model.vocab_size is {config.model.vocab_size}; raise model.vocab_size"
+                f"model.vocab_size is {config.model.vocab_size}; {fix}"
             )
         per_step = train.micro_batch_size * self.layout.data_parallel_size
         rounds = train.steps // train.eval_interval + 1 if train.eval_interval else 1

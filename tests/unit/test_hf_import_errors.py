@@ -177,3 +177,38 @@ def test_an_export_accepts_the_sentencepiece_model_its_tokenizer_was_rebuilt_fro
         check_tokenizer_matches(export, other)
     with pytest.raises(ValueError, match="ships its own tokenizer"):
         check_tokenizer_matches(export, None)
+
+
+def test_a_retrofit_uses_the_checkpoints_own_tokenizer_in_every_form(tmp_path):
+    """``tokenizer.json`` (``data.tokenizer: DIR``), a SentencePiece ``tokenizer.model``
+    (``data.tokenizer: DIR/tokenizer.model``), slow-tokenizer files only (refused with the
+    command that writes ``tokenizer.json``) or none (refused unless ``data.tokenizer`` names
+    the model's tokenizer): never a silently trained new one."""
+    from focus_pretrain.convert.hf_import import checkpoint_tokenizer
+
+    other = tmp_path / "other.model"
+    other.write_bytes(b"another tokenizer")
+    sentencepiece = tmp_path / "sp"
+    sentencepiece.mkdir()
+    (sentencepiece / "tokenizer.model").write_bytes(b"the model's sentencepiece bytes")
+    model_file = sentencepiece / "tokenizer.model"
+    assert checkpoint_tokenizer(sentencepiece) == str(model_file)
+    check_tokenizer_matches(sentencepiece, model_file)
+    for wrong in (None, other):
+        with pytest.raises(ValueError, match=rf"set data.tokenizer: {model_file}"):
+            check_tokenizer_matches(sentencepiece, wrong)
+
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "vocab.json").write_text("{}")
+    (slow / "merges.txt").write_text("")
+    assert checkpoint_tokenizer(slow) is None
+    with pytest.raises(ValueError, match=r"only as slow-tokenizer files \(vocab.json, merges.txt\)"
+                       r".*AutoTokenizer.from_pretrained.*save_pretrained"):  # fmt: skip
+        check_tokenizer_matches(slow, None)
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(ValueError, match=r"ships no tokenizer and data\.tokenizer is not set"):
+        check_tokenizer_matches(bare, None)
+    check_tokenizer_matches(bare, other)  # named by the user: nothing shipped to compare with

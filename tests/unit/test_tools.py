@@ -48,14 +48,26 @@ def test_pattern_density_tool(tmp_path):
 
 def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
     """tools/import_hf.py: the printed sections load as a recipe with the checkpoint's shape
-    (Gemma-3: every architecture field set, RoPE scaling a nested section)."""
+    (Gemma-3: every architecture field set, RoPE scaling a nested section) and its own
+    tokenizer; a checkpoint without one is refused with the fix, before any recipe is
+    printed (a new tokenizer would be trained otherwise)."""
+    import shutil
+
     from focus_pretrain.config import load_config
     from focus_pretrain.convert import hf_model_config
     from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS
+    from focus_pretrain.data import demo_documents
+    from tests.helpers import make_hf_tokenizer
     from tests.multiprocess.test_hf_import import make_hf_model
 
     _, path = make_hf_model("gemma3", tmp_path)
     tool = ROOT / "tools" / "import_hf.py"
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    refused = subprocess.run([sys.executable, str(tool), str(bare)], capture_output=True, text=True)
+    assert refused.returncode == 2 and not refused.stdout
+    assert f"{bare} ships no tokenizer and data.tokenizer is not set" in refused.stderr
+    make_hf_tokenizer(path, demo_documents(40, seed=3), vocab_size=300)
     result = subprocess.run(
         [sys.executable, str(tool), str(path), "--groups", "8"], capture_output=True, text=True
     )
@@ -65,6 +77,7 @@ def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
     recipe.write_text(result.stdout)
     config = load_config(recipe, ["data.seq_length=64"])
     assert config.train.init_from_hf == str(path) and config.train.freeze == "retrofit"
+    assert config.data.tokenizer == str(path)  # its tokenizer.json
     assert config.model.focus.num_groups == 8
     expected = hf_model_config(path)
     for field in ARCHITECTURE_FIELDS:
