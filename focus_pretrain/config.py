@@ -409,5 +409,8 @@ def save_config(config: Any, path: str | os.PathLike) -> Path:
         tmp.write(text)
         tmp.flush()
         os.fsync(tmp.fileno())
+    umask = os.umask(0)  # the temp file is private (0600); the config is an ordinary file
+    os.umask(umask)
+    os.chmod(tmp.name, 0o666 & ~umask)
     os.replace(tmp.name, path)
     return path

@@ -22,12 +22,18 @@ def main() -> None:
     parser.add_argument("out_dir", help="where the HF directory goes")
     parser.add_argument("--adapter-only", action="store_true", help="export only the routers")
     parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    parser.add_argument(
+        "--force", action="store_true", help="replace OUT_DIR when it exists and is not empty"
+    )
     args = parser.parse_args()
     with exit_on_input_error("convert_to_hf"):  # bad input: one line and status 2
         if args.adapter_only:
-            out = export_router_adapter(args.checkpoint, args.out_dir)
+            out = export_router_adapter(args.checkpoint, args.out_dir, overwrite=args.force)
         else:
-            out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
+            out = export_hf(
+                args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size,
+                overwrite=args.force,
+            )  # fmt: skip
     print(f"exported {args.checkpoint} -> {out}")
 
 

@@ -176,9 +176,15 @@ def _shipped_configuration():
 
 
 def export_hf(
-    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, max_shard_size: str = "2GB"
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: str = "2GB",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it."""
+    """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it.
+    An existing non-empty ``out_dir`` is refused unless ``overwrite`` (then replaced)."""
+    check_export_dir(out_dir, overwrite)
     ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
     tensors = hf_state_dict(trained_tp_shards(ckpt, config), model_cfg)
@@ -197,7 +203,9 @@ def export_hf(
     if tokenizer is not None and tokenizer.hf is None:  # the .model the tokenizer.json encodes
         digest = hashlib.sha256(Path(tokenizer.path).read_bytes()).hexdigest()
         record["tokenizer_source"] = {"path": str(tokenizer.path), "sha256": digest}
-    return save_export(model, out_dir, tokenizer, record, max_shard_size=max_shard_size)
+    return save_export(
+        model, out_dir, tokenizer, record, max_shard_size=max_shard_size, overwrite=overwrite
+    )
 
 
 def shipped_classes(family: str) -> tuple[type, type]:
@@ -218,6 +226,7 @@ def hf_export_config(model_cfg: ModelConfig, tokenizer=None):
         focus_transformers=sys.modules[config_cls.__module__].export_record(),
         bos_token_id=tokenizer.bos if tokenizer is not None else None,
         eos_token_id=tokenizer.eod if tokenizer is not None else None,
+        pad_token_id=tokenizer.eod if tokenizer is not None else None,  # no pad token: eos
         **hf_config_dict(model_cfg),
     )
     hf_config.architectures = [model_cls.__name__]
@@ -243,13 +252,34 @@ def hf_export_model(model_cfg: ModelConfig, tensors: dict[str, Tensor], tokenize
     return model
 
 
+def check_export_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse an existing, non-empty ``out_dir`` unless ``overwrite``: an export never mixes
+    its files with another's silently (stale shards, another tokenizer)."""
+    out = Path(out_dir)
+    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(
+            f"{out} exists and is not empty: export into a new directory, or pass --force "
+            "(overwrite=True) to replace it"
+        )
+
+
 def save_export(
-    model, out_dir: str | os.PathLike, tokenizer=None, record=None, *, max_shard_size="2GB"
+    model,
+    out_dir: str | os.PathLike,
+    tokenizer=None,
+    record=None,
+    *,
+    max_shard_size="2GB",
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (from :func:`hf_export_model`) as an export directory: safetensors,
     ``config.json``, the shipped modeling code, the tokenizer (when given) and
-    ``focus_export.json`` (``record``: where it came from). Returns the directory."""
+    ``focus_export.json`` (``record``: where it came from). Returns the directory. An existing
+    non-empty ``out_dir`` is refused unless ``overwrite``, which replaces it."""
+    check_export_dir(out_dir, overwrite)
     out = Path(out_dir)
+    if overwrite and out.is_dir():
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=max_shard_size)
     for name in SHIPPED_MODELING_FILES:
@@ -260,12 +290,16 @@ def save_export(
     return out
 
 
-def export_router_adapter(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export_router_adapter(
+    checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
     """Only the routers of ``checkpoint`` (a retrofit): ``focus_adapter.safetensors`` plus
     ``focus_adapter.json``, attachable to the original HF model with
-    :func:`attach_focus_adapter` (a few hundred KB instead of a model copy)."""
+    :func:`attach_focus_adapter` (a few hundred KB instead of a model copy). An existing
+    non-empty ``out_dir`` is refused unless ``overwrite``."""
     from safetensors.torch import save_file
 
+    check_export_dir(out_dir, overwrite)
     ckpt, config = _exportable_checkpoint(checkpoint)
     shards = trained_tp_shards(ckpt, config)  # the routers as trained (fp32 masters)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}

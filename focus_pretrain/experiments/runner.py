@@ -198,6 +198,7 @@ class _Runs:
                 str(ROOT / "tools" / "convert_to_hf.py"),
                 str(run),
                 str(run / "hf"),
+                "--force",  # a half-written export of an interrupted run is redone
             ]
             self._launch(args, run.parent / f"seed{seed}-export.log")
         return json.loads(done.read_text())["wall_s"]

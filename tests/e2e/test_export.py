@@ -44,6 +44,24 @@ def test_export_layout(exported):
         "generation_config.json",
     ):
         assert (out / name).is_file(), name
+    assert config["pad_token_id"] == config["eos_token_id"] is not None  # batched generate
+
+
+def test_an_export_never_mixes_with_an_existing_directory(exported, tmp_path):
+    """A non-empty target is refused (stale shards or another tokenizer would mix in);
+    ``overwrite=True`` (``--force``) replaces it whole."""
+    from focus_pretrain.errors import InputError
+
+    root, _ = exported
+    target = tmp_path / "hf"
+    target.mkdir()
+    (target / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    with pytest.raises(InputError, match=r"exists and is not empty: .* pass --force"):
+        export_hf(root / "run", target)
+    assert (target / "model-00009-of-00009.safetensors").read_bytes() == b"stale"
+    out = export_hf(root / "run", target, overwrite=True)
+    assert not (out / "model-00009-of-00009.safetensors").exists()
+    assert (out / "config.json").is_file()
 
 
 def _export_outputs(out, tokens: torch.Tensor, new_tokens: int):

@@ -102,6 +102,21 @@ def test_the_ring_refuses_a_triton_backend_on_the_hard_pattern():
     assert load_config(RECIPE, [*ring, "model.focus.training_mode=hard"])
 
 
+def test_the_resolved_config_is_an_ordinary_readable_file(tmp_path):
+    """Written atomically through a private temp file, it ends with the umask's mode (0644
+    under 022), not 0600."""
+    import os
+
+    from focus_pretrain.config import save_config
+
+    umask = os.umask(0o022)
+    try:
+        path = save_config(load_config(RECIPE), tmp_path / "config.yaml")
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
 def test_missing_recipe_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
