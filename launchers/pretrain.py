@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.config import load_config
 from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train import pretrain
@@ -24,7 +25,7 @@ from focus_pretrain.train.plan import print_plan
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--config", required=True, help="a YAML recipe (configs/*.yaml)")
     parser.add_argument(
         "--set",

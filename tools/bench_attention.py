@@ -13,7 +13,6 @@ against the reference. Writes JSON and a markdown table. On CPU it is a smoke te
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
@@ -24,11 +23,12 @@ from focus_pretrain.bench.attention import (
     run_benchmark,
 )
 from focus_pretrain.bench.report import environment, run_and_report
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
     defaults = BenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
     parser.add_argument("--groups", type=int, nargs="+", default=defaults.groups)
     parser.add_argument("--top-k", type=int, nargs="+", default=defaults.top_k)

@@ -11,19 +11,18 @@ query's groups). Checks the sparse step against the dense one; writes JSON and a
 
 from __future__ import annotations
 
-import argparse
-
 from focus_pretrain.bench.decode import (
     DecodeBenchConfig,
     markdown_table,
     run_decode_benchmark,
 )
 from focus_pretrain.bench.report import environment, run_and_report
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
     defaults = DecodeBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
     for name in ("groups", "top_k", "window", "layers", "heads", "head_dim", "vocab"):
         flag = f"--{name.replace('_', '-')}"

@@ -12,15 +12,14 @@ and a markdown table.
 
 from __future__ import annotations
 
-import argparse
-
 from focus_pretrain.bench.documents import DocumentsBenchConfig, markdown_table, run_benchmark
 from focus_pretrain.bench.report import DTYPES, environment, run_and_report
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
     defaults = DocumentsBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
     parser.add_argument("--doc-len", type=int, nargs="+", default=defaults.doc_len)
     parser.add_argument("--sinks", type=int, nargs="+", default=defaults.sinks)

@@ -14,15 +14,14 @@ markdown table. On CPU (``--device cpu``, tiny sizes) it is a smoke test only.
 
 from __future__ import annotations
 
-import argparse
-
 from focus_pretrain.bench.report import DTYPES, environment, run_and_report
 from focus_pretrain.bench.ring import STEPS, RingBenchConfig, markdown_table, run_ring_benchmark
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     defaults = RingBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq, help="global tokens")
     parser.add_argument("--cp", type=int, default=defaults.cp, help="context-parallel size")
     parser.add_argument("--groups", type=int, default=defaults.groups)

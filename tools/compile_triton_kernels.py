@@ -20,7 +20,6 @@ spills).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -31,6 +30,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from focus_pretrain.cli import tool_parser
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per block (opt-in max)
 MAX_REGISTERS = 255  # per thread, every architecture since sm_35
@@ -239,7 +240,7 @@ DTYPES = ["bf16", "fp16", "fp32", "tf32"]
 
 def main(argv: list[str] | None = None) -> int:
     """Compile the selected kernels, print the table, write the JSON; the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--dtype", nargs="+", default=["bf16"], choices=DTYPES,
                         help="fp32: fp32 inputs at PyTorch's default precision (3xTF32 "

@@ -10,14 +10,13 @@ with ``focus_pretrain.convert.attach_focus_adapter(model, OUT)``.
 
 from __future__ import annotations
 
-import argparse
-
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.convert import export_hf, export_router_adapter
 from focus_pretrain.errors import exit_on_input_error
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("checkpoint", help="a run directory or a checkpoints/step_N directory")
     parser.add_argument("out_dir", help="where the HF directory goes")
     parser.add_argument("--adapter-only", action="store_true", help="export only the routers")

@@ -10,12 +10,12 @@ documents and sinks, one warm call is counted with
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from focus_pretrain.bench.dispatch import DispatchCounter
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.focus.attention import focus_attention
 
 CASES = [  # (backend, mode, top_k)
@@ -29,7 +29,7 @@ CASES = [  # (backend, mode, top_k)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)

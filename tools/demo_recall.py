@@ -13,16 +13,16 @@ Prints a table and JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.config import load_config
 from focus_pretrain.experiments import compare_with_window_twin
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--config", default="configs/tiny.yaml", help="a demo-corpus recipe")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"

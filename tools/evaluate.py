@@ -16,16 +16,16 @@ the checkpoint's tokenizer; ``model.focus.*`` changes the inference pattern).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train.evaluate import evaluate_checkpoint
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="a run or checkpoint directory")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"

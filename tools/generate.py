@@ -14,15 +14,16 @@ rest (``generate``), so every option it has works on the export from Python too.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import time
 
+from focus_pretrain.cli import tool_parser
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("export", help="exported HF directory (config.json, modeling_focus.py)")
     parser.add_argument("--prompt", action="append", default=[], help="repeat for a batch")
     parser.add_argument("--prompts-file", help="one prompt per line")

@@ -11,19 +11,19 @@ fix when it ships neither) and ``train.init_from_hf``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
 import yaml
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.convert import check_tokenizer_matches, hf_model_config, import_hf
 from focus_pretrain.convert.hf_import import ARCHITECTURE_FIELDS, checkpoint_tokenizer
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("hf_dir", help="a local HuggingFace model directory")
     parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
     parser.add_argument("--window", type=int, default=128, help="Focus local window")

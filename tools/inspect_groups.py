@@ -15,14 +15,14 @@ a directory, a hub dataset), as --samples pieces of --length tokens. See docs/in
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from focus_pretrain.analysis.pipeline import inspect_groups
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="run, checkpoint or HF export dir")
     parser.add_argument("--text", nargs="+", default=[], metavar="FILE", help="text files")
     parser.add_argument("--corpus", help="a corpus source (demo:50, file.jsonl, dir, hub name)")

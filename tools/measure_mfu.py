@@ -15,18 +15,18 @@ optionally JSON. See focus_pretrain/bench/training.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
 from focus_pretrain.bench.report import environment, run_and_report
 from focus_pretrain.bench.training import MfuConfig, markdown_table, run_benchmark
+from focus_pretrain.cli import tool_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     defaults = MfuConfig()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument(
         "--config", nargs="+", default=defaults.recipes, help="recipes, measured in turn"
     )

@@ -9,16 +9,16 @@ and, with --json, writes the rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.focus import Routing, pattern_density
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--groups", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.data.corpus import (
     BadRecordError,
     ReadOptions,
@@ -45,7 +46,7 @@ from focus_pretrain.data.shards import SHARD_DOCUMENTS, preprocess_corpus, train
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("--input", action="append", nargs="+", required=True, metavar="SOURCE")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--output", help="a directory of shards and manifest.json")

@@ -12,15 +12,14 @@ node with many workers before the GPUs are allocated.
 
 from __future__ import annotations
 
-import argparse
-
+from focus_pretrain.cli import tool_parser
 from focus_pretrain.convert import resolve_checkpoint
 from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train.reshard import convert_to_universal
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tool_parser(__doc__)
     parser.add_argument("checkpoint", help="a run directory or a checkpoints/step_N directory")
     parser.add_argument(
         "--workers",

@@ -1,0 +1,67 @@
+"""The ``focus-pretrain`` command: its help answers without loading PyTorch and without
+warnings, each subcommand runs its script under the command's name with the script's full
+help (every option's default), and bad commands are refused with the choices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from focus_pretrain import cli
+
+CLEAN = "import sys; from focus_pretrain import cli; cli.main(sys.argv[1:])"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """``focus-pretrain ARGS`` in a fresh interpreter (the entry point's function)."""
+    return subprocess.run(
+        [sys.executable, "-c", CLEAN, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_help_lists_every_command_without_loading_torch():
+    done = _run("--help")
+    assert done.returncode == 0 and done.stderr == ""
+    for name, command in cli.COMMANDS.items():
+        assert f"  {name}" in done.stdout and command.summary in done.stdout
+        assert (cli.ROOT / command.script).is_file(), command.script
+    probe = "import sys; from focus_pretrain import cli\ntry:\n    cli.main(['--help'])\n"
+    probe += "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert loaded.stdout.strip().endswith("False")  # no heavy import behind --help
+
+
+def test_a_subcommand_runs_its_script_with_the_full_help():
+    done = _run("export", "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: focus-pretrain export")
+    assert "--adapter-only" in done.stdout and "(default: 2GB)" in done.stdout
+    assert "attach_focus_adapter" in done.stdout  # the docstring, not its first line only
+    assert "Warning" not in done.stderr and "WARNING" not in done.stderr
+
+
+def test_a_subcommand_keeps_its_scripts_errors_and_exit_code(tmp_path):
+    done = _run("import-hf", str(tmp_path / "missing"))
+    assert done.returncode == 2
+    assert "config.json does not exist" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nope"], "unknown command 'nope'; choose from train, import-hf"),
+    (["--nope"], "unknown option '--nope'; give a command first"),
+])  # fmt: skip
+def test_bad_commands_are_refused_with_the_choices(args, message):
+    done = _run(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_the_console_script_is_installed():
+    """``make setup`` installs the package editable with its ``[project.scripts]``."""
+    script = Path(sys.executable).parent / "focus-pretrain"
+    if not script.is_file():
+        pytest.skip(f"{script} not installed (make setup installs it)")
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("focus-pretrain ")
