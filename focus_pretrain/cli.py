@@ -62,7 +62,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         shows_default = action.default not in (None, False, argparse.SUPPRESS) and (
             action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
         )
-        if shows_default and "%(default)" not in text:
+        if shows_default and "default" not in text:
             text = f"{text} (default: %(default)s)".strip()
         return text
 

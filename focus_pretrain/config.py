@@ -274,22 +274,57 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
 
 
 def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Config:
-    tree: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist (see configs/*.yaml)")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as err:
-            raise InputError(f"{path} is not valid YAML: {err}".replace("\n", " ")) from err
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
-        tree = loaded or {}
+    tree: dict[str, Any] = {} if path is None else _read_recipe(Path(path), ())
     for override in overrides:
         apply_override(tree, override)
     _move_legacy_parallel_keys(tree)
     return from_mapping(Config, tree, section="")
+
+
+def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
+    """The sections of the recipe at ``path``, on top of its base recipes: a top-level
+    ``defaults:`` names one or a list (paths relative to the recipe, else to the working
+    directory), merged in order, then the recipe's own sections, section by section (a nested
+    mapping merges key by key; any other value replaces the base's)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist (see configs/*.yaml)")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise InputError(f"{path} is not valid YAML: {err}".replace("\n", " ")) from err
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ValueError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
+    tree = loaded or {}
+    bases = tree.pop("defaults", None)
+    if bases is None:
+        return tree
+    if not isinstance(bases, (str, list)) or not all(isinstance(b, str) for b in _listed(bases)):
+        raise ValueError(f"{path}: defaults must be a recipe path or a list of them")
+    merged: dict[str, Any] = {}
+    for base in _listed(bases):
+        found = next((c for c in (path.parent / base, Path(base)) if c.is_file()), None)
+        if found is None:
+            raise FileNotFoundError(f"{path}: its defaults recipe {base} does not exist")
+        if found.resolve() in including or found.resolve() == path.resolve():
+            raise ValueError(f"{path}: defaults include {found} in a cycle")
+        base_tree = _read_recipe(found, (*including, path.resolve()))
+        merged = _merged(merged, base_tree)
+    return _merged(merged, tree)
+
+
+def _listed(value: str | list) -> list:
+    return [value] if isinstance(value, str) else value
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge key by key, other values replace."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def _move_legacy_parallel_keys(tree: dict[str, Any]) -> None:

@@ -102,6 +102,8 @@ def load_checkpoint_model(
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     state, _ = megatron_state_dict(ckpt, layout.tensor_parallel_size, tp_rank)
+    if not config.model.focus.enabled:  # the trained model without Focus (a retrofit: the
+        state = {k: v for k, v in state.items() if ".router." not in k}  # original, dense)
     dtype = torch.bfloat16 if config.train.precision == "bf16" and device.type == "cuda" else None
     model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
     if layout.context_parallel_group is not None:

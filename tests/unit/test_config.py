@@ -117,6 +117,33 @@ def test_the_resolved_config_is_an_ordinary_readable_file(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o644
 
 
+def test_a_recipe_builds_on_base_recipes(tmp_path):
+    """``defaults:`` names base recipes (relative to the recipe, or the working directory),
+    merged in order, then the recipe's own sections key by key; overrides come last. A
+    missing base and a cycle are refused naming the recipe."""
+    (tmp_path / "base.yaml").write_text(
+        "train: {steps: 7, lr: 0.5}\nmodel: {focus: {num_groups: 8, window: 32}}\n"
+    )
+    (tmp_path / "mid.yaml").write_text("defaults: base.yaml\ntrain: {steps: 9}\n")
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(f"defaults: [mid.yaml, {RECIPE}]\nmodel: {{focus: {{window: 16}}}}\n")
+    config = load_config(recipe, ["train.lr=0.25"])
+    reference = load_config(RECIPE)
+    assert config.model.focus.window == 16  # the recipe's own
+    assert config.model.focus.num_groups == reference.model.focus.num_groups  # 7b.yaml: later
+    assert config.train.steps == reference.train.steps and config.train.lr == 0.25
+    assert config.model.num_layers == reference.model.num_layers
+    (tmp_path / "only.yaml").write_text("defaults: mid.yaml\n")
+    assert load_config(tmp_path / "only.yaml").train.steps == 9  # mid over base
+    (tmp_path / "loop.yaml").write_text("defaults: loop2.yaml\n")
+    (tmp_path / "loop2.yaml").write_text("defaults: loop.yaml\n")
+    with pytest.raises(ValueError, match="in a cycle"):
+        load_config(tmp_path / "loop.yaml")
+    (tmp_path / "gone.yaml").write_text("defaults: nowhere.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"gone.yaml: its defaults recipe nowhere.yaml"):
+        load_config(tmp_path / "gone.yaml")
+
+
 def test_missing_recipe_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
