@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 warnings.filterwarnings(
     "ignore", message=r"(Transformer Engine and )?Apex (is|are) not installed", category=UserWarning
 )
+# megatron-core's TransformerConfig warns about its own default cuda_graph_scope, set or not
+warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
 
 
 class _CpuAcceleratorNotice(logging.Filter):

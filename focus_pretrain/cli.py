@@ -37,6 +37,9 @@ class Command:
 
 COMMANDS = {
     "train": Command("launchers/pretrain.py", "train a recipe: pretraining, retrofits, resume"),
+    "retrofit": Command(
+        "tools/retrofit.py", "retrofit a HuggingFace model in one command: train, export, report"
+    ),
     "import-hf": Command(
         "tools/import_hf.py", "check a local HuggingFace model and print its retrofit recipe"
     ),

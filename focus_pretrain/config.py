@@ -281,6 +281,12 @@ def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Co
     return from_mapping(Config, tree, section="")
 
 
+def recipe_sections(path: str | os.PathLike) -> dict[str, Any]:
+    """The sections of the recipe at ``path`` with its ``defaults:`` merged in, as written (not
+    validated: a base recipe may leave out what its users fill in)."""
+    return as_input_error(lambda: _read_recipe(Path(path), ()))
+
+
 def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
     """The sections of the recipe at ``path``, on top of its base recipes: a top-level
     ``defaults:`` names one or a list (paths relative to the recipe, else to the working

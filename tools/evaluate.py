@@ -21,6 +21,7 @@ import math
 
 from focus_pretrain.cli import tool_parser
 from focus_pretrain.errors import exit_on_input_error
+from focus_pretrain.parallel.launch import shutdown_distributed
 from focus_pretrain.train.evaluate import evaluate_checkpoint
 
 
@@ -32,8 +33,16 @@ def main() -> None:
     )
     parser.add_argument("--out", help="write the result as JSON to this file")
     args = parser.parse_args()
-    with exit_on_input_error("evaluate"):  # a bad override or checkpoint: one line, status 2
-        result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
+    try:
+        with exit_on_input_error("evaluate"):  # a bad override or checkpoint: one line, status 2
+            result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
+        _report(result)
+    finally:
+        shutdown_distributed()
+
+
+def _report(result: dict) -> None:
+    """The metrics as a table and as JSON, from rank 0."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -19,6 +19,7 @@ import sys
 
 from focus_pretrain.analysis.pipeline import inspect_groups
 from focus_pretrain.cli import tool_parser
+from focus_pretrain.parallel.launch import shutdown_distributed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
+    finally:
+        shutdown_distributed()
     print(f"report: {report}")
 
 

@@ -89,6 +89,14 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process groups (if any) before the interpreter exits: left to the exit,
+    their threads can race it (``terminate called without an active exception``, seen once
+    in an evaluation process on a loaded machine)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """The process grid of a run: ``world_size = tensor x context x data`` parallel ranks.

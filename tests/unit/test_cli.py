@@ -50,7 +50,7 @@ def test_a_subcommand_keeps_its_scripts_errors_and_exit_code(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["nope"], "unknown command 'nope'; choose from train, import-hf"),
+    (["nope"], "unknown command 'nope'; choose from train, retrofit, import-hf"),
     (["--nope"], "unknown option '--nope'; give a command first"),
 ])  # fmt: skip
 def test_bad_commands_are_refused_with_the_choices(args, message):

@@ -1,0 +1,127 @@
+"""The recipe of a retrofit: a local HuggingFace checkpoint's architecture, a Focus section, the
+checkpoint's own tokenizer and ``train.init_from_hf``, as the recipe sections that
+``tools/import_hf.py`` prints and ``focus-pretrain retrofit`` writes (on a base recipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from focus_pretrain.convert.hf_import import (
+    ARCHITECTURE_FIELDS,
+    check_tokenizer_matches,
+    checkpoint_tokenizer,
+    hf_model_config,
+    import_hf,
+)
+
+
+def retrofit_sections(
+    hf_dir: str | os.PathLike, *, groups: int = 4, window: int = 128
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """``(sections, summary)``: the recipe sections retrofitting ``hf_dir`` (``model`` with its
+    architecture and ``focus``; ``data.tokenizer``; ``train.init_from_hf`` and ``freeze:
+    retrofit``) and what was checked (``tensors``, ``parameters``).
+
+    Every tensor is mapped through our key maps with its shape checked (no model built).
+
+    Raises:
+        ValueError: the checkpoint is unsupported or inconsistent, or ships no tokenizer this
+            project reads (the message names the fix; see
+            :func:`~focus_pretrain.convert.hf_import.check_tokenizer_matches`).
+        FileNotFoundError: its ``config.json`` or weights are missing.
+    """
+    config = hf_model_config(hf_dir)
+    state = import_hf(hf_dir, config, tp_rank=0)
+    tokenizer = checkpoint_tokenizer(hf_dir)
+    if tokenizer is None:
+        check_tokenizer_matches(hf_dir, None)  # raises, naming what to do
+    model = {
+        name: getattr(config, name)
+        for name in ("family", *ARCHITECTURE_FIELDS[1:], "max_seq_length")
+        if getattr(config, name) is not None
+    }
+    if config.rope_scaling is not None:  # a dataclass: plain YAML, unset fields left out
+        scaling = dataclasses.asdict(config.rope_scaling)
+        model["rope_scaling"] = {k: v for k, v in scaling.items() if v is not None}
+    model["focus"] = {"num_groups": groups, "window": window}
+    sections = {
+        "model": model,
+        "data": {"tokenizer": tokenizer},
+        "train": {"init_from_hf": str(hf_dir), "freeze": "retrofit"},
+    }
+    summary = {"tensors": len(state), "parameters": sum(t.numel() for t in state.values())}
+    return sections, summary
+
+
+# the validation scalars the report compares (tools/evaluate.py's names), with their headings
+REPORT_METRICS = {
+    "loss": "validation loss",
+    "loss_beyond_window": "loss beyond the window",
+    "loss_far_evidence": "loss, far evidence",
+    "kept_pairs": "kept pairs (hard)",
+}
+
+
+def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None) -> Path:
+    """``out/report.md``, ``report.json`` and ``loss.png``: the original (dense) model against
+    the retrofit in soft and hard mode (``evaluations``: variant -> tools/evaluate.py's
+    metrics), the group balance per layer (``groups``: tools/inspect_groups.py's report.json,
+    its own report and plots in ``out/groups``) and what was run (``meta``)."""
+    lines = [f"# Retrofit report: {meta['hf_dir']}", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    lines += ["", "## Before and after (validation split of the training data)", ""]
+    lines += ["| model | " + " | ".join(REPORT_METRICS.values()) + " |"]
+    lines += ["|---|" + "---:|" * len(REPORT_METRICS)]
+    for variant, metrics in evaluations.items():
+        cells = [_cell(metrics.get(key)) for key in REPORT_METRICS]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "![loss](loss.png)", ""]
+    if groups is not None:
+        lines += ["## Groups (the retrofit's routers)", ""]
+        lines += ["| layer | shares | largest share | kept pairs |", "|---:|---|---:|---:|"]
+        for layer in groups["layers"]:
+            shares = ", ".join(f"{s:.2f}" for s in layer["shares"])
+            lines.append(
+                f"| {layer['layer']} | {shares} | {layer['max_share']:.3f} | "
+                f"{layer['density']:.3f} |"
+            )
+        lines += ["", "Per layer plots and typical tokens: [groups/report.md](groups/report.md)."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    summary = {"meta": meta, "evaluations": evaluations}
+    summary["groups"] = None if groups is None else [
+        {k: layer[k] for k in ("layer", "shares", "max_share", "density")}
+        for layer in groups["layers"]
+    ]  # fmt: skip
+    (out / "report.json").write_text(json.dumps(summary, indent=1))
+    _plot_losses(evaluations, out / "loss.png")
+    return out / "report.md"
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _plot_losses(evaluations: dict, path: Path) -> None:
+    """Grouped bars: each loss of :data:`REPORT_METRICS` per model variant."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = [k for k in REPORT_METRICS if k != "kept_pairs"]
+    fig = Figure(figsize=(7, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.arange(len(keys))
+    width = 0.8 / max(1, len(evaluations))
+    for i, (variant, metrics) in enumerate(evaluations.items()):
+        values = [metrics.get(k) or 0.0 for k in keys]
+        ax.bar(x + i * width, values, width, label=variant)
+    ax.set_xticks(x + width * (len(evaluations) - 1) / 2, [REPORT_METRICS[k] for k in keys])
+    ax.set_ylabel("nats per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,98 @@
+"""``focus-pretrain retrofit HF_DIR --data ...``: a whole retrofit in one command on tiny
+HuggingFace models built here (GPT-2 trained in bf16, Llama in fp32): recipe, run, export,
+adapter and report; the export's original weights equal the checkpoint's bit for bit (dtype
+included) and its logits those of the original model with the adapter attached. A checkpoint
+without a tokenizer is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shutil
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.e2e.runs import run
+from tests.e2e.test_train import _hf_gpt2_with_tokenizer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.hf]
+COMMAND = [sys.executable, "-m", "focus_pretrain.cli", "retrofit"]
+SMALL = [
+    "--data", "demo:80", "--steps", "3", "--groups", "4", "--window", "16",
+    "--report-samples", "2", "--set", "train.micro_batch_size=2",
+    "--set", "train.global_batch_size=2", "--set", "train.eval_iters=1",
+    "--set", "train.recall_docs=0", "--set", "train.save_interval=3",
+]  # fmt: skip
+
+
+def _hf_llama_with_tokenizer(root: pathlib.Path) -> pathlib.Path:
+    """A tiny random HF Llama (GQA) plus its own byte-level BPE tokenizer."""
+    import transformers
+
+    from focus_pretrain.data import demo_documents
+    from tests.helpers import make_hf_tokenizer
+
+    path = make_hf_tokenizer(root / "hf-llama", demo_documents(200, seed=1234), vocab_size=400)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=400, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family, precision", [("gpt2", "bf16"), ("llama", "fp32")])
+def test_one_command_retrofit(tmp_path, family, precision):
+    import transformers
+
+    from focus_pretrain.config import load_config
+    from focus_pretrain.convert import attach_focus_adapter
+    from focus_pretrain.convert.hf_import import load_hf_tensors
+
+    build = {"gpt2": _hf_gpt2_with_tokenizer, "llama": _hf_llama_with_tokenizer}[family]
+    hf, out = build(tmp_path), tmp_path / "out"
+    sets = ["--set", f"train.precision={precision}", "--set", f"data.cache_dir={tmp_path / 'c'}"]
+    done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for name in ("report.md", "loss.png", "export/config.json", "groups/report.md"):
+        assert (out / name).is_file(), name
+    recipe = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert recipe["defaults"].endswith("configs/retrofit.yaml")
+    config = load_config(out / "recipe.yaml")  # rerunnable as it stands
+    assert config.train.init_from_hf == str(hf) and config.train.freeze == "retrofit"
+    assert config.data.tokenizer == str(hf) and config.train.precision == precision  # --set
+    report = json.loads((out / "report.json").read_text())
+    variants = ["original (dense)", "retrofit, soft", "retrofit, hard"]
+    assert list(report["evaluations"]) == variants
+    assert all(math.isfinite(report["evaluations"][v]["loss"]) for v in variants)
+    assert 0 < report["evaluations"]["retrofit, hard"]["kept_pairs"] < 1
+    assert len(report["groups"]) == 2 and "| retrofit, hard |" in (out / "report.md").read_text()
+
+    originals, exported = load_hf_tensors(hf), load_hf_tensors(out / "export")
+    for key, original in originals.items():
+        assert exported[key].dtype == original.dtype and torch.equal(exported[key], original), key
+    model_class = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
+    original = model_class[family].from_pretrained(hf).eval()
+    attach_focus_adapter(original, out / "adapter")
+    export = transformers.AutoModelForCausalLM.from_pretrained(
+        out / "export", trust_remote_code=True
+    ).eval()
+    x = torch.randint(0, 400, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(export(x).logits, original(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_without_its_tokenizer_is_refused_before_any_work(tmp_path):
+    hf = _hf_gpt2_with_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf / name).unlink()
+    done = run([*COMMAND, str(hf), *SMALL, "--out", str(tmp_path / "out")])
+    assert done.returncode == 2
+    assert "ships no tokenizer and data.tokenizer is not set" in done.stderr
+    assert not (tmp_path / "out" / "run").exists()
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)

@@ -1,0 +1,156 @@
+"""Retrofit a local HuggingFace model with Focus in one command: import, train the routers,
+export, report.
+
+    focus-pretrain retrofit checkpoints/gpt2 --data corpus.jsonl --steps 2000
+    focus-pretrain retrofit checkpoints/gpt2 --data demo:2000 --steps 50 --set train.precision=fp32
+
+Checks the checkpoint (architecture, every tensor's shape, its own tokenizer: refused with the
+fix when it ships none this project reads), then writes under --out (default
+runs/retrofit-NAME):
+
+  recipe.yaml  the recipe it trains: `defaults:` the base recipe (--base, configs/retrofit.yaml)
+               plus the imported model, the Focus section, the data, the checkpoint's
+               tokenizer and the --set overrides; `focus-pretrain train --config
+               OUT/recipe.yaml` reruns or resumes it
+  run/         the training run: only the routers train, every original weight stays frozen
+  export/      the full HuggingFace model: the original weights bit for bit (their dtype too),
+               the routers as trained (fp32)
+  adapter/     the routers alone, for attach_focus_adapter on the unmodified model
+  report.md    before and after: validation loss, loss beyond the window and on far evidence of
+               the original (dense) model and of the retrofit in soft and hard mode, the hard
+               pattern's kept pairs, the group balance per layer (groups/: plots, typical tokens);
+               report.json, loss.png
+
+--data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
+dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from focus_pretrain.cli import ROOT, tool_parser
+from focus_pretrain.config import apply_override, load_config, recipe_sections
+from focus_pretrain.convert.retrofit import retrofit_sections, write_report
+from focus_pretrain.errors import InputError, as_input_error, exit_on_input_error
+
+VARIANTS = {  # report row -> tools/evaluate.py overrides of the trained checkpoint
+    "original (dense)": ["model.focus.enabled=false"],
+    "retrofit, soft": ["model.focus.inference_mode=soft"],
+    "retrofit, hard": ["model.focus.inference_mode=hard"],
+}
+
+
+def _arguments():
+    parser = tool_parser(__doc__)
+    parser.add_argument("hf_dir", help="a local HuggingFace model directory")
+    parser.add_argument("--data", nargs="+", required=True, help="data.sources of the training")
+    parser.add_argument("--steps", type=int, help="train.steps (default: the base recipe's)")
+    parser.add_argument("--out", help="output directory (default: runs/retrofit-NAME)")
+    parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
+    parser.add_argument("--window", type=int, default=128, help="Focus local window")
+    parser.add_argument("--base", default=str(ROOT / "configs" / "retrofit.yaml"),
+                        help="the base recipe")  # fmt: skip
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="recipe overrides")  # fmt: skip
+    parser.add_argument("--report-samples", type=int, default=8,
+                        help="corpus pieces the group report reads")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    return parser.parse_args()
+
+
+def write_recipe(args, out: Path) -> Path:
+    """``out/recipe.yaml``: the base recipe plus the imported sections (validated with the
+    overrides before any work)."""
+    sections, summary = as_input_error(
+        lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)
+    )
+    print(f"{args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters")
+    base_length = recipe_sections(args.base).get("data", {}).get("seq_length", 1024)
+    max_seq = sections["model"]["max_seq_length"]
+    sections["data"].update(sources=list(args.data), seq_length=min(base_length, max_seq))
+    if args.steps is not None:
+        sections["train"]["steps"] = args.steps
+    name = Path(args.hf_dir).resolve().name
+    recipe = {"defaults": str(Path(args.base).resolve())}
+    recipe["run"] = {"name": f"retrofit-{name}", "output_dir": str(out / "run")}
+    recipe.update(sections)
+    for override in args.overrides:  # written into the recipe: it reruns as it stands
+        apply_override(recipe, override)
+    path = out / "recipe.yaml"
+    header = f"# focus-pretrain retrofit {args.hf_dir}: rerun or resume with\n"
+    header += f"#   focus-pretrain train --config {path}\n"
+    path.write_text(header + yaml.safe_dump(recipe, sort_keys=False))
+    load_config(path)  # a bad override or value: refused now
+    return path
+
+
+def _script(name: str, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / name), *args]
+
+
+def _run(command: list[str], what: str) -> None:
+    """Run a step as its own process (output shown); a failure ends the retrofit with its
+    exit code."""
+    print(f"== {what}", flush=True)
+    done = subprocess.run(command)
+    if done.returncode != 0:
+        print(f"focus-pretrain retrofit: {what} failed (exit {done.returncode})", file=sys.stderr)
+        sys.exit(done.returncode)
+
+
+def evaluate(out: Path) -> dict[str, dict]:
+    """Each report variant's validation metrics (tools/evaluate.py, JSON under out/eval)."""
+    (out / "eval").mkdir(exist_ok=True)
+    results = {}
+    for variant, overrides in VARIANTS.items():
+        target = out / "eval" / (variant.split(",")[-1].split()[0].strip("()") + ".json")
+        sets = [part for o in overrides for part in ("--set", o)]
+        checkpoint = ["--checkpoint", str(out / "run")]
+        _run(_script("tools/evaluate.py", *checkpoint, *sets, "--out", str(target)), variant)
+        results[variant] = json.loads(target.read_text())["metrics"]
+    return results
+
+
+def main() -> None:
+    args = _arguments()
+    name = Path(args.hf_dir).resolve().name
+    out = Path(args.out or f"runs/retrofit-{name}")
+    with exit_on_input_error("retrofit"):  # bad input: one line, status 2, before any work
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise InputError(f"{out} exists and is not empty: choose another --out or --force")
+        if args.force and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        recipe = write_recipe(args, out)
+    config = load_config(recipe)
+    _run(_script("launchers/pretrain.py", "--config", str(recipe)), "training the routers")
+    _run(_script("tools/convert_to_hf.py", str(out / "run"), str(out / "export")), "export")
+    adapter = [str(out / "run"), str(out / "adapter"), "--adapter-only"]
+    _run(_script("tools/convert_to_hf.py", *adapter), "router adapter")
+    evaluations = evaluate(out)
+    groups = [
+        "--checkpoint", str(out / "run"), "--corpus", args.data[0], "--samples",
+        str(args.report_samples), "--length", str(config.data.seq_length), "--out",
+        str(out / "groups"), "--quiet",
+    ]  # fmt: skip
+    _run(_script("tools/inspect_groups.py", *groups), "group report")
+    meta = {
+        "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
+        "steps": config.train.steps, "precision": config.train.precision,
+        "focus": f"K={config.model.focus.num_groups}, window={config.model.focus.window}",
+        "export": str(out / "export"), "adapter": str(out / "adapter"),
+    }  # fmt: skip
+    report_json = json.loads((out / "groups" / "report.json").read_text())
+    report = write_report(out, meta, evaluations, report_json)
+    print(f"retrofit done: {report}")
+
+
+if __name__ == "__main__":
+    main()
