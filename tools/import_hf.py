@@ -4,7 +4,9 @@
     python tools/import_hf.py checkpoints/gpt2 --groups 4 --window 128 > configs/my-retrofit.yaml
 
 Reads config.json, maps every tensor through our key maps (shapes checked, no model built),
-and prints YAML: the ``model`` section with the checkpoint's architecture and a Focus section,
+and prints YAML: ``defaults: configs/retrofit.yaml`` (the retrofit training knobs, resolved from
+the working directory), the ``run`` name and directory, the ``model`` section with the
+checkpoint's architecture and a Focus section,
 ``data.tokenizer`` (the checkpoint's ``tokenizer.json`` or ``tokenizer.model``; refused with the
 fix when it ships neither) and ``train.init_from_hf``. ``focus-pretrain retrofit`` does all of a
 retrofit in one command (these sections on ``configs/retrofit.yaml``, training, export, report).
@@ -19,6 +21,8 @@ import yaml
 from focus_pretrain.cli import tool_parser
 from focus_pretrain.convert.retrofit import retrofit_sections
 from focus_pretrain.errors import as_input_error, exit_on_input_error
+
+BASE = "configs/retrofit.yaml"  # the training knobs (relative to the recipe, else the cwd)
 
 
 def main() -> None:
@@ -35,7 +39,8 @@ def main() -> None:
         f"# {args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters",
         file=sys.stderr,
     )
-    print(yaml.safe_dump(recipe, sort_keys=False), end="")
+    print("# set data.sources to your corpus (local files or directories, a hub dataset)")
+    print(yaml.safe_dump({"defaults": BASE, **recipe}, sort_keys=False), end="")
 
 
 if __name__ == "__main__":

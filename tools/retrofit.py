@@ -68,19 +68,18 @@ def _arguments():
 def write_recipe(args, out: Path) -> Path:
     """``out/recipe.yaml``: the base recipe plus the imported sections (validated with the
     overrides before any work)."""
+    length = recipe_sections(args.base).get("data", {}).get("seq_length", 1024)
     sections, summary = as_input_error(
-        lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)
+        lambda: retrofit_sections(
+            args.hf_dir, groups=args.groups, window=args.window, seq_length=length
+        )
     )
     print(f"{args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters")
-    base_length = recipe_sections(args.base).get("data", {}).get("seq_length", 1024)
-    max_seq = sections["model"]["max_seq_length"]
-    sections["data"].update(sources=list(args.data), seq_length=min(base_length, max_seq))
+    sections["run"]["output_dir"] = str(out / "run")
+    sections["data"]["sources"] = list(args.data)
     if args.steps is not None:
         sections["train"]["steps"] = args.steps
-    name = Path(args.hf_dir).resolve().name
-    recipe = {"defaults": str(Path(args.base).resolve())}
-    recipe["run"] = {"name": f"retrofit-{name}", "output_dir": str(out / "run")}
-    recipe.update(sections)
+    recipe = {"defaults": str(Path(args.base).resolve()), **sections}
     for override in args.overrides:  # written into the recipe: it reruns as it stands
         apply_override(recipe, override)
     path = out / "recipe.yaml"

@@ -20,11 +20,12 @@ from focus_pretrain.convert.hf_import import (
 
 
 def retrofit_sections(
-    hf_dir: str | os.PathLike, *, groups: int = 4, window: int = 128
+    hf_dir: str | os.PathLike, *, groups: int = 4, window: int = 128, seq_length: int = 1024
 ) -> tuple[dict[str, Any], dict[str, int]]:
-    """``(sections, summary)``: the recipe sections retrofitting ``hf_dir`` (``model`` with its
-    architecture and ``focus``; ``data.tokenizer``; ``train.init_from_hf`` and ``freeze:
-    retrofit``) and what was checked (``tensors``, ``parameters``).
+    """``(sections, summary)``: the recipe sections retrofitting ``hf_dir`` (``run`` name and
+    output directory; ``model`` with its architecture and ``focus``; ``data.tokenizer`` and
+    ``data.seq_length``, ``seq_length`` at most the model's maximum; ``train.init_from_hf`` and
+    ``freeze: retrofit``) and what was checked (``tensors``, ``parameters``).
 
     Every tensor is mapped through our key maps with its shape checked (no model built).
 
@@ -48,9 +49,11 @@ def retrofit_sections(
         scaling = dataclasses.asdict(config.rope_scaling)
         model["rope_scaling"] = {k: v for k, v in scaling.items() if v is not None}
     model["focus"] = {"num_groups": groups, "window": window}
+    name = f"retrofit-{Path(hf_dir).resolve().name}"
     sections = {
+        "run": {"name": name, "output_dir": f"runs/{name}"},
         "model": model,
-        "data": {"tokenizer": tokenizer},
+        "data": {"tokenizer": tokenizer, "seq_length": min(seq_length, config.max_seq_length)},
         "train": {"init_from_hf": str(hf_dir), "freeze": "retrofit"},
     }
     summary = {"tensors": len(state), "parameters": sum(t.numel() for t in state.values())}

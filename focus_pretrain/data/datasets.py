@@ -80,7 +80,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if not self.sources:
-            raise ValueError("data.sources must list at least one corpus")
+            raise ValueError(
+                "data.sources must list at least one corpus: local .jsonl/.parquet/.txt files or "
+                "directories, tokenised shards, a hub dataset name, or demo:N"
+            )
         if self.weights is not None:
             if len(self.weights) != len(self.sources):
                 raise ValueError(

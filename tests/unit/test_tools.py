@@ -75,7 +75,17 @@ def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
     assert f"# {path}: 42 tensors" in result.stderr  # 4 x 10 per layer + embedding, norm
     recipe = tmp_path / "retrofit.yaml"
     recipe.write_text(result.stdout)
-    config = load_config(recipe, ["data.seq_length=64"])
+    with pytest.raises(ValueError, match=r"data\.sources must list at least one corpus"):
+        load_config(recipe)  # the base leaves the corpus to the user: no silent demo data
+    config = load_config(recipe, ['data.sources=["demo:10"]'])  # on configs/retrofit.yaml
+    assert (
+        config.train.lr
+        == load_config(
+            ROOT / "configs" / "retrofit.yaml", ['data.sources=["x"]', "data.seq_length=64"]
+        ).train.lr
+    )
+    assert config.data.seq_length == 64  # the checkpoint's maximum, not the base's 1024
+    assert config.run.output_dir == f"runs/retrofit-{path.name}"
     assert config.train.init_from_hf == str(path) and config.train.freeze == "retrofit"
     assert config.data.tokenizer == str(path)  # its tokenizer.json
     assert config.model.focus.num_groups == 8
