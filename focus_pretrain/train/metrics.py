@@ -177,6 +177,7 @@ class MetricsLogger:
         self.enabled = enabled and output_dir is not None
         self.writer = None
         self.jsonl = None
+        self.total_steps: int | None = None  # shown as "step N/total" when set
         if not self.enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +195,8 @@ class MetricsLogger:
             return
         shown = {k: v for k, v in scalars.items() if v is not None}
         brief = {k: v for k, v in shown.items() if not _DETAIL.search(k)}
-        parts = [f"{prefix} step {step}"] + [f"{k} {_fmt(v)}" for k, v in brief.items()]
+        of = f"/{self.total_steps}" if self.total_steps else ""
+        parts = [f"{prefix} step {step}{of}"] + [f"{k} {_fmt(v)}" for k, v in brief.items()]
         print(" | ".join(parts), flush=True)
         self._append({"split": prefix, "step": step, **shown})
         if self.writer is not None:
@@ -208,6 +210,7 @@ class MetricsLogger:
             self._append({"event": name, **fields})
 
     def _append(self, record: dict) -> None:
+        record = {**record, "time": round(time.time(), 3)}  # unix seconds: when it was written
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
 

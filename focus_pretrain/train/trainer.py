@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ class Trainer:
             self.run_layout,
         )
         if self.layout.is_main:
-            save_config(config, self.output_dir / "config.yaml")
+            path = save_config(config, self.output_dir / "config.yaml")
+            print(f"focus-pretrain: resolved config ({path}):\n{path.read_text()}", flush=True)
         self.device = torch.device("cpu")
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -311,6 +313,8 @@ class Trainer:
             peak_tflops(config.train.peak_tflops),
         )
         self._announce()
+        self.logger.total_steps = config.train.steps
+        self._clock = (time.perf_counter(), self.step)  # this launch's start: elapsed, ETA
         try:
             with self.stop:
                 while self.step < config.train.steps and not self.stop.should_stop():
@@ -352,6 +356,19 @@ class Trainer:
         with meter.excluded("save"):
             self.checkpointer.save(self.step)
 
+    def _progress(self) -> dict[str, float]:
+        """Tokens seen (all launches), this launch's elapsed seconds and the estimated seconds
+        to ``train.steps`` at its pace so far."""
+        start, first_step = self._clock
+        elapsed = time.perf_counter() - start
+        done = self.step - first_step
+        remaining = self.config.train.steps - self.step
+        return {
+            "tokens_seen": float(self.consumed_samples * self.config.data.seq_length),
+            "elapsed_s": elapsed,
+            "eta_s": elapsed / done * remaining if done > 0 else None,
+        }
+
     def _train_scalars(self, meter: IntervalMeter) -> dict[str, float | None]:
         density = attention_density(self.focus_layers, self.layout.data_context_group)
         flops = None
@@ -376,6 +393,7 @@ class Trainer:
             "attention_density": density,  # sparse training: share of causal pairs computed
             "ring_skipped": ring_skipped_share(self.ring_stats),
             "skipped_steps": self.bad_steps.skipped,  # bad steps so far (not in loss)
+            **self._progress(),
             "eval_s": interval.get("eval_s", 0.0),  # left out of tokens_per_s, tflops, mfu
             "save_s": interval.get("save_s", 0.0),
         }
@@ -443,7 +461,11 @@ class Trainer:
                     flush=True,
                 )
             else:
-                print(f"focus-pretrain: done at step {self.step}; {where}", flush=True)
+                print(
+                    f"focus-pretrain: done at step {self.step}; {where}; to train further, "
+                    "rerun the same command with a larger train.steps (it resumes there)",
+                    flush=True,
+                )
             write_exit_status(stopped, self.step)
         return {
             "step": self.step,

@@ -83,10 +83,19 @@ def test_trains_checkpoints_and_resumes_exactly(tmp_path, cache):
         "tflops",
         "peak_mem_gb",
         "max_group_share",
+        "tokens_seen",
+        "elapsed_s",
+        "eta_s",
+        "time",
     ):
         assert isinstance(record[key], float), key
+    assert record["tokens_seen"] == 6 * 4 * 128 and record["eta_s"] == 0.0  # 6 of 6 steps
     line = next(line for line in straight.stdout.splitlines() if line.startswith("train step 6"))
+    assert line.startswith("train step 6/6 |")  # step of total
     assert "| loss " in line and "| max_group_share " in line  # the console shows the same
+    assert "rerun the same command with a larger train.steps" in straight.stdout  # how to go on
+    resolved = f"focus-pretrain: resolved config ({tmp_path / 'a' / 'config.yaml'}):\nrun:\n"
+    assert straight.stdout.count("resolved config") == 1 and resolved in straight.stdout
 
 
 @pytest.mark.hf
