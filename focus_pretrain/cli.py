@@ -17,6 +17,7 @@ its default.
 from __future__ import annotations
 
 import argparse
+import copy
 import runpy
 import sys
 from dataclasses import dataclass
@@ -60,9 +61,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps a description's line breaks (a script's whole docstring) and shows every option's
     default, also of options without a help text."""
 
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and self._has_default(action):
+            action = copy.copy(action)  # an option without help text still shows its default
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    @staticmethod
+    def _has_default(action: argparse.Action) -> bool:
+        return not any(action.default is v for v in (None, False, argparse.SUPPRESS))
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        shows_default = action.default not in (None, False, argparse.SUPPRESS) and (
+        shows_default = self._has_default(action) and (
             action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
         )
         if shows_default and "default" not in text:
