@@ -167,7 +167,8 @@ def check_compatible(config: ModelConfig, hf: dict[str, Any]) -> None:
             raise ValueError(
                 f"model.{name} is {ours[name]!r} but the HuggingFace checkpoint has "
                 f"{wanted[name]!r} (its config.json); take the architecture from the checkpoint "
-                "(focus_pretrain.convert.hf_model_config) or fix the recipe"
+                "(`focus-pretrain import-hf DIR` prints its model section; "
+                "focus_pretrain.convert.hf_model_config) or fix the recipe"
             )
     learned = config.family_spec.positions == "learned_absolute"
     if learned and config.max_seq_length != wanted["max_seq_length"]:
@@ -306,6 +307,18 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | os.PathLike, config: M
         for key, tensor in state.items():
             own[key].copy_(tensor.to(own[key].dtype))
     return len(state)
+
+
+def check_hf_source(hf_dir: str | os.PathLike, config) -> None:
+    """What ``train.init_from_hf`` needs before any data or model work: the checkpoint's
+    architecture is the recipe's (family included) and the recipe uses its tokenizer.
+
+    Raises:
+        ValueError: they differ (the message names the field and the fix).
+        FileNotFoundError: ``hf_dir`` has no ``config.json``.
+    """
+    check_compatible(config.model, read_hf_config(hf_dir))
+    check_tokenizer_matches(hf_dir, config.data.tokenizer)
 
 
 def check_tokenizer_matches(hf_dir: str | os.PathLike, tokenizer: str | os.PathLike | None) -> None:

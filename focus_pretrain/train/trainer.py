@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from focus_pretrain.config import Config, save_config
-from focus_pretrain.convert import check_tokenizer_matches, load_hf_weights
+from focus_pretrain.convert import load_hf_weights
+from focus_pretrain.convert.hf_import import check_hf_source
 from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import ResumableSampler, build_datasets
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import as_input_error
 from focus_pretrain.focus import FocusRouter
 from focus_pretrain.model import build_model
 from focus_pretrain.model.attention import FocusSelfAttention
@@ -144,8 +146,8 @@ class Trainer:
     def _build_data(self) -> tuple[Tokenizer, Any, Any]:
         """Token files prepared once (rank 0), then every rank's train and valid splits."""
         config, train = self.config, self.config.train
-        if train.init_from_hf:  # before any data work: the retrofit must use the model's tokens
-            check_tokenizer_matches(train.init_from_hf, config.data.tokenizer)
+        if train.init_from_hf:  # before any data work: the checkpoint's architecture, tokens
+            as_input_error(lambda: check_hf_source(train.init_from_hf, config))
         tokenizer_path, prefixes = prepare_data_in_job(config.data, config.run.seed)
         tokenizer = Tokenizer(tokenizer_path)
         if tokenizer.vocab_size > config.model.vocab_size:

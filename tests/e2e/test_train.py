@@ -583,8 +583,12 @@ def test_retrofit_from_a_huggingface_checkpoint(tmp_path, cache):
     torch.testing.assert_close(hard, ours["hard"], rtol=1e-4, atol=1e-4)
 
     wrong = launch(overrides(tmp_path / "wrong", cache, *RETROFIT_GPT2, f"train.init_from_hf={hf}"))
-    assert wrong.returncode != 0
+    assert wrong.returncode == 2  # one line naming the fix, before any data work
     assert "ships its own tokenizer" in wrong.stderr and "train step" not in wrong.stdout
+    family = launch(overrides(tmp_path / "family", cache, f"train.init_from_hf={hf}"))  # llama
+    assert family.returncode == 2 and "Traceback" not in family.stderr
+    assert "model.family is 'llama' but the HuggingFace checkpoint has 'gpt2'" in family.stderr
+    assert "tokenising" not in family.stdout + family.stderr  # refused before the data
 
 
 def test_bf16_retrofit_exports_the_original_weights_and_the_trained_routers(tmp_path):
