@@ -42,6 +42,7 @@ from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.cpu_shim import apply_cpu_shim
 from focus_pretrain.parallel.launch import init_distributed
 from focus_pretrain.parallel.ring import SCORE_BUDGET
+from focus_pretrain.train.metrics import flops_per_sample, peak_tflops
 from focus_pretrain.train.optim import apply_freeze_policy
 
 GB = 1e9
@@ -128,7 +129,7 @@ def memory_plan(config: Config, counts: dict[str, int]) -> dict[str, float | int
         "tokens_per_gpu": s * b,
         "zero_stage": par.zero_stage,
         "parameters": total,
-        "parameters_per_gpu": int(per_gpu),
+        "parameters_per_gpu": int(per_gpu / shards if par.zero_stage >= 3 else per_gpu),
         "weights_gb": weights / GB,
         "gradients_gb": grads / GB,
         "optimizer_gb": optim / GB,
@@ -162,15 +163,47 @@ def count_split(config: Config) -> dict[str, int]:
     return {"sharded": sharded, "replicated": replicated, "trainable": trainable}
 
 
+PLANNED_MFU = 0.40  # the utilisation the time estimate assumes (a well-tuned dense run)
+DEMO_WARNING_PARAMETERS = 1e8  # above it, training on the synthetic demo corpus is a mistake
+
+
+def data_plan(config: Config, plan: dict) -> dict:
+    """What the run reads and how long it takes: ``sources``, ``tokens_per_step``,
+    ``total_tokens``, ``hours`` at :data:`PLANNED_MFU` of the GPUs' peak (``None`` without a
+    known peak: set train.peak_tflops), and ``demo_warning`` (a large model on demo data)."""
+    train, seq = config.train, config.data.seq_length
+    tokens_per_step = train.global_batch_size * seq
+    total = tokens_per_step * train.steps
+    flops = flops_per_sample(config.model, seq) / seq * total
+    peak = peak_tflops(train.peak_tflops)
+    hours = None if peak is None else flops / (plan["gpus"] * peak * 1e12 * PLANNED_MFU) / 3600
+    demo = [s for s in config.data.sources if str(s).startswith("demo:")]
+    warning = None
+    if demo and plan["parameters"] > DEMO_WARNING_PARAMETERS:
+        warning = (
+            f"this {plan['parameters'] / 1e9:.1f}B-parameter recipe trains on the synthetic demo "
+            f"corpus ({', '.join(demo)}): set data.sources to your corpus"
+        )
+    return {
+        "sources": list(config.data.sources), "tokens_per_step": tokens_per_step,
+        "total_tokens": total, "planned_mfu": PLANNED_MFU, "peak_tflops": peak, "hours": hours,
+        "demo_warning": warning,
+    }  # fmt: skip
+
+
 def print_plan(config: Config) -> dict:
-    """Print parameters and the per-GPU memory plan (a table and one JSON line)."""
+    """Print parameters, the data and time plan and the per-GPU memory plan (a table and one
+    JSON line)."""
     plan = memory_plan(config, count_split(config))
+    plan["data"] = data_plan(config, plan)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(
             f"dry run: {config.run.name} ({config.model.family}, "
-            f"{plan['parameters']:,} parameters, seq {config.data.seq_length}, "
-            f"micro-batch {config.train.micro_batch_size}, recompute {config.model.recompute})"
+            f"{plan['parameters']:,} parameters, {plan['parameters_per_gpu']:,} per GPU, "
+            f"seq {config.data.seq_length}, micro-batch {config.train.micro_batch_size}, "
+            f"recompute {config.model.recompute})"
         )
+        _print_data_plan(plan["data"], config.train.steps)
         print("| item | GB per GPU |\n|---|---:|")
         for key in (
             "weights_gb",
@@ -193,3 +226,18 @@ def print_plan(config: Config) -> dict:
         )
         print(json.dumps(plan))
     return plan
+
+
+def _print_data_plan(data: dict, steps: int) -> None:
+    time = "unknown: set train.peak_tflops (per GPU)"
+    if data["hours"] is not None:
+        time = (
+            f"{data['hours']:,.1f} h at {data['planned_mfu']:.0%} MFU of "
+            f"{data['peak_tflops']:.0f} TFLOP/s per GPU"
+        )
+    print(
+        f"data: {', '.join(data['sources'])}; {data['tokens_per_step']:,} tokens per step x "
+        f"{steps:,} steps = {data['total_tokens']:,} tokens; time: {time}"
+    )
+    if data["demo_warning"]:
+        print(f"WARNING: {data['demo_warning']}")

@@ -356,11 +356,21 @@ def _dry_run(recipe: str, *sets: str) -> tuple[str, dict]:
 
 
 def test_dry_run_plans_the_7b_recipe():
-    _, plan = _dry_run("7b.yaml")
+    """Memory per GPU, parameters per GPU as ZeRO-3 partitions them, what the run reads
+    (tokens per step, total) and how long it takes at the stated MFU, and a warning that the
+    recipe as shipped trains on the synthetic demo corpus."""
+    table, plan = _dry_run("7b.yaml", "train.peak_tflops=989")
     assert plan["parameters"] == 7_241_732_096 + 32 * (4096 * 16 + 4 * 16)
     assert plan["gpus"] == 32 and plan["fits"] and plan["total_gb"] < 80
-    _, one_gpu = _dry_run("7b.yaml", "parallel.gpus=1")
-    assert not one_gpu["fits"]  # 16 B/param > 80 GB
+    assert plan["zero_stage"] == 3 and plan["parameters_per_gpu"] == plan["parameters"] // 32
+    data = plan["data"]
+    assert data["tokens_per_step"] == 256 * 4096 and data["total_tokens"] > 1.9e9
+    six_n = 6 * plan["parameters"] * data["total_tokens"] / (32 * 989e12 * 0.4) / 3600
+    assert six_n < data["hours"] < 1.5 * six_n  # 6N per token plus attention
+    assert "WARNING: this 7.2B-parameter recipe trains on the synthetic demo corpus" in table
+    table, mine = _dry_run("7b.yaml", 'data.sources=["/data/shards"]', "parallel.gpus=1")
+    assert not mine["fits"] and mine["data"]["demo_warning"] is None  # 16 B/param > 80 GB
+    assert "WARNING" not in table and mine["data"]["hours"] is None  # no GPU: no peak known
 
 
 def test_dry_run_plans_the_million_token_recipe():
