@@ -162,13 +162,14 @@ class Trainer:
                 f"model.vocab_size is {config.model.vocab_size}; {fix}"
             )
         per_step = train.micro_batch_size * self.layout.data_parallel_size
-        rounds = train.steps // train.eval_interval + 1 if train.eval_interval else 1
+        # every validation reads the split's first eval_iters batches: sized so, the split is
+        # the very one tools/evaluate.py builds (a larger one is shuffled otherwise)
         train_set, valid_set = build_datasets(
             config.data,
             tokenizer,
             prefixes,
             train.steps * train.global_batch_size,
-            max(1, train.eval_iters * per_step * rounds),
+            max(1, train.eval_iters * per_step),
             config.run.seed,
         )
         return tokenizer, train_set, valid_set

@@ -60,7 +60,8 @@ def test_evaluate_reproduces_validation_in_one_process_and_under_context_paralle
     one = _evaluate(trained, tmp_path / "one.json", *PROBES)
     assert one.returncode == 0, one.stderr[-3000:]
     single = json.loads((tmp_path / "one.json").read_text())["metrics"]
-    for key in PROBE_KEYS:  # the same model on the same probe sequences
+    for key in (*PROBE_KEYS, "loss", "loss_beyond_window", "loss_far_evidence"):
+        # the same model on the same probe sequences and the same validation batches
         assert single[key] == pytest.approx(valid[key], rel=1e-5, abs=1e-6), key
     cp = _evaluate(
         trained, tmp_path / "cp.json", *PROBES, "parallel.context_parallel_size=2", torchrun=True
