@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml $(LOCK) $(TRITON_LOCK)
 	if [ -n "$(strip $(TORCH_SPEC))" ]; then $(PIP) install --quiet $(CONSTRAINTS) $(TORCH_SPEC); fi
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install --quiet \
 		$(if $(strip $(LOCK)),-r $(TRITON_LOCK),"triton>=3.9")
-	$(PIP) install --quiet $(CONSTRAINTS) --no-build-isolation -e ".[test,eval]"
+	$(PIP) install --quiet $(CONSTRAINTS) --no-build-isolation -e ".[test,eval,wandb]"
 	touch $@
 
 # The main job on the embedded demo corpus (CPU is fine): data prep, training, checkpoints.

@@ -99,6 +99,10 @@ class TrainConfig:
         keep_last: checkpoints kept (older ones are deleted after a new one is complete).
         peak_tflops: per-device peak for MFU; ``None`` looks the GPU up (CPU: MFU not shown).
         tensorboard: write TensorBoard events under ``run.output_dir/tensorboard``.
+        wandb: also log to Weights & Biases, the same keys: ``online``, ``offline`` (written
+            under ``run.output_dir/wandb``, ``wandb sync`` uploads it later; no network needed)
+            or ``None`` (off); needs the ``wandb`` package (``pip install -e ".[wandb]"``).
+        wandb_project: the W&B project (the run's name is ``run.name``).
         allow_changes: resume even when the recipe differs from the checkpoint's in keys that
             change the model or the data order (refused otherwise, naming them;
             :mod:`focus_pretrain.train.resume`).
@@ -136,6 +140,8 @@ class TrainConfig:
     keep_last: int = 2
     peak_tflops: float | None = None
     tensorboard: bool = True
+    wandb: str | None = None
+    wandb_project: str = "focus-pretrain"
     allow_changes: bool = False
     load_universal: bool = False
     max_consecutive_bad_steps: int = 5
@@ -160,6 +166,8 @@ class TrainConfig:
         ):
             check_int(f"train.{name}", getattr(self, name), low=0)
         check_choice("train.precision", self.precision, PRECISIONS)
+        if self.wandb is not None:
+            check_choice("train.wandb", self.wandb, ("online", "offline"))
         check_choice("train.schedule", self.schedule, SCHEDULES)
         check_choice("train.freeze", self.freeze, FREEZE_POLICIES)
         check_positive("train.lr", self.lr)

@@ -4,6 +4,7 @@ TensorBoard scalars and ``metrics.jsonl``."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import resource
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from focus_pretrain.config import config_to_dict
+from focus_pretrain.errors import InputError
 from focus_pretrain.model.config import ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -173,10 +176,17 @@ class MetricsLogger:
     plots and scripts read; the console is for people.
     """
 
-    def __init__(self, output_dir: Path | None, enabled: bool, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        output_dir: Path | None,
+        enabled: bool,
+        tensorboard: bool,
+        wandb_run: Callable[[], object] | None = None,
+    ) -> None:
         self.enabled = enabled and output_dir is not None
         self.writer = None
         self.jsonl = None
+        self.wandb = None
         self.total_steps: int | None = None  # shown as "step N/total" when set
         if not self.enabled:
             return
@@ -186,6 +196,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+        if wandb_run is not None:
+            self.wandb = wandb_run()
 
     def log(self, step: int, scalars: dict[str, float | None], prefix: str = "train") -> None:
         """One interval's scalars (``None`` values are left out). The console line leaves out
@@ -203,6 +215,8 @@ class MetricsLogger:
             for key, value in shown.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
             self.writer.flush()
+        if self.wandb is not None:  # the same keys as TensorBoard
+            self.wandb.log({f"{prefix}/{key}": value for key, value in shown.items()}, step=step)
 
     def event(self, name: str, **fields: object) -> None:
         """A run-level record (``start``: layout, parameter counts, resumed step; ``end``)."""
@@ -217,8 +231,39 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def wandb_run(config, output_dir: Path) -> Callable[[], object] | None:
+    """A function starting the run's Weights & Biases run (``train.wandb``), or ``None``: the
+    run id is derived from the output directory, so a resumed run continues the same W&B run;
+    offline runs are written under ``output_dir/wandb`` (``wandb sync`` uploads them).
+
+    Raises:
+        InputError: ``train.wandb`` is set but the package is not installed.
+    """
+    mode = config.train.wandb
+    if mode is None:
+        return None
+    try:
+        import wandb
+    except ImportError as err:
+        raise InputError(
+            f"train.wandb={mode} needs the wandb package: pip install -e '.[wandb]' (or unset "
+            "train.wandb)"
+        ) from err
+    run_id = hashlib.sha256(str(output_dir.resolve()).encode()).hexdigest()[:16]
+
+    def start():
+        return wandb.init(
+            project=config.train.wandb_project, name=config.run.name, id=run_id, resume="allow",
+            dir=str(output_dir), mode=mode, config=config_to_dict(config),
+        )  # fmt: skip
+
+    return start
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:

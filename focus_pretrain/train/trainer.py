@@ -60,6 +60,7 @@ from focus_pretrain.train.metrics import (
     flops_per_sample,
     peak_memory_gb,
     peak_tflops,
+    wandb_run,
 )
 from focus_pretrain.train.optim import (
     PhaseGate,
@@ -127,7 +128,12 @@ class Trainer:
         state = self.checkpointer.load()
         self.resumed_step = None if state is None else state["step"]
         self.load_state_dict(state or {"step": 0, "consumed_samples": 0})
-        self.logger = MetricsLogger(self.output_dir, self.layout.is_main, config.train.tensorboard)
+        self.logger = MetricsLogger(
+            self.output_dir,
+            self.layout.is_main,
+            config.train.tensorboard,
+            wandb_run(config, self.output_dir) if self.layout.is_main else None,
+        )
         self.stop = StopSignal()
         self.last_train_loss: float | None = None
 

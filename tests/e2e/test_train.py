@@ -4,6 +4,7 @@ What a run measured is read from the ``metrics.jsonl`` it writes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -299,6 +300,37 @@ def test_bf16_trains_like_fp32(tmp_path, cache, one_process):
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert module_state(tmp_path / "bf16", 3)[qkv].dtype == torch.bfloat16
     assert module_state(fp32_run, 3)[qkv].dtype == torch.float32
+
+
+def test_weights_and_biases_gets_the_same_keys_offline(tmp_path, cache):
+    """``train.wandb=offline``: the run is written under ``run.output_dir/wandb`` without a
+    network, with every train and valid scalar of ``metrics.jsonl`` under the TensorBoard
+    keys (``train/loss``...) and the logged values (read from the offline run file, where the
+    keys and the values' JSON are stored as text); the resolved config goes with it. Without
+    the package the option is refused with the install command."""
+    if importlib.util.find_spec("wandb") is None:
+        if os.environ.get("CI"):  # make setup installs the extra: its absence is a broken set-up
+            pytest.fail("wandb is not installed; make setup installs the wandb extra")
+        pytest.skip("wandb is not installed (make setup installs the wandb extra)")
+    sets = overrides(tmp_path, cache, "train.steps=2", "train.eval_interval=2",
+                     "train.eval_iters=1", "train.recall_docs=0", "train.wandb=offline",
+                     "run.name=wb-test")  # fmt: skip
+    run = launch(sets, env={**os.environ, "WANDB_SILENT": "true"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    (log,) = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    data = log.read_bytes()
+    records = [r for r in _records(tmp_path) if r.get("split") in ("train", "valid")]
+    assert {r["split"] for r in records} == {"train", "valid"}
+    for record in records:
+        for key, value in record.items():
+            if key in ("split", "step", "time") or value is None:
+                continue
+            assert f"{record['split']}/{key}".encode() in data, key
+            shown = {json.dumps(value)}  # W&B writes a whole float as an int
+            if isinstance(value, float) and value.is_integer():
+                shown.add(json.dumps(int(value)))
+            assert any(text.encode() in data for text in shown), (key, value)
+    assert b"wb-test" in data and b"focus-pretrain" in data  # run name, project
 
 
 def test_retrofit_trains_only_routers(tmp_path, cache):

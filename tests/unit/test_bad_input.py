@@ -217,3 +217,21 @@ def test_the_ring_runs_the_backend_the_recipe_names():
     for other in ("flex", "decomposed", "fast"):
         with pytest.raises(ValueError, match=rf"backend '{other}' cannot run inside the ring"):
             ring_block_kernel(other)
+
+
+def test_weights_and_biases_without_the_package_names_the_install(monkeypatch, tmp_path):
+    """``train.wandb`` is refused before training when ``wandb`` cannot be imported (its
+    import made to fail here), with the command that installs it; unset, nothing is needed."""
+    import sys
+
+    from focus_pretrain.config import load_config
+    from focus_pretrain.errors import InputError
+    from focus_pretrain.train.metrics import wandb_run
+
+    config = load_config(None, ["train.wandb=offline"])
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(InputError, match=r"train.wandb=offline needs the wandb package: pip"):
+        wandb_run(config, tmp_path)
+    assert wandb_run(load_config(None), tmp_path) is None
+    with pytest.raises(ValueError, match=r"train\.wandb"):
+        load_config(None, ["train.wandb=sometimes"])
