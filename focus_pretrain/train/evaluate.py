@@ -36,7 +36,7 @@ from focus_pretrain.focus import FocusRouter, Routing, pattern_density
 from focus_pretrain.model import build_model
 from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
-from focus_pretrain.train.validate import Validator
+from focus_pretrain.train.validate import Validator, validation_samples
 
 
 @dataclass
@@ -175,6 +175,7 @@ def evaluate_checkpoint(
             f"the tokenizer {config.data.tokenizer} of {loaded.checkpoint} is gone; pass "
             "--set data.tokenizer=PATH (the .model the run was trained with)"
         )
+    trained = config.train  # the split the run validated on: the same size, the same shuffle
     train = replace(config.train, eval_interval=max(config.train.eval_interval, 1))
     config = replace(config, train=train)
     _, prefixes = prepare_data_in_job(config.data, config.run.seed)
@@ -184,7 +185,7 @@ def evaluate_checkpoint(
         loaded.tokenizer,
         prefixes,
         per_step,
-        max(1, train.eval_iters * per_step),
+        validation_samples(trained, per_step),
         config.run.seed,
     )
     validator = Validator(config, valid_set, loaded.tokenizer, layout, loaded.device)

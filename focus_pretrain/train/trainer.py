@@ -72,7 +72,7 @@ from focus_pretrain.train.optim import (
 )
 from focus_pretrain.train.resume import check_resume, run_layout
 from focus_pretrain.train.stop import StopSignal
-from focus_pretrain.train.validate import Validator
+from focus_pretrain.train.validate import Validator, validation_samples
 
 
 class Trainer:
@@ -168,14 +168,12 @@ class Trainer:
                 f"model.vocab_size is {config.model.vocab_size}; {fix}"
             )
         per_step = train.micro_batch_size * self.layout.data_parallel_size
-        # every validation reads the split's first eval_iters batches: sized so, the split is
-        # the very one tools/evaluate.py builds (a larger one is shuffled otherwise)
         train_set, valid_set = build_datasets(
             config.data,
             tokenizer,
             prefixes,
             train.steps * train.global_batch_size,
-            max(1, train.eval_iters * per_step),
+            validation_samples(train, per_step),
             config.run.seed,
         )
         return tokenizer, train_set, valid_set

@@ -26,6 +26,16 @@ from focus_pretrain.train.scoring import Packing, token_scores
 RECALL_KEYS = ("recall_loss", "recall_acc", "value_loss")  # logged at each validation
 
 
+def validation_samples(train, per_step: int) -> int:
+    """Samples of the validation split a run builds (``train``: its ``TrainConfig``;
+    ``per_step``: micro-batch x data-parallel size): ``eval_iters`` batches per validation,
+    one validation per ``eval_interval`` steps plus one. Every validation reads the first
+    ``eval_iters`` batches, but the split's size decides its shuffle: tools/evaluate.py builds
+    it with this same count, and so reads the very batches the run validated on."""
+    rounds = train.steps // train.eval_interval + 1 if train.eval_interval else 1
+    return max(1, train.eval_iters * per_step * rounds)
+
+
 class Validator:
     """Evaluates the model every ``train.eval_interval`` steps (and at the last step).
 

@@ -85,6 +85,32 @@ def test_one_command_retrofit(tmp_path, family, precision):
     x = torch.randint(0, 400, (2, 100), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(export(x).logits, original(x).logits, rtol=1e-5, atol=1e-5)
+    routers = {k: v for k, v in exported.items() if ".router." in k and "balance" not in k}
+    trained = {"bf16": "the optimizer's fp32 masters, not bf16 copies", "fp32": "fp32"}[precision]
+    assert all(r.dtype == torch.float32 for r in routers.values()), trained
+    if precision == "bf16":
+        assert all(not torch.equal(r, r.bfloat16().float()) for r in routers.values()), trained
+    _refuses_another_source(out / "run", original.config)
+
+
+def _refuses_another_source(run_dir: pathlib.Path, hf_config) -> None:
+    """The export's originals come from train.init_from_hf only when they are what the run
+    froze: a directory holding other weights, or none, is refused naming the key."""
+    import transformers
+
+    from focus_pretrain.convert.checkpoints import checkpoint_config, resolve_checkpoint
+    from focus_pretrain.convert.hf_export import hf_state_dict, with_retrofit_originals
+    from focus_pretrain.errors import InputError, MissingInputError
+
+    ckpt = resolve_checkpoint(run_dir)
+    other = run_dir.parent / "other"
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(other)
+    state = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    for path, error in ((other, InputError), (run_dir.parent / "gone", MissingInputError)):
+        config = checkpoint_config(ckpt, [f"train.init_from_hf={path}"])
+        tensors = hf_state_dict([state], config.model)
+        with pytest.raises(error, match=r"train\.init_from_hf"):
+            with_retrofit_originals(tensors, config, ckpt)
 
 
 def test_a_checkpoint_without_its_tokenizer_is_refused_before_any_work(tmp_path):

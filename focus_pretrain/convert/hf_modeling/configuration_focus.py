@@ -140,10 +140,10 @@ def _validate_focus_backends(focus: dict) -> None:
             "focus.inference_backend 'decomposed' computes hard top-1 attention only, got "
             f"top_k={top_k}, inference_mode={mode!r}; use 'auto' or 'flex'"
         )
-    if backend == "triton" and mode != "soft":
+    if backend == "triton" and mode != "soft" and top_k != 1:
         raise ValueError(
-            "focus.inference_backend 'triton' computes the soft pattern only, got "
-            f"inference_mode={mode!r}; use 'auto', 'flex' or 'decomposed'"
+            "focus.inference_backend 'triton' computes the soft pattern and hard top-1 "
+            f"attention only, got top_k={top_k}, inference_mode={mode!r}; use 'auto' or 'flex'"
         )
 
 
