@@ -311,7 +311,7 @@ def test_weights_and_biases_gets_the_same_keys_offline(tmp_path, cache):
     if importlib.util.find_spec("wandb") is None:
         if os.environ.get("CI"):  # make setup installs the extra: its absence is a broken set-up
             pytest.fail("wandb is not installed; make setup installs the wandb extra")
-        pytest.skip("wandb is not installed (make setup installs the wandb extra)")
+        pytest.skip("wandb not installed: a set-up without the wandb extra (pip install -e .)")
     sets = overrides(tmp_path, cache, "train.steps=2", "train.eval_interval=2",
                      "train.eval_iters=1", "train.recall_docs=0", "train.wandb=offline",
                      "run.name=wb-test")  # fmt: skip
