@@ -49,6 +49,7 @@ COMMANDS = {
     ),
     "evaluate": Command("tools/evaluate.py", "validation loss and loss by distance of a run"),
     "generate": Command("tools/generate.py", "generate text with an export"),
+    "ruler": Command("tools/ruler.py", "RULER needle-in-a-haystack scores of an export (lm-eval)"),
     "inspect": Command("tools/inspect_groups.py", "group balance and sizes of a checkpoint"),
     "preprocess": Command(
         "tools/preprocess_data.py", "tokenise a corpus into shards (and train a tokenizer)"

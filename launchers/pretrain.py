@@ -17,11 +17,7 @@ import argparse
 import sys
 
 from focus_pretrain.cli import tool_parser
-from focus_pretrain.config import load_config
 from focus_pretrain.errors import exit_on_input_error
-from focus_pretrain.train import pretrain
-from focus_pretrain.train.bad_steps import TooManyBadSteps
-from focus_pretrain.train.plan import print_plan
 
 
 def main() -> None:
@@ -50,6 +46,12 @@ def main() -> None:
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # passed by the deepspeed launcher
     args = parser.parse_args()
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.config import load_config
+    from focus_pretrain.train import pretrain
+    from focus_pretrain.train.bad_steps import TooManyBadSteps
+    from focus_pretrain.train.plan import print_plan
+
     if args.universal_checkpoint:
         args.overrides.append("train.load_universal=true")
     # a bad recipe, override, layout or checkpoint: one line naming it and the fix, status 2;

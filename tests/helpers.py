@@ -5,8 +5,19 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 from torch import Tensor
+
+from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.soft_triton import interpreter_on, triton_installed
+
+ON_GPU = torch.cuda.is_available()
+needs_triton = pytest.mark.skipif(
+    not triton_installed() or not (ON_GPU or interpreter_on()),
+    reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
+)  # the Triton kernels' tests: compiled on CUDA, else in the interpreter (tests/conftest.py)
+GRADIENT_NAMES = ("out", "lse", "dq", "dk", "dv", "dprobs")  # what a kernel test compares
 
 
 def log_sigmoid(x: float) -> float:
@@ -171,3 +182,34 @@ def reference_call(q, k, v, *, q_block: int | None = None, **pattern):
 
     block = DEFAULT_Q_BLOCK if q_block is None else q_block
     return reference_attention(q, k, v, AttentionPattern(**pattern), q_block=block)
+
+
+def random_documents(b: int, n: int, seed: int, rate: float = 0.08) -> Tensor:
+    """``[b, n]`` int64 document starts of random packed documents."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.cumsum((torch.rand(b, n, generator=gen) < rate).long(), dim=1)
+    return document_starts(ids)
+
+
+def assert_close(got, want, tol: float) -> None:
+    """Each of ``got`` (named as :data:`GRADIENT_NAMES`) finite and within ``tol`` of ``want``,
+    relative to ``want``'s largest magnitude (at least 1)."""
+    for name, a, b in zip(GRADIENT_NAMES[: len(want)], got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        scale = b.abs().max().clamp_min(1.0)
+        err = (a - b).abs().max() / scale
+        assert err < tol, f"{name}: max error {err:.2e} (relative to {scale:.2e}) > {tol}"
+
+
+def require_packages(*modules: str, extra: str) -> None:
+    """Skip unless every module in ``modules`` is importable; under CI (``CI`` set), where
+    ``make setup`` installs the ``extra``, their absence is a broken set-up and fails."""
+    import importlib.util
+    import os
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{', '.join(missing)} not installed; make setup installs the {extra} extra")
+    pytest.skip(f"{', '.join(missing)} not installed: a set-up without the {extra} extra")

@@ -16,13 +16,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from focus_pretrain.bench.attention import (
-    DTYPES,
-    BenchConfig,
-    markdown_table,
-    run_benchmark,
-)
-from focus_pretrain.bench.report import environment, run_and_report
+from focus_pretrain.bench.config import DTYPE_NAMES, BenchConfig
 from focus_pretrain.cli import tool_parser
 
 
@@ -37,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=defaults.heads)
     parser.add_argument("--heads-kv", type=int, help="KV heads (GQA); default: --heads")
     parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=defaults.dtype)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.dtype)
     parser.add_argument("--backends", nargs="+", default=defaults.backends)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--repeats", type=int, default=defaults.repeats)
@@ -66,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
     args = parser.parse_args(argv)
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.bench.attention import markdown_table, run_benchmark
+    from focus_pretrain.bench.report import environment, run_and_report
 
     cfg = BenchConfig(
         seq=args.seq,

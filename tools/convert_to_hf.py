@@ -11,7 +11,6 @@ with ``focus_pretrain.convert.attach_focus_adapter(model, OUT)``.
 from __future__ import annotations
 
 from focus_pretrain.cli import tool_parser
-from focus_pretrain.convert import export_hf, export_router_adapter
 from focus_pretrain.errors import exit_on_input_error
 
 
@@ -25,6 +24,8 @@ def main() -> None:
         "--force", action="store_true", help="replace OUT_DIR when it exists and is not empty"
     )
     args = parser.parse_args()
+    from focus_pretrain.convert import export_hf, export_router_adapter  # heavy: after --help
+
     with exit_on_input_error("convert_to_hf"):  # bad input: one line and status 2
         if args.adapter_only:
             out = export_router_adapter(args.checkpoint, args.out_dir, overwrite=args.force)

@@ -21,8 +21,6 @@ import math
 
 from focus_pretrain.cli import tool_parser
 from focus_pretrain.errors import exit_on_input_error
-from focus_pretrain.parallel.launch import shutdown_distributed
-from focus_pretrain.train.evaluate import evaluate_checkpoint
 
 
 def main() -> None:
@@ -33,6 +31,10 @@ def main() -> None:
     )
     parser.add_argument("--out", help="write the result as JSON to this file")
     args = parser.parse_args()
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.parallel.launch import shutdown_distributed
+    from focus_pretrain.train.evaluate import evaluate_checkpoint
+
     try:
         with exit_on_input_error("evaluate"):  # a bad override or checkpoint: one line, status 2
             result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)

@@ -19,7 +19,6 @@ import sys
 import yaml
 
 from focus_pretrain.cli import tool_parser
-from focus_pretrain.convert.retrofit import retrofit_sections
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 BASE = "configs/retrofit.yaml"  # the training knobs (relative to the recipe, else the cwd)
@@ -31,6 +30,8 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
     parser.add_argument("--window", type=int, default=128, help="Focus local window")
     args = parser.parse_args()
+    from focus_pretrain.convert.retrofit import retrofit_sections  # heavy: after --help
+
     with exit_on_input_error("import_hf"):  # what the checkpoint lacks: one line, status 2
         recipe, summary = as_input_error(
             lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from focus_pretrain.analysis.pipeline import inspect_groups
 from focus_pretrain.cli import tool_parser
-from focus_pretrain.parallel.launch import shutdown_distributed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="directory for report.md/.json and PNGs")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.analysis.pipeline import inspect_groups
+    from focus_pretrain.parallel.launch import shutdown_distributed
+
     try:
         report = inspect_groups(
             args.checkpoint,

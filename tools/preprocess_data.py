@@ -69,10 +69,12 @@ def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptio
     """The ``--output-prefix`` mode: one ``PREFIX.bin``/``PREFIX.idx``."""
     started = time.perf_counter()
     units = resolve_inputs(inputs)
+    print(f"indexing {len(units)} input(s) ...", file=sys.stderr, flush=True)
     indexes = index_inputs(units, options)
     tokenizer = args.tokenizer
     if args.train_tokenizer:
         prefix = Path(args.output_prefix)
+        print(f"training a SentencePiece tokenizer ({args.vocab_size:,} pieces)", file=sys.stderr)
         tokenizer = train_corpus_tokenizer(units, indexes, options, prefix, args.vocab_size)
         print(f"tokenizer: {tokenizer}")
     counts = RecordCounts()
@@ -124,6 +126,9 @@ def main() -> None:
     if "tokens_per_s_per_worker" in stats:
         rate += f" ({stats['tokens_per_s_per_worker']:,.0f} per busy worker)"
     print(f"{stats['documents']:,} documents, {stats['tokens']:,} tokens; {rate}")
+    if args.output:  # what to do with it
+        sources = f"--set 'data.sources=[\"{args.output}\"]'"
+        print(f"train on it: {sources} --set data.tokenizer={stats['tokenizer']}")
     if stats["skipped_total"]:
         kinds = ", ".join(f"{k}: {n}" for k, n in stats["skipped"].items())
         print(f"skipped {stats['skipped_total']} bad records ({kinds}), e.g.")

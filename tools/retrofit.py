@@ -36,8 +36,6 @@ from pathlib import Path
 import yaml
 
 from focus_pretrain.cli import ROOT, tool_parser
-from focus_pretrain.config import apply_override, load_config, recipe_sections
-from focus_pretrain.convert.retrofit import retrofit_sections, write_report
 from focus_pretrain.errors import InputError, as_input_error, exit_on_input_error
 
 VARIANTS = {  # report row -> tools/evaluate.py overrides of the trained checkpoint
@@ -68,6 +66,9 @@ def _arguments():
 def write_recipe(args, out: Path) -> Path:
     """``out/recipe.yaml``: the base recipe plus the imported sections (validated with the
     overrides before any work)."""
+    from focus_pretrain.config import apply_override, load_config, recipe_sections
+    from focus_pretrain.convert.retrofit import retrofit_sections
+
     length = recipe_sections(args.base).get("data", {}).get("seq_length", 1024)
     sections, summary = as_input_error(
         lambda: retrofit_sections(
@@ -119,6 +120,10 @@ def evaluate(out: Path) -> dict[str, dict]:
 
 def main() -> None:
     args = _arguments()
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.config import load_config
+    from focus_pretrain.convert.retrofit import write_report
+
     name = Path(args.hf_dir).resolve().name
     out = Path(args.out or f"runs/retrofit-{name}")
     with exit_on_input_error("retrofit"):  # bad input: one line, status 2, before any work

@@ -31,13 +31,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.bench.attention_train import train_rows
+from focus_pretrain.bench.config import BenchConfig
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.bench.report import DTYPES, markdown, median_ms
 from focus_pretrain.focus import flex
@@ -50,31 +50,6 @@ from focus_pretrain.focus.sorted_layout import GroupSortedLayout, segment_slots
 CHECK_TOKENS = 4096  # prefix checked against the reference before timing
 COUNT_TOKENS = 4096  # prefix whose launches and host syncs are counted (eager FlexAttention
 # under a counter materialises the scores; the counts barely depend on the length)
-
-
-@dataclass
-class BenchConfig:
-    """What to measure (see ``tools/bench_attention.py --help``)."""
-
-    seq: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 65536, 262144, 1048576])
-    groups: list[int] = field(default_factory=lambda: [4, 8])
-    top_k: list[int] = field(default_factory=lambda: [1, 2])
-    window: int = 128
-    batch: int = 1
-    heads: int = 16
-    heads_kv: int = 16
-    head_dim: int = 128
-    dtype: str = "bf16"
-    backends: list[str] = field(default_factory=lambda: ["decomposed", "flex"])
-    warmup: int = 3
-    repeats: int = 10
-    train: bool = False
-    hard: bool = True  # False: only the training rows (with train=True)
-    train_modes: list[str] = field(default_factory=lambda: ["soft", "hard"])  # rows with train
-    device: str = "cuda"
-    seed: int = 0
-    profile: str | None = None  # append torch.profiler tables of one call per backend here
-    graphs: bool = False  # time captured calls (torch.compile reduce-overhead: CUDA graphs)
 
 
 def _timer(device: torch.device, warmup: int, repeats: int) -> Callable[[Callable], float]:

@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 import time
 import warnings
 from collections import Counter
@@ -163,15 +164,18 @@ def _write_shard(task: tuple[int, list[tuple[Unit, dict, int, int]], str]) -> di
             batch.append(text)
             chars += len(text)
             if len(batch) >= _BATCH_DOCUMENTS or chars >= _BATCH_CHARS:
+                documents = len(batch)
                 flush()
                 chars = 0
-                _report(0, stats["tokens"] - reported["tokens"])
+                _report(documents, stats["tokens"] - reported["tokens"])  # the bar moves
+                reported["records"] += documents
                 reported["tokens"] = stats["tokens"]
         stats["records"] += stop - start
     if batch:
         flush()
     builder.finalize(f"{tmp}.idx")
-    _report(stats["records"], stats["tokens"] - reported["tokens"])
+    # the rest: the last batch and the records that held no document (blank, skipped)
+    _report(stats["records"] - reported["records"], stats["tokens"] - reported["tokens"])
     result = {"name": name, **stats, "blank_lines": counts.blank_lines}
     result["seconds"] = round(time.perf_counter() - started, 3)
     result.update(skipped=dict(counts.skipped), examples=counts.examples)
@@ -254,6 +258,12 @@ def _index_all(units: list[Unit], options: ReadOptions, workers: int) -> list[di
         return index_inputs(units, options)
     with mp.get_context("spawn").Pool(min(workers, len(units))) as pool:
         return index_inputs(units, options, pool)
+
+
+def _say(show: bool, line: str) -> None:
+    """A phase line of a run with progress output (the bars go to stderr, these too)."""
+    if show:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _differ(stored: dict, settings: dict) -> list[str]:
@@ -342,12 +352,19 @@ def preprocess_corpus(
         settings["tokenizer_sha256"] = tokenizer_sha256(tokenizer)  # resuming: the one trained
     plan = _reconcile_plan(out, plan, settings, trained)
     if plan is None:
-        plan = _new_plan(out, units, options, settings, workers, tokenizer if trained else None)
+        trained_into = tokenizer if trained else None
+        plan = _new_plan(out, units, options, settings, workers, trained_into, progress)
+    else:
+        _say(progress, f"resuming {out}: inputs indexed, tokenizer {tokenizer}")
     indexes = plan["index"]
     shards = _cut(units, indexes, shard_documents)
     if not shards:
         raise ValueError(f"the inputs {', '.join(inputs)} hold no records")
     pending = [k for k in range(len(shards)) if not (out / f"{shard_name(k)}.idx").is_file()]
+    finished = (
+        f", {len(shards) - len(pending)} finished before" if len(pending) < len(shards) else ""
+    )
+    _say(progress, f"{len(shards)} shard(s) of up to {shard_documents:,} records{finished}")
     index_seconds = time.perf_counter() - started
     written = _run_shards(
         [(k, shards[k], str(out)) for k in pending],
@@ -390,14 +407,23 @@ def _new_plan(
     settings: dict,
     workers: int,
     trained: str | os.PathLike | None,
+    show: bool = False,
 ) -> dict:
     """Index the inputs, train the run's tokenizer into ``trained`` (when not ``None``; its
     sha256 joins ``settings``) and store the plan."""
+    started = time.perf_counter()
+    _say(show, f"indexing {len(units)} input(s) ...")
     indexes = _index_all(units, options, workers)
+    records = sum(i["records"] for i in indexes)
+    _say(show, f"indexed {records:,} records in {time.perf_counter() - started:.1f} s")
     if trained is not None:  # a tokenizer found here without a plan is of unknown inputs
         vocab = settings["vocab_size"]
+        started = time.perf_counter()
+        used = min(records, TOKENIZER_DOCUMENTS)
+        _say(show, f"training a SentencePiece tokenizer ({vocab:,} pieces) on {used:,} records")
         train_corpus_tokenizer(units, indexes, options, Path(trained).with_suffix(""), vocab)
         settings["tokenizer_sha256"] = tokenizer_sha256(trained)
+        _say(show, f"tokenizer: {trained} ({time.perf_counter() - started:.1f} s)")
     plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
     _write_json(out / PLAN, plan)
     return plan

@@ -11,7 +11,9 @@ and its properties hand out the groups the trainer reduces over.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import os
 import random
 import socket
@@ -84,7 +86,11 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # joins an existing group
+    with contextlib.redirect_stdout(io.StringIO()) as chatter:  # joins an existing group
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    for line in chatter.getvalue().splitlines():  # its CPU build notice is dropped, not the rest
+        if not line.endswith(" built successfully"):
+            print(line)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 

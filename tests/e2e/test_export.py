@@ -16,6 +16,7 @@ from focus_pretrain.convert import export_hf
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 from tests.distributed import run_workers
 from tests.e2e.runs import launch, overrides
+from tests.helpers import require_packages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.hf]
 
@@ -292,7 +293,7 @@ def test_export_of_tensor_parallel_and_zero3_runs(tmp_path, monkeypatch, layout_
 def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
     """lm-evaluation-harness (when installed) evaluates the export as an ``hf`` model on the
     shipped offline task; its word perplexity equals one computed directly."""
-    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed")
+    require_packages("lm_eval", extra="eval")
     import re
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -322,3 +323,36 @@ def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
         total += float(logp[0, :-1].gather(1, x[0, 1:, None]).sum())
         words += len(re.split(r"\s+", doc))
     assert result["word_perplexity,none"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+
+
+def test_ruler_needles_through_lm_evals_generator_offline(exported, monkeypatch):
+    """``focus-pretrain ruler``: lm-eval's own RULER generator builds each task's samples at
+    each length with the export's tokenizer, offline; the export answers through lm-eval's
+    ``hf`` model and lm-eval scores it. The tasks that download their text are skipped with
+    the reason; every sample is counted at its length, its prompt sized for that length (the
+    tiny model extrapolates past its 128 positions), and each score is the share of the
+    needles' values in the answer."""
+    require_packages("lm_eval", "wonderwords", "nltk", extra="eval")
+    from focus_pretrain.convert.ruler import run_ruler
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, out = exported
+    tasks, lengths = ["niah_single_1", "niah_multikey_2", "niah_single_2"], [704, 896]
+    result = run_ruler(out, tasks, lengths, samples=2, max_new_tokens=12)
+    assert list(result["skipped"]) == ["niah_single_2"]
+    assert "Paul Graham essays" in result["skipped"]["niah_single_2"]
+    assert result["samples"] == {task: {"704": 2, "896": 2} for task in tasks[:2]}
+    for task in tasks[:2]:
+        for length in lengths:
+            fewest, most = result["prompt_tokens"][task][str(length)]
+            assert length // 2 < fewest <= most <= length, (task, length, fewest, most)
+    for record in result["records"]:
+        answer = record["response"].strip().lower()
+        found = sum(value.lower() in answer for value in record["answers"])
+        assert record["score"] == found / len(record["answers"])
+        assert all(value.isdigit() and len(value) == 7 for value in record["answers"])
+    for task in tasks[:2]:
+        for length in lengths:
+            mine = [r["score"] for r in result["records"] if r["task"] == task
+                    and r["length"] == length]  # fmt: skip
+            assert result["scores"][task][str(length)] == sum(mine) / len(mine)

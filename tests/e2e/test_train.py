@@ -4,7 +4,6 @@ What a run measured is read from the ``metrics.jsonl`` it writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from tests.e2e.runs import (
     train_losses,
     train_steps_logged,
 )
+from tests.helpers import require_packages
 
 pytestmark = pytest.mark.e2e
 
@@ -308,10 +308,7 @@ def test_weights_and_biases_gets_the_same_keys_offline(tmp_path, cache):
     keys (``train/loss``...) and the logged values (read from the offline run file, where the
     keys and the values' JSON are stored as text); the resolved config goes with it. Without
     the package the option is refused with the install command."""
-    if importlib.util.find_spec("wandb") is None:
-        if os.environ.get("CI"):  # make setup installs the extra: its absence is a broken set-up
-            pytest.fail("wandb is not installed; make setup installs the wandb extra")
-        pytest.skip("wandb not installed: a set-up without the wandb extra (pip install -e .)")
+    require_packages("wandb", extra="wandb")
     sets = overrides(tmp_path, cache, "train.steps=2", "train.eval_interval=2",
                      "train.eval_iters=1", "train.recall_docs=0", "train.wandb=offline",
                      "run.name=wb-test")  # fmt: skip

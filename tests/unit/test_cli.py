@@ -35,6 +35,20 @@ def test_help_lists_every_command_without_loading_torch():
     assert loaded.stdout.strip().endswith("False")  # no heavy import behind --help
 
 
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_subcommands_help_answers_without_loading_torch_or_warnings(name):
+    """``focus-pretrain COMMAND --help``: the scripts import their heavy modules after parsing."""
+    probe = (
+        f"import sys; from focus_pretrain import cli\ntry:\n    cli.main([{name!r}, '--help'])\n"
+    )
+    probe += "except SystemExit as done:\n    assert done.code in (0, None), done.code\n"
+    probe += "print('torch' in sys.modules, file=sys.stderr)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: focus-pretrain {name}")
+    assert done.stderr == "False\n"  # no warning, and PyTorch never loaded
+
+
 def test_a_subcommand_runs_its_script_with_the_full_help():
     done = _run("export", "--help")
     assert done.returncode == 0, done.stderr

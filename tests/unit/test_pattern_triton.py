@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from focus_pretrain.focus import pattern
-from focus_pretrain.focus.soft_triton import interpreter_on, triton_installed
+from tests.helpers import needs_triton
 
-pytestmark = pytest.mark.skipif(
-    not triton_installed() or not (torch.cuda.is_available() or interpreter_on()),
-    reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
-)
+pytestmark = needs_triton
 triton = pytest.importorskip("triton", reason="needs Triton (make setup installs it)")
 tl = pytest.importorskip("triton.language")
 rules = pytest.importorskip("focus_pretrain.focus.pattern_triton")

@@ -456,3 +456,27 @@ def test_the_default_process_group_store_times_out():
     rank0, rank1 = run_workers("tests.unit.test_preprocess_shards:slow_rank0", 2)
     assert "rank 1: rank 0 did not finish preparing the data within" in rank1
     assert "gave up waiting" in rank0
+
+
+def test_progress_moves_with_each_batch_and_each_phase_is_said(tmp_path, monkeypatch, capsys):
+    """The bar counts documents as batches finish (not only at a shard's end): the reports
+    sum to the run's documents and tokens; indexing, tokenizer training and the shard plan
+    each print a line."""
+    from focus_pretrain.data import shards
+
+    reports: list[tuple[int, int]] = []
+    monkeypatch.setattr(shards, "_BATCH_DOCUMENTS", 8)
+    monkeypatch.setattr(shards, "_report", lambda *counts: reports.append(counts))
+    stats = preprocess_corpus(["demo:80"], tmp_path / "out", None, vocab_size=300, progress=True)
+    assert len(reports) == 11 and all(records == 8 for records, _ in reports[:10])
+    assert sum(r for r, _ in reports) == stats["documents"] == 80
+    assert sum(t for _, t in reports) == stats["tokens"]
+    said = capsys.readouterr().err
+    for line in (
+        "indexing 1 input(s) ...",
+        "indexed 80 records in",
+        "training a SentencePiece tokenizer (300 pieces) on 80 records",
+        f"tokenizer: {tmp_path / 'out' / 'tokenizer.model'} (",
+        "1 shard(s) of up to 20,000 records",
+    ):
+        assert line in said, said

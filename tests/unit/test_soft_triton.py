@@ -15,29 +15,22 @@ import torch
 
 from focus_pretrain.focus import FocusConfig, Routing, focus_attention
 from focus_pretrain.focus.attention import AttentionRequest, select_backend
-from focus_pretrain.focus.pattern import document_starts
 from focus_pretrain.focus.soft_triton import (
     _document_ends,
     _strided,
-    interpreter_on,
     runs_on,
     soft_gated_attention,
-    triton_installed,
 )
-from tests.helpers import random_probs, random_qkv
-
-ON_GPU = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(
-    not triton_installed() or not (ON_GPU or interpreter_on()),
-    reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
+from tests.helpers import (
+    ON_GPU,
+    assert_close,
+    needs_triton,
+    random_documents,
+    random_probs,
+    random_qkv,
 )
 
-
-def random_documents(b: int, n: int, seed: int, rate: float = 0.08) -> torch.Tensor:
-    """``[b, n]`` int64 document starts of random packed documents."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.cumsum((torch.rand(b, n, generator=gen) < rate).long(), dim=1)
-    return document_starts(ids)
+pytestmark = needs_triton
 
 
 def run_both(p: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -80,17 +73,6 @@ def run_both(p: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):
         grads = torch.autograd.grad(loss, leaves)
         results.append([t.detach().float().cpu() for t in (out, lse, *grads)])
     return results
-
-
-NAMES = ("out", "lse", "dq", "dk", "dv", "dprobs")
-
-
-def assert_close(got, want, tol: float) -> None:
-    for name, a, b in zip(NAMES[: len(want)], got, want, strict=True):
-        assert torch.isfinite(a).all(), name
-        scale = b.abs().max().clamp_min(1.0)
-        err = (a - b).abs().max() / scale
-        assert err < tol, f"{name}: max error {err:.2e} (relative to {scale:.2e}) > {tol}"
 
 
 CASES = [

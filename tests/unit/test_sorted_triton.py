@@ -16,17 +16,17 @@ from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.soft_triton import (
     attend,
     cuda_refusal,
-    interpreter_on,
-    triton_installed,
 )
-from tests.helpers import random_probs, random_qkv
-from tests.unit.test_soft_triton import assert_close, random_documents
+from tests.helpers import (
+    ON_GPU,
+    assert_close,
+    needs_triton,
+    random_documents,
+    random_probs,
+    random_qkv,
+)
 
-ON_GPU = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(
-    not triton_installed() or not (ON_GPU or interpreter_on()),
-    reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
-)
+pytestmark = needs_triton
 
 
 def run_both(p: dict, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -20,17 +20,15 @@ import pytest
 import torch
 
 from focus_pretrain.focus import focus_attention
-from focus_pretrain.focus.soft_triton import interpreter_on, triton_installed
-from tests.helpers import random_probs, random_qkv
-from tests.unit.test_soft_triton import ON_GPU, assert_close, random_documents
+from tests.helpers import (
+    assert_close,
+    needs_triton,
+    random_documents,
+    random_probs,
+    random_qkv,
+)
 
-pytestmark = [
-    pytest.mark.capture,
-    pytest.mark.skipif(
-        not triton_installed() or not (ON_GPU or interpreter_on()),
-        reason="needs Triton (make setup installs it): compiled on CUDA, else its interpreter",
-    ),
-]
+pytestmark = [pytest.mark.capture, needs_triton]
 
 B, N, H, HKV, D, GROUPS, WINDOW, SINKS = 2, 96, 4, 2, 16, 4, 16, 3
 FORWARD = torch.ops.focus_pretrain.soft_attention_forward

@@ -1,0 +1,265 @@
+"""RULER needle-in-a-haystack tests of an exported model through lm-evaluation-harness's own
+generator (its ``ruler`` tasks: ``niah_single_1``, ``niah_multikey_2``, ...), offline, with the
+export's own tokenizer sizing every prompt.
+
+lm-eval's generator builds each task's samples at each length (``max_seq_lengths``: prompt plus
+the 128 generated tokens), the export answers greedily through the ``hf`` model
+(``trust_remote_code``), and lm-eval scores each answer by string match of the needles' values.
+Tasks whose generator downloads its haystack or questions (the Paul Graham essays, SQuAD,
+HotpotQA) are skipped offline with the reason; the others need only ``wonderwords`` and
+``nltk`` (the ``eval`` extra). :func:`run_ruler` is ``focus-pretrain ruler``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from focus_pretrain.errors import InputError, MissingInputError
+
+DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2")
+GENERATED_TOKENS = 128  # RULER's answer budget: a length holds the prompt and these
+_ESSAYS = "the Paul Graham essays (hub dataset baber/paul_graham_essays) and nltk's punkt_tab"
+DOWNLOADS = {  # task -> what its generator downloads
+    "niah_single_2": _ESSAYS,
+    "niah_single_3": _ESSAYS,
+    "niah_multikey_1": _ESSAYS,
+    "niah_multivalue": _ESSAYS,
+    "niah_multiquery": _ESSAYS,
+    "ruler_qa_squad": "SQuAD 2.0 dev (rajpurkar.github.io)",
+    "ruler_qa_hotpot": "HotpotQA dev (huggingface.co)",
+}
+OFFLINE_TASKS = (
+    "niah_single_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "ruler_vt",
+    "ruler_cwe",
+    "ruler_fwe",
+)
+
+
+def offline() -> bool:
+    """Whether this run may not download (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set)."""
+    return any(os.environ.get(k, "0") not in ("", "0") for k in _OFFLINE_VARIABLES)
+
+
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def split_tasks(tasks: Sequence[str], allow_downloads: bool) -> tuple[list[str], dict[str, str]]:
+    """``(runnable, skipped)``: offline, the tasks that download are skipped with the reason.
+
+    Raises:
+        InputError: a task that is not one of RULER's.
+    """
+    known = (*OFFLINE_TASKS, *DOWNLOADS)
+    unknown = [task for task in tasks if task not in known]
+    if unknown:
+        raise InputError(
+            f"unknown RULER task(s) {', '.join(unknown)}; choose from {', '.join(known)}"
+        )
+    skipped = {
+        task: f"its generator downloads {DOWNLOADS[task]}; offline (run with --online)"
+        for task in tasks
+        if task in DOWNLOADS and not allow_downloads
+    }
+    return [task for task in tasks if task not in skipped], skipped
+
+
+def check_lengths(export_dir: Path, lengths: Sequence[int]) -> list[str]:
+    """Refuse lengths that leave no room for a prompt or that a model with learned positions
+    cannot hold; returns a warning per length past a rotary model's trained context (RULER
+    then measures extrapolation).
+
+    Raises:
+        InputError: a length of at most the answer budget plus a minimal prompt, or over the
+            learned positions (GPT-2's ``n_positions``).
+    """
+    import json
+
+    config = json.loads((export_dir / "config.json").read_text())
+    learned = config.get("n_positions")  # GPT-2: a position embedding table, no extrapolation
+    trained = config.get("max_position_embeddings")
+    warnings = []
+    for length in lengths:
+        if length < GENERATED_TOKENS + 128:
+            raise InputError(
+                f"length {length} leaves no room for a RULER prompt (the answer alone takes "
+                f"{GENERATED_TOKENS} tokens); use lengths of at least {GENERATED_TOKENS + 128}"
+            )
+        if learned is not None and length > learned:
+            raise InputError(
+                f"length {length} is more than {export_dir} holds (learned positions: "
+                f"n_positions={learned}); use lengths up to {learned}"
+            )
+        if trained is not None and length > trained:
+            warnings.append(
+                f"length {length} is past the model's max_position_embeddings={trained}: "
+                "RULER measures extrapolation there"
+            )
+    return warnings
+
+
+@contextlib.contextmanager
+def _no_downloads() -> Iterator[None]:
+    """RULER's module import asks nltk for ``punkt_tab`` (only the essay tasks use it) and says
+    "Downloaded" whatever came of it; offline, it is imported here with the request answered
+    "not available" and that line dropped, instead of trying the network."""
+    import nltk
+
+    original = nltk.download
+    nltk.download = lambda *args, **kwargs: False
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            import lm_eval.tasks.ruler.prepare_niah  # noqa: F401
+        yield
+    finally:
+        nltk.download = original
+
+
+def run_ruler(
+    export_dir: str | os.PathLike,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    lengths: Sequence[int] = (4096,),
+    *,
+    samples: int | None = 20,
+    max_new_tokens: int = GENERATED_TOKENS,
+    batch_size: int = 1,
+    device: str = "cpu",
+    dtype: str = "float32",
+    allow_downloads: bool = False,
+) -> dict[str, Any]:
+    """Score ``tasks`` at each of ``lengths`` on the export: ``samples`` per task and length
+    (``None``: RULER's 500), answers of up to ``max_new_tokens`` greedy tokens.
+
+    Returns:
+        ``{"scores": {task: {length: score}}, "samples": {task: {length: n}},
+        "prompt_tokens": {task: {length: [fewest, most]}}, "skipped": {task: reason},
+        "records": [one per sample: task, length, prompt_tokens, answers, response, score],
+        "export", "lengths", "lm_eval"}``; a score is lm-eval's: the mean over samples of the
+        share of the needles' values found in the answer (1.0: every needle found).
+
+    Raises:
+        InputError: unknown tasks, bad lengths, every task skipped, no export there, a length
+            that holds no sample, or lm-evaluation-harness, wonderwords or nltk missing.
+    """
+    export = Path(export_dir).resolve()
+    if not (export / "config.json").is_file():
+        raise MissingInputError(f"{export}/config.json does not exist: give an exported directory")
+    runnable, skipped = split_tasks(tasks, allow_downloads)
+    if not runnable:
+        raise InputError(f"no task to run: {'; '.join(f'{t}: {r}' for t, r in skipped.items())}")
+    for warning in check_lengths(export, lengths):
+        print(f"ruler: warning: {warning}", file=sys.stderr)
+    lm_eval = _import_lm_eval()
+    if not allow_downloads:
+        os.environ.update({name: "1" for name in _OFFLINE_VARIABLES})
+    from lm_eval.models.huggingface import HFLM
+
+    model = HFLM(
+        pretrained=str(export), tokenizer=str(export), trust_remote_code=True, dtype=dtype,
+        batch_size=batch_size, device=device,
+        # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
+        # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
+        max_length=max(lengths) + max_new_tokens + GENERATED_TOKENS,
+    )  # fmt: skip
+    records = []
+    with contextlib.nullcontext() if allow_downloads else _no_downloads():
+        for length in lengths:  # one run per length: `limit` counts a task's first documents
+            logged = _evaluate(lm_eval, model, runnable, length, samples, max_new_tokens, export)
+            records += _records(logged, runnable, length, model.tokenizer)
+    return {
+        "export": str(export),
+        "lengths": list(lengths),
+        **_summary(records, runnable),
+        "skipped": skipped,
+        "lm_eval": lm_eval.__version__,
+        "records": records,
+    }
+
+
+def _import_lm_eval():
+    try:
+        import lm_eval
+        import nltk  # noqa: F401
+        import wonderwords  # noqa: F401
+    except ImportError as error:
+        raise InputError(
+            f"RULER needs lm-evaluation-harness with its ruler extras ({error.name} is missing): "
+            "pip install -e '.[eval]' (or pip install 'lm_eval[ruler]' accelerate)"
+        ) from error
+    return lm_eval
+
+
+def _evaluate(lm_eval, model, tasks, length: int, samples, max_new_tokens: int, export: Path):
+    """lm-eval's logged samples of ``tasks`` at ``length`` (its generator, its scoring)."""
+    try:
+        results = lm_eval.simple_evaluate(
+            model=model,
+            tasks=list(tasks),
+            metadata={"max_seq_lengths": [length], "tokenizer": str(export)},
+            gen_kwargs={"max_gen_toks": max_new_tokens},
+            limit=samples,
+            log_samples=True,
+        )
+    except ValueError as error:  # the generator: the length holds no sample
+        if "Could not generate any sample" not in str(error):
+            raise
+        raise InputError(f"{error} (the export's tokenizer sizes the prompts)") from error
+    return results["samples"]
+
+
+def _records(logged: dict, tasks: Sequence[str], length: int, tokenizer) -> list[dict]:
+    """One record per logged sample: its prompt's tokens (the export's tokenizer), the
+    needles' values, the answer and lm-eval's score."""
+    records = []
+    for task in tasks:
+        for sample in logged[task]:
+            prompt = sample["arguments"][0][0]  # (context, generation kwargs)
+            records.append({
+                "task": task,
+                "length": length,
+                "prompt_tokens": len(tokenizer(prompt)["input_ids"]),
+                "answers": list(sample["doc"]["outputs"]),
+                "response": sample["filtered_resps"][0],
+                "score": float(sample[str(length)]),
+            })  # fmt: skip
+    return records
+
+
+def _summary(records: list[dict], tasks: Sequence[str]) -> dict[str, dict]:
+    """Per task and length: the mean score, the sample count and the prompts' token range."""
+    scores: dict[str, dict[str, float]] = {task: {} for task in tasks}
+    counts: dict[str, dict[str, int]] = {task: {} for task in tasks}
+    prompt_tokens: dict[str, dict[str, list[int]]] = {task: {} for task in tasks}
+    for task in tasks:
+        for length in dict.fromkeys(r["length"] for r in records):
+            mine = [r for r in records if r["task"] == task and r["length"] == length]
+            key = str(length)
+            counts[task][key] = len(mine)
+            if mine:
+                scores[task][key] = sum(r["score"] for r in mine) / len(mine)
+                sizes = [r["prompt_tokens"] for r in mine]
+                prompt_tokens[task][key] = [min(sizes), max(sizes)]
+    return {"scores": scores, "samples": counts, "prompt_tokens": prompt_tokens}
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """Tasks by length, the score with the sample count; skipped tasks with the reason."""
+    lengths = [str(length) for length in result["lengths"]]
+    lines = ["| task | " + " | ".join(lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for task, by_length in result["scores"].items():
+        cells = [
+            f"{by_length[k]:.3f} (n={result['samples'][task][k]})" if k in by_length else "-"
+            for k in lengths
+        ]
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    for task, reason in result["skipped"].items():
+        lines.append(f"| {task} | skipped: {reason} |" + " |" * (len(lengths) - 1))
+    return "\n".join(lines)
