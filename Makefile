@@ -13,6 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 LOCK ?= requirements/lock.txt
 TRITON_LOCK ?= requirements/triton-cpu.txt
 PYTEST_ARGS ?=
+# pytest-xdist workers (each file's tests stay on one worker, sharing its fixtures); 0: none
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 COMPAT_ARGS ?=
 
@@ -20,6 +22,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 CONSTRAINTS := $(if $(strip $(LOCK)),-c $(LOCK))
+XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 # what `make lock` leaves out of the lock: the package itself and the torch build with what
 # only a torch build pins (its Triton and CUDA wheels), which stay the GPU user's choice
 UNLOCKED := ^(focus-pretrain|torch|triton|pytorch-triton[a-z0-9-]*|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==
@@ -52,15 +55,16 @@ lint: setup
 # The whole suite on the locked versions, then the HF-facing tests against the lowest and the
 # newest supported transformers (tools/hf_compat.py: a small second venv, .venv-compat).
 test: lint
-	FOCUS_LOCK="$(LOCK)" $(PY) -m pytest $(PYTEST_ARGS)
+	FOCUS_LOCK="$(LOCK)" $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-compat
 
 test-compat: setup
-	$(PY) tools/hf_compat.py --torch "$(TORCH_SPEC)" --lock "$(LOCK)" $(COMPAT_ARGS)
+	$(PY) tools/hf_compat.py --torch "$(TORCH_SPEC)" --lock "$(LOCK)" \
+		--pytest-args="-q $(XDIST)" $(COMPAT_ARGS)
 
 # The unit tier only (no multi-process or end-to-end tests).
 test-fast: setup
-	$(PY) -m pytest -m "not multiprocess and not e2e and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not multiprocess and not e2e and not slow" $(PYTEST_ARGS)
 
 # Refresh the lock: a fresh venv with the newest versions pyproject.toml allows, frozen into
 # requirements/ (run it on a CPU machine, like CI's, so that the CPU Triton is recorded), then the

@@ -17,6 +17,13 @@ from hypothesis import settings
 if "triton" not in sys.modules and not torch.cuda.is_available():  # torch does not import it
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist (make test runs -n 2): the cores are shared among the workers, so each worker's
+# torch, and the processes its tests start (launchers, ranks), get their share of threads
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 2) // WORKERS))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=400, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -25,5 +32,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(1234)
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     yield

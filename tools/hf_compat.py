@@ -7,7 +7,8 @@ package index inside that range; ``latest``, the newest of all, tries a release 
 is widened):
 
 * **with the package**: the tests marked ``hf`` (import, export, generation, packed documents,
-  sparse decode, the export checks of ``tests/compat``) in the locked environment with that
+  sparse decode, the export checks of ``tests/compat``; the end-to-end recipes only with
+  ``--with-e2e``) in the locked environment with that
   ``transformers`` laid over it: what pip would change for it (``transformers`` and the
   dependencies it needs at other versions) is installed into ``<work>/overlay-<version>`` and put
   first on ``PYTHONPATH``; the locked environment itself is not touched. Skipped where the
@@ -42,6 +43,10 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
+# the HF-facing tests repeated under each version: not the end-to-end recipes, whose HF parts
+# (import, export, the exported code) the unit and multi-process tests and the standalone
+# run cover, while their training would only repeat the main run (--with-e2e adds them)
+HF_MARKER = "hf and not e2e"
 
 
 def declared_range(pyproject: Path = ROOT / "pyproject.toml") -> str:
@@ -136,13 +141,15 @@ def run_pytest(python: str, args: list[str], env: dict[str, str], junit: Path) -
     return counts
 
 
-def with_package(python: str, version: str, work: Path, pytest_args: list[str]) -> dict:
-    """The ``hf`` tests in the locked environment with ``transformers==version`` over it."""
+def with_package(
+    python: str, version: str, work: Path, pytest_args: list[str], marker: str = HF_MARKER
+) -> dict:
+    """The ``marker`` tests in the locked environment with ``transformers==version`` over it."""
     target = overlay(python, version, work)
     path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "FOCUS_COMPAT_TRANSFORMERS": version, "FOCUS_COMPAT_PACKAGE": "1"}
     junit = work / f"with-package-{version}.xml"
-    return run_pytest(python, ["-m", "hf", *pytest_args], env, junit)
+    return run_pytest(python, ["-m", marker, *pytest_args], env, junit)
 
 
 def standalone(venv_python: str, version: str, exports: Path, work: Path) -> dict:
@@ -199,6 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="constraints for the small venv's torch and pytest ('' for none)",
     )
     parser.add_argument("--pytest-args", default="-q", help="extra arguments of the hf runs")
+    parser.add_argument(
+        "--with-e2e", action="store_true", help="also the end-to-end recipes marked hf"
+    )
     return parser.parse_args(argv)
 
 
@@ -222,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         if Version(version) == Version(locked):
             row["note"] = "the locked version: covered by the main run"
         else:
-            row["counts"] = with_package(python, version, args.work, args.pytest_args.split())
+            marker = "hf" if args.with_e2e else HF_MARKER
+            extra = args.pytest_args.split()
+            row["counts"] = with_package(python, version, args.work, extra, marker)
         rows.append(row)
     exports = write_exports(python, args.work)
     venv_python = small_venv(args.venv, args.torch, Path(args.lock) if args.lock else None)

@@ -105,17 +105,44 @@ def _run(command: list[str], what: str) -> None:
         sys.exit(done.returncode)
 
 
+def _step(what: str) -> None:
+    print(f"== {what}", flush=True)
+
+
 def evaluate(out: Path) -> dict[str, dict]:
-    """Each report variant's validation metrics (tools/evaluate.py, JSON under out/eval)."""
-    (out / "eval").mkdir(exist_ok=True)
+    """Each report variant's validation metrics (``tools/evaluate.py``'s, in this process;
+    JSON under out/eval)."""
+    from focus_pretrain.train.evaluate import evaluate_checkpoint
+
     results = {}
     for variant, overrides in VARIANTS.items():
+        _step(variant)
         target = out / "eval" / (variant.split(",")[-1].split()[0].strip("()") + ".json")
-        sets = [part for o in overrides for part in ("--set", o)]
-        checkpoint = ["--checkpoint", str(out / "run")]
-        _run(_script("tools/evaluate.py", *checkpoint, *sets, "--out", str(target)), variant)
-        results[variant] = json.loads(target.read_text())["metrics"]
+        results[variant] = evaluate_checkpoint(out / "run", overrides, target)["metrics"]
     return results
+
+
+def export_and_report(args, out: Path, config) -> dict:
+    """The export, the adapter, the evaluations and the group report of the trained run (in
+    this process, one start-up for all); the group report's JSON."""
+    from focus_pretrain.analysis.pipeline import inspect_groups
+    from focus_pretrain.convert import export_hf, export_router_adapter
+    from focus_pretrain.parallel.launch import shutdown_distributed
+
+    try:
+        _step("export")
+        export_hf(out / "run", out / "export")
+        _step("router adapter")
+        export_router_adapter(out / "run", out / "adapter")
+        evaluations = evaluate(out)
+        _step("group report")
+        inspect_groups(
+            out / "run", out / "groups", corpus=args.data[0], samples=args.report_samples,
+            length=config.data.seq_length, progress=False,
+        )  # fmt: skip
+    finally:
+        shutdown_distributed()
+    return evaluations
 
 
 def main() -> None:
@@ -135,16 +162,8 @@ def main() -> None:
         recipe = write_recipe(args, out)
     config = load_config(recipe)
     _run(_script("launchers/pretrain.py", "--config", str(recipe)), "training the routers")
-    _run(_script("tools/convert_to_hf.py", str(out / "run"), str(out / "export")), "export")
-    adapter = [str(out / "run"), str(out / "adapter"), "--adapter-only"]
-    _run(_script("tools/convert_to_hf.py", *adapter), "router adapter")
-    evaluations = evaluate(out)
-    groups = [
-        "--checkpoint", str(out / "run"), "--corpus", args.data[0], "--samples",
-        str(args.report_samples), "--length", str(config.data.seq_length), "--out",
-        str(out / "groups"), "--quiet",
-    ]  # fmt: skip
-    _run(_script("tools/inspect_groups.py", *groups), "group report")
+    with exit_on_input_error("retrofit"):  # e.g. an export refused: one line, status 2
+        evaluations = export_and_report(args, out, config)
     meta = {
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
         "steps": config.train.steps, "precision": config.train.precision,
