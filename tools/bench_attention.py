@@ -6,8 +6,8 @@ repeats; reports time, speedup, the ideal speedup from the pattern's exact allow
 and the non-kernel overhead (membership, sort, masks, merge). Each backend is first checked
 against the reference. Writes JSON and a markdown table. On CPU it is a smoke test only.
 
-    python tools/bench_attention.py --seq 1024 4096 16384 65536 262144 1048576 \
-        --groups 4 8 --top-k 1 2 --heads 16 --head-dim 128 --dtype bf16 --train \
+    python tools/bench_attention.py --seq 1024 4096 16384 65536 262144 1048576 \\
+        --groups 4 8 --top-k 1 2 --heads 16 --head-dim 128 --dtype bf16 --train \\
         --json bench.json --markdown bench.md
 """
 

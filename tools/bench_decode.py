@@ -5,7 +5,7 @@ and times one-token decode steps (median after warm-up): the plain model with SD
 keys, the Focus model over its whole cache, and the Focus model's sparse step (window + the
 query's groups). Checks the sparse step against the dense one; writes JSON and a markdown table.
 
-    python tools/bench_decode.py --seq 4096 16384 65536 --groups 8 --top-k 1 \
+    python tools/bench_decode.py --seq 4096 16384 65536 --groups 8 --top-k 1 \\
         --json decode.json --markdown decode.md
 """
 

@@ -6,7 +6,7 @@ packed sequence without documents (median of repeats after warm-up, ``perf_count
 CUDA events on GPU). The packed output is first checked against the unpacked one. Writes JSON
 and a markdown table.
 
-    python tools/bench_documents.py --seq 16384 --doc-len 512 --groups 8 --window 128 \
+    python tools/bench_documents.py --seq 16384 --doc-len 512 --groups 8 --window 128 \\
         --heads 8 --head-dim 64 --dtype fp32 --device cpu --json docs.json --markdown docs.md
 """
 

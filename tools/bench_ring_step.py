@@ -8,7 +8,7 @@ backward step (recompute + gradients) of each: CUDA events after warm-up, median
 A kernel that runs out of memory at a size is recorded and the run goes on. Writes JSON and a
 markdown table. On CPU (``--device cpu``, tiny sizes) it is a smoke test only.
 
-    python tools/bench_ring_step.py --seq 65536 262144 --cp 8 --groups 8 --top-k 1 \
+    python tools/bench_ring_step.py --seq 65536 262144 --cp 8 --groups 8 --top-k 1 \\
         --heads 16 --head-dim 128 --dtype bf16 --json ring.json --markdown ring.md
 """
 

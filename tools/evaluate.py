@@ -5,7 +5,7 @@ the hard pattern's kept-pair fraction; prints a table and JSON (``--out`` writes
     python tools/evaluate.py --checkpoint runs/tiny --set model.focus.top_k=2
     python tools/evaluate.py --checkpoint runs/tiny --set 'probes.lengths=[512]' --out e.json
     python tools/evaluate.py --checkpoint runs/a --set 'data.sources=["other/shards"]'
-    python tools/evaluate.py --checkpoint runs/a --set 'data.sources=["other.jsonl"]' \
+    python tools/evaluate.py --checkpoint runs/a --set 'data.sources=["other.jsonl"]' \\
         --set data.tokenize_in_job=true                 (a small raw corpus, tokenised here)
     torchrun --nproc-per-node 2 tools/evaluate.py --checkpoint runs/long \\
         --set parallel.context_parallel_size=2          (context parallel: long probes)

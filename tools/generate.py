@@ -4,7 +4,7 @@ Prompts are batched with left padding; decoding uses the KV cache, whose one-tok
 only each query's window and its groups' keys (hard pattern). Plain ``transformers`` does the
 rest (``generate``), so every option it has works on the export from Python too.
 
-    python tools/generate.py exports/tiny --prompt "The key of" --prompt "Once" \
+    python tools/generate.py exports/tiny --prompt "The key of" --prompt "Once" \\
         --max-new-tokens 64                        # greedy
     python tools/generate.py exports/tiny --prompt "Once" --sample --temperature 0.8 --top-p 0.9
     python tools/generate.py exports/tiny --prompts-file prompts.txt --json out.json

@@ -4,7 +4,7 @@ tokens per group and stability across layers. Writes report.md, report.json and 
 
     python tools/inspect_groups.py --checkpoint runs/tiny --corpus demo:20 --out runs/tiny/groups
     python tools/inspect_groups.py --checkpoint exports/gpt2-focus --text a.txt b.txt --out g
-    python tools/inspect_groups.py --checkpoint runs/tiny --corpus data.jsonl --samples 32 \
+    python tools/inspect_groups.py --checkpoint runs/tiny --corpus data.jsonl --samples 32 \\
         --length 128 --out runs/tiny/groups
 
 --checkpoint: a run directory, a checkpoint directory or an exported HuggingFace directory.

@@ -8,7 +8,7 @@ the GPU's dense bf16 figure, 989 for an H100), peak memory and the loss, as a ma
 optionally JSON. See focus_pretrain/bench/training.py.
 
     python tools/measure_mfu.py --json mfu.json --markdown mfu.md      # 1b-8k and its dense twin
-    python tools/measure_mfu.py --config configs/1b-8k.yaml --steps 30 \
+    python tools/measure_mfu.py --config configs/1b-8k.yaml --steps 30 \\
         --set train.global_batch_size=4                                 # shorter steps
     python tools/measure_mfu.py --config configs/tiny.yaml --steps 4 --log-interval 1  # CPU smoke
 """

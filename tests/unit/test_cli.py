@@ -82,3 +82,15 @@ def test_the_console_script_is_installed():
         pytest.skip(f"{script} not installed: a set-up other than make setup (pip install -e .)")
     done = subprocess.run([str(script), "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("focus-pretrain ")
+
+
+def test_no_scripts_help_loses_a_line_break():
+    """A backslash ending a line of a (non-raw) docstring joins the next line to it: the help's
+    multi-line command examples would print as one line. Every script writes ``\\\\``."""
+    import re
+
+    scripts = [*sorted((cli.ROOT / "tools").glob("*.py")), cli.ROOT / "launchers" / "pretrain.py"]
+    for script in scripts:
+        source = script.read_text()
+        doc = source[3 : source.index('"""', 3)] if source.startswith('"""') else ""
+        assert not re.search(r"(?<!\\)\\\n", doc), f"{script.name}: a line ends in one backslash"
