@@ -34,3 +34,9 @@ def _seed_and_threads():
     torch.manual_seed(1234)
     torch.set_num_threads(THREADS)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` first (stable otherwise): with parallel workers the longest
+    start at once and the rest fill in around them, instead of one running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -53,7 +53,10 @@ def _report(result: dict) -> None:
     for key, value in result["metrics"].items():
         shown = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else value
         print(f"  {key:<34} {shown if isinstance(shown, str) else f'{shown:.4f}'}")
-    print(json.dumps({"checkpoint": result["checkpoint"], "metrics": result["metrics"]}))
+    by_position = result.get("loss_by_position") or {}
+    print("  loss by position: " + ", ".join(f"{k} {v:.4f}" for k, v in by_position.items()))
+    summary = {k: result[k] for k in ("checkpoint", "metrics", "loss_by_position")}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

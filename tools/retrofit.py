@@ -16,10 +16,10 @@ runs/retrofit-NAME):
   export/      the full HuggingFace model: the original weights bit for bit (their dtype too),
                the routers as trained (fp32)
   adapter/     the routers alone, for attach_focus_adapter on the unmodified model
-  report.md    before and after: validation loss, loss beyond the window and on far evidence of
-               the original (dense) model and of the retrofit in soft and hard mode, the hard
-               pattern's kept pairs, the group balance per layer (groups/: plots, typical tokens);
-               report.json, loss.png
+  report.md    before and after: validation loss, loss beyond the window and on far evidence,
+               and the loss by position, of the original (dense) model and of the retrofit in
+               soft and hard mode, the hard pattern's kept pairs, the group balance per layer
+               (groups/: plots, typical tokens); report.json, loss.png, loss_by_position.png
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE.
@@ -118,7 +118,8 @@ def evaluate(out: Path) -> dict[str, dict]:
     for variant, overrides in VARIANTS.items():
         _step(variant)
         target = out / "eval" / (variant.split(",")[-1].split()[0].strip("()") + ".json")
-        results[variant] = evaluate_checkpoint(out / "run", overrides, target)["metrics"]
+        result = evaluate_checkpoint(out / "run", overrides, target)
+        results[variant] = {**result["metrics"], "loss_by_position": result["loss_by_position"]}
     return results
 
 

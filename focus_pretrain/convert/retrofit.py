@@ -70,10 +70,11 @@ REPORT_METRICS = {
 
 
 def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None) -> Path:
-    """``out/report.md``, ``report.json`` and ``loss.png``: the original (dense) model against
-    the retrofit in soft and hard mode (``evaluations``: variant -> tools/evaluate.py's
-    metrics), the group balance per layer (``groups``: tools/inspect_groups.py's report.json,
-    its own report and plots in ``out/groups``) and what was run (``meta``)."""
+    """``out/report.md``, ``report.json``, ``loss.png`` and ``loss_by_position.png``: the
+    original (dense) model against the retrofit in soft and hard mode (``evaluations``:
+    variant -> tools/evaluate.py's metrics, with its ``loss_by_position``), the group balance
+    per layer (``groups``: tools/inspect_groups.py's report.json, its own report and plots in
+    ``out/groups``) and what was run (``meta``)."""
     lines = [f"# Retrofit report: {meta['hf_dir']}", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
     lines += ["", "## Before and after (validation split of the training data)", ""]
@@ -83,6 +84,7 @@ def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dic
         cells = [_cell(metrics.get(key)) for key in REPORT_METRICS]
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines += ["", "![loss](loss.png)", ""]
+    lines += _position_section(evaluations, out / "loss_by_position.png")
     if groups is not None:
         lines += ["## Groups (the retrofit's routers)", ""]
         lines += ["| layer | shares | largest share | kept pairs |", "|---:|---|---:|---:|"]
@@ -102,6 +104,41 @@ def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dic
     (out / "report.json").write_text(json.dumps(summary, indent=1))
     _plot_losses(evaluations, out / "loss.png")
     return out / "report.md"
+
+
+def _position_section(evaluations: dict, plot: Path) -> list[str]:
+    """The loss by position (``loss_by_position`` of each variant) as a table and a plot."""
+    by_variant = {
+        v: m["loss_by_position"] for v, m in evaluations.items() if m.get("loss_by_position")
+    }
+    if not by_variant:
+        return []
+    buckets = list(next(iter(by_variant.values())))
+    lines = ["## Loss by position (tokens of the validation split)", ""]
+    lines += ["| model | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    for variant, losses in by_variant.items():
+        lines.append(f"| {variant} | " + " | ".join(_cell(losses.get(b)) for b in buckets) + " |")
+    _plot_by_position(by_variant, plot)
+    return [*lines, "", f"![loss by position]({plot.name})", ""]
+
+
+def _plot_by_position(by_variant: dict[str, dict[str, float]], path: Path) -> None:
+    """One line per variant: the loss of each position bucket (``"lo-hi"``)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for variant, losses in by_variant.items():
+        ax.plot(range(len(losses)), list(losses.values()), marker="o", label=variant)
+    buckets = list(next(iter(by_variant.values())))
+    ax.set_xticks(range(len(buckets)), buckets, fontsize=8)
+    ax.set_xlabel("position in the sequence")
+    ax.set_ylabel("nats per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _cell(value: float | None) -> str:

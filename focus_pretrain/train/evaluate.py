@@ -165,8 +165,9 @@ def evaluate_checkpoint(
     split of ``data.sources``, plus ``kept_pairs`` (hard-pattern density on those tokens, a
     Focus model in hard mode without context parallelism; else absent).
 
-    Returns ``{"checkpoint", "step", "overrides", "metrics", "config"}``; rank 0 writes it as
-    JSON to ``out`` when given.
+    Returns ``{"checkpoint", "step", "overrides", "metrics", "loss_by_position", "config"}``
+    (``loss_by_position``: ``{"lo-hi": loss}``, the validation tokens by position bucket);
+    rank 0 writes it as JSON to ``out`` when given.
     """
     loaded = load_checkpoint_model(checkpoint, overrides)
     config, layout = loaded.config, loaded.layout
@@ -204,6 +205,7 @@ def evaluate_checkpoint(
         "step": step,
         "overrides": list(overrides),
         "metrics": metrics,
+        "loss_by_position": validator.last_loss_by_position,
         "config": config_to_dict(config),
     }
     if out is not None and layout.is_main:

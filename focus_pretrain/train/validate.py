@@ -5,6 +5,7 @@ only)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from contextlib import AbstractContextManager, nullcontext
@@ -36,6 +37,32 @@ def validation_samples(train, per_step: int) -> int:
     return max(1, train.eval_iters * per_step * rounds)
 
 
+def position_edges(window: int, seq_length: int) -> list[int]:
+    """Bucket edges of the loss by position: ``0``, the window, then doubling up to the
+    sequence length (``[0, 16, 32, 64, 128]`` for window 16 and length 128; 64 stands in for
+    a window of 0)."""
+    edges, edge = [0], max(window, 1) if window > 0 else 64
+    while edge < seq_length:
+        edges.append(edge)
+        edge *= 2
+    return [*edges, seq_length]
+
+
+def _position_sums(
+    loss: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor | None, edges: list[int]
+) -> torch.Tensor:
+    """``[buckets, 2]`` (loss sum, count) of the valid tokens per position bucket; positions
+    are the tokens' indices, or ``positions`` (``[b, s]``, reset per document) when given."""
+    if positions is None:
+        positions = torch.arange(loss.shape[1]).expand_as(loss)  # [b, s]
+    bucket = torch.bucketize(positions.cpu(), torch.tensor(edges[1:-1]), right=True)  # [b, s]
+    bucket, values = bucket[valid.cpu()], loss[valid].double().cpu()
+    buckets = len(edges) - 1
+    sums = torch.zeros(buckets, dtype=torch.float64).index_add_(0, bucket, values)
+    counts = torch.bincount(bucket, minlength=buckets).double()
+    return torch.stack([sums, counts], dim=1)
+
+
 class Validator:
     """Evaluates the model every ``train.eval_interval`` steps (and at the last step).
 
@@ -50,6 +77,9 @@ class Validator:
 
     Attributes:
         last_loss: the most recent validation loss, or ``None``.
+        last_loss_by_position: the most recent validation's loss by position in the sequence
+            (its document's, when positions reset), ``{"lo-hi": loss}`` over
+            :func:`position_edges`, or ``None``.
         last_recall: the most recent recall scores (:func:`recall_metrics`), or ``None``.
         last_scalars: everything the most recent validation measured, or ``None``.
     """
@@ -74,6 +104,8 @@ class Validator:
         self.last_loss: float | None = None
         self.last_recall: dict[str, float] | None = None
         self.last_scalars: dict[str, float] | None = None
+        self.last_loss_by_position: dict[str, float] | None = None  # "lo-hi" positions: loss
+        self.seq_length = data.seq_length
         self.recall: RecallBatch | None = None
         self.probes: list[ProbeBatch] = []
         if config.probes.lengths:
@@ -153,7 +185,9 @@ class Validator:
             leave=False,
             disable=not layout.is_main,
         )
-        sums = torch.zeros(3, 2, dtype=torch.float64)  # (all, beyond, far) x (loss sum, count)
+        edges = position_edges(self.window, self.seq_length)  # loss by position: buckets
+        sums = torch.zeros(3 + len(edges) - 1, 2, dtype=torch.float64)  # (all, beyond, far,
+        # position buckets) x (loss sum, count)
         for i, batch in enumerate(batches):
             if i == self.iters:
                 break
@@ -173,6 +207,7 @@ class Validator:
             for row, mask in enumerate((valid, masks["beyond_window"], masks["far_evidence"])):
                 mask = mask & valid
                 sums[row] += torch.stack([loss[mask].sum(), mask.sum().double()])
+            sums[3:] += _position_sums(loss, valid, batch.get("rope_positions"), edges)
         sums = sums.to(self.device)
         dist.all_reduce(sums, group=layout.data_parallel_group)
         sums = sums.cpu()
@@ -181,6 +216,9 @@ class Validator:
         def mean(row: int) -> float:
             return float(sums[row, 0] / sums[row, 1]) if sums[row, 1] > 0 else float("nan")
 
+        self.last_loss_by_position = {
+            f"{lo}-{hi}": mean(3 + j) for j, (lo, hi) in enumerate(itertools.pairwise(edges))
+        }
         return {
             "loss": loss,
             "ppl": math.exp(min(loss, 50)),

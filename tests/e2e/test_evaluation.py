@@ -59,7 +59,11 @@ def test_evaluate_reproduces_validation_in_one_process_and_under_context_paralle
     (valid,) = [r for r in read_metrics(trained) if r.get("split") == "valid"]
     one = _evaluate(trained, tmp_path / "one.json", *PROBES)
     assert one.returncode == 0, one.stderr[-3000:]
-    single = json.loads((tmp_path / "one.json").read_text())["metrics"]
+    result = json.loads((tmp_path / "one.json").read_text())
+    single = result["metrics"]
+    by_position = result["loss_by_position"]  # window 16, 128 tokens: buckets doubling
+    assert list(by_position) == ["0-16", "16-32", "32-64", "64-128"]
+    assert min(by_position.values()) < single["loss"] < max(by_position.values())
     for key in (*PROBE_KEYS, "loss", "loss_beyond_window", "loss_far_evidence"):
         # the same model on the same probe sequences and the same validation batches
         assert single[key] == pytest.approx(valid[key], rel=1e-5, abs=1e-6), key

@@ -59,7 +59,8 @@ def test_one_command_retrofit(tmp_path, family, precision):
     sets = ["--set", f"train.precision={precision}", "--set", f"data.cache_dir={tmp_path / 'c'}"]
     done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    for name in ("report.md", "loss.png", "export/config.json", "groups/report.md"):
+    for name in ("report.md", "loss.png", "loss_by_position.png", "export/config.json",
+                 "groups/report.md"):  # fmt: skip
         assert (out / name).is_file(), name
     recipe = yaml.safe_load((out / "recipe.yaml").read_text())
     assert recipe["defaults"].endswith("configs/retrofit.yaml")
@@ -72,6 +73,9 @@ def test_one_command_retrofit(tmp_path, family, precision):
     assert all(math.isfinite(report["evaluations"][v]["loss"]) for v in variants)
     assert 0 < report["evaluations"]["retrofit, hard"]["kept_pairs"] < 1
     assert len(report["groups"]) == 2 and "| retrofit, hard |" in (out / "report.md").read_text()
+    by_position = report["evaluations"]["original (dense)"]["loss_by_position"]
+    assert list(by_position) == ["0-16", "16-32", "32-64", "64-128"]  # window 16, 128 tokens
+    assert "## Loss by position" in (out / "report.md").read_text()
 
     originals, exported = load_hf_tensors(hf), load_hf_tensors(out / "export")
     for key, original in originals.items():

@@ -158,3 +158,29 @@ def test_distance_masks_match_a_brute_force_definition(seed):
     assert torch.equal(masks["beyond_window"], beyond)
     assert torch.equal(masks["far_evidence"], far)
     assert far.any() and beyond.any() and not far.all()
+
+
+def test_position_buckets_match_a_brute_force_loop():
+    """The loss by position: edges from the window doubling to the length; each bucket's sum
+    and count of the valid tokens equal a loop over the tokens, by index or by the positions
+    a packed batch resets per document."""
+    from focus_pretrain.train.validate import _position_sums, position_edges
+
+    assert position_edges(16, 128) == [0, 16, 32, 64, 128]
+    assert position_edges(16, 100) == [0, 16, 32, 64, 100]
+    assert position_edges(0, 100) == [0, 64, 100] and position_edges(200, 100) == [0, 100]
+    gen = torch.Generator().manual_seed(3)
+    loss = torch.rand(3, 100, generator=gen) * 5  # [b, s]
+    valid = torch.rand(3, 100, generator=gen) > 0.2
+    reset = torch.cat([torch.arange(40), torch.arange(60)]).expand(3, 100)  # [b, s]
+    edges = position_edges(16, 100)
+    for positions in (None, reset):
+        got = _position_sums(loss, valid, positions, edges)
+        want = torch.zeros(len(edges) - 1, 2, dtype=torch.float64)
+        for b in range(3):
+            for s in range(100):
+                if valid[b, s]:
+                    where = s if positions is None else int(positions[b, s])
+                    bucket = max(i for i in range(len(edges) - 1) if edges[i] <= where)
+                    want[bucket] += torch.tensor([float(loss[b, s]), 1.0], dtype=torch.float64)
+        torch.testing.assert_close(got, want)
