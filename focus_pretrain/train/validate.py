@@ -55,7 +55,7 @@ def _position_sums(
     are the tokens' indices, or ``positions`` (``[b, s]``, reset per document) when given."""
     if positions is None:
         positions = torch.arange(loss.shape[1]).expand_as(loss)  # [b, s]
-    bucket = torch.bucketize(positions.cpu(), torch.tensor(edges[1:-1]), right=True)  # [b, s]
+    bucket = torch.bucketize(positions.cpu().contiguous(), torch.tensor(edges[1:-1]), right=True)
     bucket, values = bucket[valid.cpu()], loss[valid].double().cpu()
     buckets = len(edges) - 1
     sums = torch.zeros(buckets, dtype=torch.float64).index_add_(0, bucket, values)
