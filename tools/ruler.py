@@ -1,8 +1,8 @@
 """RULER needle-in-a-haystack tests of an exported model, through lm-evaluation-harness's own
 generator (its ``ruler`` tasks), offline with the export's tokenizer.
 
-    focus-pretrain ruler exports/tiny --lengths 1024 2048 --samples 20
-    focus-pretrain ruler exports/gpt2-focus --tasks niah_single_1 niah_multikey_2 niah_multikey_3 \\
+    focus-pretrain ruler exports/gpt2-focus --lengths 512 960 --samples 20        # CPU
+    focus-pretrain ruler exports/llama --tasks niah_single_1 niah_multikey_2 niah_multikey_3 \\
         --lengths 4096 8192 --device cuda --dtype bfloat16 --json ruler.json --markdown ruler.md
 
 A length is the whole sample: the prompt lm-eval generates (a haystack with the needles, sized

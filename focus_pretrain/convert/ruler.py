@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,8 @@ from focus_pretrain.errors import InputError, MissingInputError
 
 DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2")
 GENERATED_TOKENS = 128  # RULER's answer budget: a length holds the prompt and these
+PREFIX_ROOM = 64  # the answer prefix ("Answer: The special magic ...") RULER adds after sizing
+# a sample and the BOS token: up to about 30 tokens past its length, measured
 _ESSAYS = "the Paul Graham essays (hub dataset baber/paul_graham_essays) and nltk's punkt_tab"
 DOWNLOADS = {  # task -> what its generator downloads
     "niah_single_2": _ESSAYS,
@@ -93,10 +96,11 @@ def check_lengths(export_dir: Path, lengths: Sequence[int]) -> list[str]:
                 f"length {length} leaves no room for a RULER prompt (the answer alone takes "
                 f"{GENERATED_TOKENS} tokens); use lengths of at least {GENERATED_TOKENS + 128}"
             )
-        if learned is not None and length > learned:
+        if learned is not None and length > learned - PREFIX_ROOM:
             raise InputError(
                 f"length {length} is more than {export_dir} holds (learned positions: "
-                f"n_positions={learned}); use lengths up to {learned}"
+                f"n_positions={learned}, less {PREFIX_ROOM} for the answer prefix RULER adds "
+                f"past its sizing); use lengths up to {learned - PREFIX_ROOM}"
             )
         if trained is not None and length > trained:
             warnings.append(
@@ -170,8 +174,15 @@ def run_ruler(
         max_length=max(lengths) + max_new_tokens + GENERATED_TOKENS,
     )  # fmt: skip
     records = []
-    with contextlib.nullcontext() if allow_downloads else _no_downloads():
+    lm_eval_log = logging.getLogger("lm_eval")
+    level = lm_eval_log.level
+    lm_eval_log.setLevel(logging.ERROR)  # its notes on task kwargs and metric names, known here
+    with contextlib.ExitStack() as stack:
+        stack.callback(lm_eval_log.setLevel, level)
+        if not allow_downloads:
+            stack.enter_context(_no_downloads())
         for length in lengths:  # one run per length: `limit` counts a task's first documents
+            print(f"ruler: {', '.join(runnable)} at {length} tokens", file=sys.stderr, flush=True)
             logged = _evaluate(lm_eval, model, runnable, length, samples, max_new_tokens, export)
             records += _records(logged, runnable, length, model.tokenizer)
     return {

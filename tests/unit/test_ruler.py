@@ -38,12 +38,13 @@ def test_an_unknown_task_is_refused_with_the_choices():
 
 @pytest.mark.parametrize("config, length, problem", [
     ({"n_positions": 1024}, 2048, "learned positions: n_positions=1024"),
+    ({"n_positions": 1024}, 1000, r"use lengths up to 960"),  # room for the answer prefix
     ({"max_position_embeddings": 4096}, 200, "leaves no room for a RULER prompt"),
 ])  # fmt: skip
 def test_lengths_an_export_cannot_take_are_refused(tmp_path, config, length, problem):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(InputError, match=problem):
-        check_lengths(tmp_path, [1024, length])
+        check_lengths(tmp_path, [512, length])
 
 
 def test_past_a_rotary_models_context_is_allowed_with_a_warning(tmp_path):
