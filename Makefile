@@ -13,7 +13,8 @@ TORCH_SPEC ?= torch==2.13.0
 LOCK ?= requirements/lock.txt
 TRITON_LOCK ?= requirements/triton-cpu.txt
 PYTEST_ARGS ?=
-# pytest-xdist workers (each file's tests stay on one worker, sharing its fixtures); 0: none
+# pytest-xdist workers (each file's tests stay on one worker, sharing its fixtures; files in
+# collection order, which tests/conftest.py starts with the slow tests); 0: none
 PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 COMPAT_ARGS ?=
@@ -22,7 +23,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 CONSTRAINTS := $(if $(strip $(LOCK)),-c $(LOCK))
-XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # what `make lock` leaves out of the lock: the package itself and the torch build with what
 # only a torch build pins (its Triton and CUDA wheels), which stay the GPU user's choice
 UNLOCKED := ^(focus-pretrain|torch|triton|pytorch-triton[a-z0-9-]*|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==

@@ -20,7 +20,8 @@ if "triton" not in sys.modules and not torch.cuda.is_available():  # torch does 
 # pytest-xdist (make test runs -n 2): the cores are shared among the workers, so each worker's
 # torch, and the processes its tests start (launchers, ranks), get their share of threads
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, min(2, (os.cpu_count() or 2) // WORKERS))
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+THREADS = max(1, min(2, (CORES or 2) // WORKERS))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 

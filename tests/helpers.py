@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -191,7 +192,7 @@ def random_documents(b: int, n: int, seed: int, rate: float = 0.08) -> Tensor:
     return document_starts(ids)
 
 
-def assert_close(got, want, tol: float) -> None:
+def assert_close(got: Sequence[Tensor], want: Sequence[Tensor], tol: float) -> None:
     """Each of ``got`` (named as :data:`GRADIENT_NAMES`) finite and within ``tol`` of ``want``,
     relative to ``want``'s largest magnitude (at least 1)."""
     for name, a, b in zip(GRADIENT_NAMES[: len(want)], got, want, strict=True):

@@ -53,8 +53,9 @@ def _report(result: dict) -> None:
     for key, value in result["metrics"].items():
         shown = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else value
         print(f"  {key:<34} {shown if isinstance(shown, str) else f'{shown:.4f}'}")
-    by_position = result.get("loss_by_position") or {}
-    print("  loss by position: " + ", ".join(f"{k} {v:.4f}" for k, v in by_position.items()))
+    by_position = {k: v for k, v in (result.get("loss_by_position") or {}).items() if v is not None}
+    if by_position:
+        print("  loss by position: " + ", ".join(f"{k} {v:.4f}" for k, v in by_position.items()))
     summary = {k: result[k] for k in ("checkpoint", "metrics", "loss_by_position")}
     print(json.dumps(summary))
 

@@ -6,9 +6,10 @@ for (default: the lowest release the range in pyproject.toml allows and the newe
 package index inside that range; ``latest``, the newest of all, tries a release before the range
 is widened):
 
-* **with the package**: the tests marked ``hf`` (import, export, generation, packed documents,
-  sparse decode, the export checks of ``tests/compat``; the end-to-end recipes only with
-  ``--with-e2e``) in the locked environment with that
+* **with the package**: the tests marked ``hf`` but not ``e2e`` (import against transformers'
+  models, the shipped modeling code: generation, static decode, packed documents, sparse
+  decode, config and export checks, ``tests/compat``'s export checks; the end-to-end recipes
+  only with ``--with-e2e``) in the locked environment with that
   ``transformers`` laid over it: what pip would change for it (``transformers`` and the
   dependencies it needs at other versions) is installed into ``<work>/overlay-<version>`` and put
   first on ``PYTHONPATH``; the locked environment itself is not touched. Skipped where the

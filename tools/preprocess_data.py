@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -127,8 +128,9 @@ def main() -> None:
         rate += f" ({stats['tokens_per_s_per_worker']:,.0f} per busy worker)"
     print(f"{stats['documents']:,} documents, {stats['tokens']:,} tokens; {rate}")
     if args.output:  # what to do with it
-        sources = f"--set 'data.sources=[\"{args.output}\"]'"
-        print(f"train on it: {sources} --set data.tokenizer={stats['tokenizer']}")
+        sources = shlex.quote(f'data.sources=["{args.output}"]')
+        tokenizer = shlex.quote(f"data.tokenizer={stats['tokenizer']}")
+        print(f"train on it: --set {sources} --set {tokenizer}")
     if stats["skipped_total"]:
         kinds = ", ".join(f"{k}: {n}" for k, n in stats["skipped"].items())
         print(f"skipped {stats['skipped_total']} bad records ({kinds}), e.g.")

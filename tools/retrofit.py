@@ -27,16 +27,21 @@ dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALU
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from focus_pretrain.cli import ROOT, tool_parser
 from focus_pretrain.errors import InputError, as_input_error, exit_on_input_error
+
+if TYPE_CHECKING:  # heavy at run time: imported after the arguments
+    from focus_pretrain.config import Config
 
 VARIANTS = {  # report row -> tools/evaluate.py overrides of the trained checkpoint
     "original (dense)": ["model.focus.enabled=false"],
@@ -98,7 +103,7 @@ def _script(name: str, *args: str) -> list[str]:
 def _run(command: list[str], what: str) -> None:
     """Run a step as its own process (output shown); a failure ends the retrofit with its
     exit code."""
-    print(f"== {what}", flush=True)
+    _step(what)
     done = subprocess.run(command)
     if done.returncode != 0:
         print(f"focus-pretrain retrofit: {what} failed (exit {done.returncode})", file=sys.stderr)
@@ -123,9 +128,9 @@ def evaluate(out: Path) -> dict[str, dict]:
     return results
 
 
-def export_and_report(args, out: Path, config) -> dict:
+def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> dict[str, dict]:
     """The export, the adapter, the evaluations and the group report of the trained run (in
-    this process, one start-up for all); the group report's JSON."""
+    this process, one start-up for all); returns the evaluations (:func:`evaluate`)."""
     from focus_pretrain.analysis.pipeline import inspect_groups
     from focus_pretrain.convert import export_hf, export_router_adapter
     from focus_pretrain.parallel.launch import shutdown_distributed

@@ -6,11 +6,12 @@ generator (its ``ruler`` tasks), offline with the export's tokenizer.
         --lengths 4096 8192 --device cuda --dtype bfloat16 --json ruler.json --markdown ruler.md
 
 A length is the whole sample: the prompt lm-eval generates (a haystack with the needles, sized
-with the export's tokenizer) and the 128 answer tokens. Each score is the mean string match of
-the needles' values (1.0: all found); --json also keeps every sample (prompt tokens, the
-values, the answer, its score). Tasks whose generator downloads its text (niah_single_2,
-niah_single_3, niah_multikey_1, niah_multivalue, niah_multiquery: Paul Graham essays;
-ruler_qa_squad, ruler_qa_hotpot) are skipped with the reason unless --online. Needs the `eval`
+with the export's tokenizer) and the task's answer budget (128 tokens for the needle tasks).
+Each score is the mean string match of the needles' values (1.0: all found); --json also keeps
+every sample (prompt tokens, the values, the answer, its score). Tasks whose generator
+downloads its text (niah_single_2, niah_single_3, niah_multikey_1, niah_multivalue,
+niah_multiquery: Paul Graham essays; ruler_qa_squad, ruler_qa_hotpot) are skipped with the
+reason unless --online. Needs the `eval`
 extra (lm_eval, wonderwords, nltk; installed by make setup).
 """
 
@@ -34,12 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-new-tokens",
         type=int,
-        default=128,
-        help="answer tokens (RULER's 128; a needle's value needs about 10)",
+        help="answer tokens (default: each task's budget, 128 for the needle tasks; a needle's "
+        "value needs about 10)",
     )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--online", action="store_true", help="let task generators download")
     parser.add_argument("--json", help="write the scores, skips and every sample's record here")
     parser.add_argument("--markdown", help="write the table here")

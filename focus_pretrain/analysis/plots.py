@@ -37,7 +37,8 @@ def group_colors(num_groups: int) -> list[tuple[float, float, float, float]]:
     return [cmap(i / num_groups) for i in range(num_groups)]
 
 
-def _save(fig: Figure, path: str | os.PathLike) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
+    """Write ``fig`` as a PNG (120 dpi, without a display)."""
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120)
     return Path(path)
@@ -68,7 +69,7 @@ def plot_shares(result: dict, path: str | os.PathLike) -> Path:
         fontsize=10,
     )
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, title="group")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_distance(result: dict, path: str | os.PathLike) -> Path:
@@ -81,7 +82,7 @@ def plot_distance(result: dict, path: str | os.PathLike) -> Path:
     if not bins:
         ax.text(0.5, 0.5, "no pair beyond the window (texts too short)", ha="center")
         ax.set_axis_off()
-        return _save(fig, path)
+        return save_figure(fig, path)
     centers = [math.sqrt(lo * hi) for lo, hi in bins]
     cmap = matplotlib.colormaps["viridis"]
     n_layers = len(result["layers"])
@@ -101,7 +102,7 @@ def plot_distance(result: dict, path: str | os.PathLike) -> Path:
         f"Same-group pairs by distance (K = {settings['num_groups']}, top_k = {settings['top_k']})"
     )
     ax.legend(fontsize=8, ncol=1 + n_layers // 12, loc="best")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_stability(result: dict, path: str | os.PathLike) -> Path:
@@ -142,7 +143,7 @@ def plot_stability(result: dict, path: str | os.PathLike) -> Path:
                     )
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.suptitle("Do layers group tokens alike? (1: same grouping, 0: independent)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _display(text: str) -> str:
@@ -226,7 +227,7 @@ def plot_tokens(
         fontsize=9,
         va="top",
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_plots(result: dict, out_dir: str | os.PathLike, *, max_tokens: int = 256) -> list[Path]:

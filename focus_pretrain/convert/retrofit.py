@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -122,23 +123,24 @@ def _position_section(evaluations: dict, plot: Path) -> list[str]:
     return [*lines, "", f"![loss by position]({plot.name})", ""]
 
 
-def _plot_by_position(by_variant: dict[str, dict[str, float]], path: Path) -> None:
-    """One line per variant: the loss of each position bucket (``"lo-hi"``)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+def _plot_by_position(by_variant: dict[str, dict[str, float | None]], path: Path) -> None:
+    """One line per variant: the loss of each position bucket (``"lo-hi"``; empty: a gap)."""
     from matplotlib.figure import Figure
 
+    from focus_pretrain.analysis.plots import save_figure
+
     fig = Figure(figsize=(7, 3.5))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for variant, losses in by_variant.items():
-        ax.plot(range(len(losses)), list(losses.values()), marker="o", label=variant)
+        values = [math.nan if v is None else v for v in losses.values()]
+        ax.plot(range(len(values)), values, marker="o", label=variant)
     buckets = list(next(iter(by_variant.values())))
     ax.set_xticks(range(len(buckets)), buckets, fontsize=8)
     ax.set_xlabel("position in the sequence")
     ax.set_ylabel("nats per token")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def _cell(value: float | None) -> str:
@@ -148,12 +150,12 @@ def _cell(value: float | None) -> str:
 def _plot_losses(evaluations: dict, path: Path) -> None:
     """Grouped bars: each loss of :data:`REPORT_METRICS` per model variant."""
     import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from focus_pretrain.analysis.plots import save_figure
 
     keys = [k for k in REPORT_METRICS if k != "kept_pairs"]
     fig = Figure(figsize=(7, 3.5))
-    FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     x = np.arange(len(keys))
     width = 0.8 / max(1, len(evaluations))
@@ -164,4 +166,4 @@ def _plot_losses(evaluations: dict, path: Path) -> None:
     ax.set_ylabel("nats per token")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)

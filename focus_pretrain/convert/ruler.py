@@ -2,9 +2,10 @@
 generator (its ``ruler`` tasks: ``niah_single_1``, ``niah_multikey_2``, ...), offline, with the
 export's own tokenizer sizing every prompt.
 
-lm-eval's generator builds each task's samples at each length (``max_seq_lengths``: prompt plus
-the 128 generated tokens), the export answers greedily through the ``hf`` model
-(``trust_remote_code``), and lm-eval scores each answer by string match of the needles' values.
+lm-eval's generator builds each task's samples at each length (``max_seq_lengths``: the prompt
+plus the task's answer budget, :data:`ANSWER_TOKENS`), the export answers greedily through the
+``hf`` model (``trust_remote_code``), and lm-eval scores each answer by string match of the
+needles' values.
 Tasks whose generator downloads its haystack or questions (the Paul Graham essays, SQuAD,
 HotpotQA) are skipped offline with the reason; the others need only ``wonderwords`` and
 ``nltk`` (the ``eval`` extra). :func:`run_ruler` is ``focus-pretrain ruler``.
@@ -24,9 +25,13 @@ from typing import Any
 from focus_pretrain.errors import InputError, MissingInputError
 
 DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2")
-GENERATED_TOKENS = 128  # RULER's answer budget: a length holds the prompt and these
+GENERATED_TOKENS = 128  # the needle tasks' answer budget: a length holds the prompt and these
+ANSWER_TOKENS = {"ruler_vt": 30, "ruler_fwe": 50, "ruler_cwe": 120}  # the other tasks' (lm-eval
+# 0.4's task files); RULER sizes each task's prompts for its own, and the tasks' default
+# ``max_gen_toks`` is that budget
 PREFIX_ROOM = 64  # the answer prefix ("Answer: The special magic ...") RULER adds after sizing
 # a sample and the BOS token: up to about 30 tokens past its length, measured
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 _ESSAYS = "the Paul Graham essays (hub dataset baber/paul_graham_essays) and nltk's punkt_tab"
 DOWNLOADS = {  # task -> what its generator downloads
     "niah_single_2": _ESSAYS,
@@ -45,14 +50,6 @@ OFFLINE_TASKS = (
     "ruler_cwe",
     "ruler_fwe",
 )
-
-
-def offline() -> bool:
-    """Whether this run may not download (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set)."""
-    return any(os.environ.get(k, "0") not in ("", "0") for k in _OFFLINE_VARIABLES)
-
-
-_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 def split_tasks(tasks: Sequence[str], allow_downloads: bool) -> tuple[list[str], dict[str, str]]:
@@ -75,32 +72,49 @@ def split_tasks(tasks: Sequence[str], allow_downloads: bool) -> tuple[list[str],
     return [task for task in tasks if task not in skipped], skipped
 
 
-def check_lengths(export_dir: Path, lengths: Sequence[int]) -> list[str]:
+def answer_budget(task: str) -> int:
+    """The tokens RULER reserves for ``task``'s answer when it sizes a sample."""
+    return ANSWER_TOKENS.get(task, GENERATED_TOKENS)
+
+
+def past_budget(tasks: Sequence[str], max_new_tokens: int | None) -> int:
+    """How many tokens past a task's answer budget ``max_new_tokens`` lets an answer run (at
+    most, over ``tasks``)."""
+    return max(0, (max_new_tokens or 0) - min(answer_budget(task) for task in tasks))
+
+
+def check_lengths(
+    export_dir: Path, lengths: Sequence[int], tasks: Sequence[str], max_new_tokens: int | None
+) -> list[str]:
     """Refuse lengths that leave no room for a prompt or that a model with learned positions
-    cannot hold; returns a warning per length past a rotary model's trained context (RULER
+    cannot hold with the answer (each task's budget, or ``max_new_tokens`` when given, and the
+    answer prefix); returns a warning per length past a rotary model's trained context (RULER
     then measures extrapolation).
 
     Raises:
-        InputError: a length of at most the answer budget plus a minimal prompt, or over the
-            learned positions (GPT-2's ``n_positions``).
+        InputError: no length, a length below the answer budget plus a minimal prompt, a
+            sample longer than the learned positions (GPT-2's ``n_positions``), or an
+            unreadable ``config.json``.
     """
-    import json
-
-    config = json.loads((export_dir / "config.json").read_text())
+    if not lengths:
+        raise InputError("no length to test: give --lengths, e.g. --lengths 4096 8192")
+    config = _read_config(export_dir)
     learned = config.get("n_positions")  # GPT-2: a position embedding table, no extrapolation
     trained = config.get("max_position_embeddings")
+    past = past_budget(tasks, max_new_tokens)
     warnings = []
     for length in lengths:
         if length < GENERATED_TOKENS + 128:
             raise InputError(
-                f"length {length} leaves no room for a RULER prompt (the answer alone takes "
-                f"{GENERATED_TOKENS} tokens); use lengths of at least {GENERATED_TOKENS + 128}"
+                f"length {length} leaves no room for a RULER prompt (the answer alone takes up "
+                f"to {GENERATED_TOKENS} tokens); use lengths of at least {GENERATED_TOKENS + 128}"
             )
-        if learned is not None and length > learned - PREFIX_ROOM:
+        if learned is not None and length + past + PREFIX_ROOM > learned:
             raise InputError(
                 f"length {length} is more than {export_dir} holds (learned positions: "
-                f"n_positions={learned}, less {PREFIX_ROOM} for the answer prefix RULER adds "
-                f"past its sizing); use lengths up to {learned - PREFIX_ROOM}"
+                f"n_positions={learned}; a sample runs {PREFIX_ROOM} tokens past its length "
+                f"for RULER's answer prefix, {past} more for --max-new-tokens); use lengths "
+                f"up to {learned - PREFIX_ROOM - past}"
             )
         if trained is not None and length > trained:
             warnings.append(
@@ -108,6 +122,34 @@ def check_lengths(export_dir: Path, lengths: Sequence[int]) -> list[str]:
                 "RULER measures extrapolation there"
             )
     return warnings
+
+
+def _read_config(export_dir: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((export_dir / "config.json").read_text())
+    except ValueError as error:
+        raise InputError(f"{export_dir}/config.json is not valid JSON ({error})") from error
+
+
+@contextlib.contextmanager
+def _offline_hub() -> Iterator[None]:
+    """``HF_HUB_OFFLINE`` and ``HF_DATASETS_OFFLINE`` set inside, as they were after. The hub
+    libraries read them once, at their first import: the command imports them here, so they
+    stay offline for the rest of its process; from Python, where ``transformers`` may be
+    imported already, set them before importing it (the skipped tasks are what keeps a run
+    from downloading)."""
+    saved = {name: os.environ.get(name) for name in _OFFLINE_VARIABLES}
+    os.environ.update({name: "1" for name in _OFFLINE_VARIABLES})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -133,14 +175,15 @@ def run_ruler(
     lengths: Sequence[int] = (4096,),
     *,
     samples: int | None = 20,
-    max_new_tokens: int = GENERATED_TOKENS,
+    max_new_tokens: int | None = None,
     batch_size: int = 1,
     device: str = "cpu",
     dtype: str = "float32",
     allow_downloads: bool = False,
 ) -> dict[str, Any]:
     """Score ``tasks`` at each of ``lengths`` on the export: ``samples`` per task and length
-    (``None``: RULER's 500), answers of up to ``max_new_tokens`` greedy tokens.
+    (``None``: RULER's 500), greedy answers of up to each task's budget (``max_new_tokens``
+    when given). Repeated tasks and lengths count once.
 
     Returns:
         ``{"scores": {task: {length: score}}, "samples": {task: {length: n}},
@@ -156,35 +199,23 @@ def run_ruler(
     export = Path(export_dir).resolve()
     if not (export / "config.json").is_file():
         raise MissingInputError(f"{export}/config.json does not exist: give an exported directory")
+    tasks, lengths = list(dict.fromkeys(tasks)), list(dict.fromkeys(lengths))
+    if samples is not None and samples < 1:
+        raise InputError(f"samples is {samples}: give at least 1 per task and length")
     runnable, skipped = split_tasks(tasks, allow_downloads)
     if not runnable:
         raise InputError(f"no task to run: {'; '.join(f'{t}: {r}' for t, r in skipped.items())}")
-    for warning in check_lengths(export, lengths):
+    for warning in check_lengths(export, lengths, runnable, max_new_tokens):
         print(f"ruler: warning: {warning}", file=sys.stderr)
-    lm_eval = _import_lm_eval()
-    if not allow_downloads:
-        os.environ.update({name: "1" for name in _OFFLINE_VARIABLES})
-    from lm_eval.models.huggingface import HFLM
-
-    model = HFLM(
-        pretrained=str(export), tokenizer=str(export), trust_remote_code=True, dtype=dtype,
-        batch_size=batch_size, device=device,
-        # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
-        # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
-        max_length=max(lengths) + max_new_tokens + GENERATED_TOKENS,
-    )  # fmt: skip
-    records = []
-    lm_eval_log = logging.getLogger("lm_eval")
-    level = lm_eval_log.level
-    lm_eval_log.setLevel(logging.ERROR)  # its notes on task kwargs and metric names, known here
     with contextlib.ExitStack() as stack:
-        stack.callback(lm_eval_log.setLevel, level)
+        if not allow_downloads:
+            stack.enter_context(_offline_hub())
+        lm_eval = _import_lm_eval()
         if not allow_downloads:
             stack.enter_context(_no_downloads())
-        for length in lengths:  # one run per length: `limit` counts a task's first documents
-            print(f"ruler: {', '.join(runnable)} at {length} tokens", file=sys.stderr, flush=True)
-            logged = _evaluate(lm_eval, model, runnable, length, samples, max_new_tokens, export)
-            records += _records(logged, runnable, length, model.tokenizer)
+        stack.enter_context(_quiet_logger("lm_eval"))  # its notes on task kwargs, metric names
+        records = _run_lengths(lm_eval, export, runnable, lengths, samples, max_new_tokens,
+                               batch_size, device, dtype)  # fmt: skip
     return {
         "export": str(export),
         "lengths": list(lengths),
@@ -193,6 +224,40 @@ def run_ruler(
         "lm_eval": lm_eval.__version__,
         "records": records,
     }
+
+
+def _run_lengths(
+    lm_eval, export: Path, tasks: Sequence[str], lengths: Sequence[int], samples: int | None,
+    max_new_tokens: int | None, batch_size: int, device: str, dtype: str,
+) -> list[dict]:  # fmt: skip
+    """The export as lm-eval's ``hf`` model, evaluated at each length: every sample's record."""
+    from lm_eval.models.huggingface import HFLM
+
+    model = HFLM(
+        pretrained=str(export), tokenizer=str(export), trust_remote_code=True, dtype=dtype,
+        batch_size=batch_size, device=device,
+        # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
+        # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
+        max_length=max(lengths) + PREFIX_ROOM + past_budget(tasks, max_new_tokens),
+    )  # fmt: skip
+    records = []
+    for length in lengths:  # one run per length: `limit` counts a task's first documents
+        print(f"ruler: {', '.join(tasks)} at {length} tokens", file=sys.stderr, flush=True)
+        logged = _evaluate(lm_eval, model, tasks, length, samples, max_new_tokens, export)
+        records += _records(logged, tasks, length, model.tokenizer)
+    return records
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """The logger ``name`` (and its children) at ERROR inside."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _import_lm_eval():
@@ -208,14 +273,14 @@ def _import_lm_eval():
     return lm_eval
 
 
-def _evaluate(lm_eval, model, tasks, length: int, samples, max_new_tokens: int, export: Path):
+def _evaluate(lm_eval, model, tasks, length: int, samples, max_new_tokens, export: Path):
     """lm-eval's logged samples of ``tasks`` at ``length`` (its generator, its scoring)."""
     try:
         results = lm_eval.simple_evaluate(
             model=model,
             tasks=list(tasks),
             metadata={"max_seq_lengths": [length], "tokenizer": str(export)},
-            gen_kwargs={"max_gen_toks": max_new_tokens},
+            gen_kwargs=None if max_new_tokens is None else {"max_gen_toks": max_new_tokens},
             limit=samples,
             log_samples=True,
         )

@@ -291,12 +291,18 @@ def _check_settings(out: Path, plan: dict, settings: dict) -> None:
         )
 
 
+def tokenizer_sample_step(records: int) -> int:
+    """Every how many records the tokenizer trains on: about :data:`TOKENIZER_DOCUMENTS`
+    spread evenly over ``records`` (all of them below twice that)."""
+    return max(1, records // TOKENIZER_DOCUMENTS)
+
+
 def train_corpus_tokenizer(
     units: list[Unit], indexes: list[dict], options: ReadOptions, prefix: Path, vocab: int
 ) -> Path:
     """A SentencePiece model trained on :data:`TOKENIZER_DOCUMENTS` documents spread evenly
     over the inputs (every ``step``-th record)."""
-    step = max(1, sum(i["records"] for i in indexes) // TOKENIZER_DOCUMENTS)
+    step = tokenizer_sample_step(sum(i["records"] for i in indexes))
     texts = read_all(units, indexes, options, RecordCounts(), step)
     return train_tokenizer(texts, prefix, vocab)
 
@@ -419,7 +425,7 @@ def _new_plan(
     if trained is not None:  # a tokenizer found here without a plan is of unknown inputs
         vocab = settings["vocab_size"]
         started = time.perf_counter()
-        used = min(records, TOKENIZER_DOCUMENTS)
+        used = -(-records // tokenizer_sample_step(records))  # every step-th record
         _say(show, f"training a SentencePiece tokenizer ({vocab:,} pieces) on {used:,} records")
         train_corpus_tokenizer(units, indexes, options, Path(trained).with_suffix(""), vocab)
         settings["tokenizer_sha256"] = tokenizer_sha256(trained)

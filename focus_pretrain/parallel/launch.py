@@ -86,11 +86,14 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
-    with contextlib.redirect_stdout(io.StringIO()) as chatter:  # joins an existing group
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    for line in chatter.getvalue().splitlines():  # its CPU build notice is dropped, not the rest
-        if not line.endswith(" built successfully"):
-            print(line)
+    chatter = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(chatter):  # joins an existing group
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    finally:  # what it printed, but its CPU build notice ("... built successfully")
+        for line in chatter.getvalue().splitlines():
+            if not line.endswith(" built successfully"):
+                print(line)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 

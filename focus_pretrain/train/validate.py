@@ -41,7 +41,7 @@ def position_edges(window: int, seq_length: int) -> list[int]:
     """Bucket edges of the loss by position: ``0``, the window, then doubling up to the
     sequence length (``[0, 16, 32, 64, 128]`` for window 16 and length 128; 64 stands in for
     a window of 0)."""
-    edges, edge = [0], max(window, 1) if window > 0 else 64
+    edges, edge = [0], window if window > 0 else 64
     while edge < seq_length:
         edges.append(edge)
         edge *= 2
@@ -56,7 +56,7 @@ def _position_sums(
     if positions is None:
         positions = torch.arange(loss.shape[1]).expand_as(loss)  # [b, s]
     bucket = torch.bucketize(positions.cpu().contiguous(), torch.tensor(edges[1:-1]), right=True)
-    bucket, values = bucket[valid.cpu()], loss[valid].double().cpu()
+    bucket, values = bucket[valid.cpu()], loss[valid].double().cpu()  # [n_valid] each
     buckets = len(edges) - 1
     sums = torch.zeros(buckets, dtype=torch.float64).index_add_(0, bucket, values)
     counts = torch.bincount(bucket, minlength=buckets).double()
@@ -104,7 +104,7 @@ class Validator:
         self.last_loss: float | None = None
         self.last_recall: dict[str, float] | None = None
         self.last_scalars: dict[str, float] | None = None
-        self.last_loss_by_position: dict[str, float] | None = None  # "lo-hi" positions: loss
+        self.last_loss_by_position: dict[str, float | None] | None = None  # "lo-hi": loss
         self.seq_length = data.seq_length
         self.recall: RecallBatch | None = None
         self.probes: list[ProbeBatch] = []
@@ -216,8 +216,9 @@ class Validator:
         def mean(row: int) -> float:
             return float(sums[row, 0] / sums[row, 1]) if sums[row, 1] > 0 else float("nan")
 
-        self.last_loss_by_position = {
-            f"{lo}-{hi}": mean(3 + j) for j, (lo, hi) in enumerate(itertools.pairwise(edges))
+        self.last_loss_by_position = {  # an empty bucket (no valid token there): None
+            f"{lo}-{hi}": mean(3 + j) if sums[3 + j, 1] > 0 else None
+            for j, (lo, hi) in enumerate(itertools.pairwise(edges))
         }
         return {
             "loss": loss,

@@ -6,16 +6,12 @@ The whole path on an export (lm-eval's generator and scoring) is
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from focus_pretrain.convert.ruler import (
-    DOWNLOADS,
-    _summary,
-    check_lengths,
-    markdown_table,
-    split_tasks,
-)
+from focus_pretrain.convert import ruler
+from focus_pretrain.convert.ruler import _summary, check_lengths, markdown_table, split_tasks
 from focus_pretrain.errors import InputError
 
 
@@ -28,7 +24,6 @@ def test_offline_the_tasks_that_download_are_skipped_with_what_they_download():
     assert "SQuAD" in skipped["ruler_qa_squad"]
     runnable, skipped = split_tasks(["niah_single_2", "niah_multikey_2"], True)
     assert runnable == ["niah_single_2", "niah_multikey_2"] and skipped == {}
-    assert set(DOWNLOADS) >= {"niah_single_3", "niah_multikey_1", "niah_multivalue"}
 
 
 def test_an_unknown_task_is_refused_with_the_choices():
@@ -36,22 +31,63 @@ def test_an_unknown_task_is_refused_with_the_choices():
         split_tasks(["niah_single_1", "niah_single_9"], False)
 
 
-@pytest.mark.parametrize("config, length, problem", [
-    ({"n_positions": 1024}, 2048, "learned positions: n_positions=1024"),
-    ({"n_positions": 1024}, 1000, r"use lengths up to 960"),  # room for the answer prefix
-    ({"max_position_embeddings": 4096}, 200, "leaves no room for a RULER prompt"),
+NEEDLES = ["niah_single_1"]
+
+
+@pytest.mark.parametrize("config, length, tasks, max_new, problem", [
+    ({"n_positions": 1024}, 2048, NEEDLES, None, "learned positions: n_positions=1024"),
+    ({"n_positions": 1024}, 1000, NEEDLES, None, "use lengths up to 960"),  # answer prefix
+    ({"n_positions": 1024}, 900, ["ruler_vt"], 128, "98 more for --max-new-tokens"),  # vt: 30
+    ({"max_position_embeddings": 4096}, 200, NEEDLES, None, "leaves no room for a RULER prompt"),
 ])  # fmt: skip
-def test_lengths_an_export_cannot_take_are_refused(tmp_path, config, length, problem):
+def test_lengths_an_export_cannot_take_are_refused(tmp_path, config, length, tasks, max_new,
+                                                   problem):  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
+    assert check_lengths(tmp_path, [512], tasks, max_new) == []
     with pytest.raises(InputError, match=problem):
-        check_lengths(tmp_path, [512, length])
+        check_lengths(tmp_path, [512, length], tasks, max_new)
+
+
+def test_no_length_or_a_broken_config_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(InputError, match="no length to test"):
+        check_lengths(tmp_path, [], NEEDLES, None)
+    with pytest.raises(InputError, match=r"config\.json is not valid JSON"):
+        check_lengths(tmp_path, [512], NEEDLES, None)
+    with pytest.raises(InputError, match="samples is 0: give at least 1"):
+        ruler.run_ruler(tmp_path, NEEDLES, [512], samples=0)
+    with pytest.raises(InputError, match=r"config\.json does not exist"):
+        ruler.run_ruler(tmp_path / "missing", NEEDLES, [512])
 
 
 def test_past_a_rotary_models_context_is_allowed_with_a_warning(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
-    assert check_lengths(tmp_path, [1024, 2048]) == []
-    (warning,) = check_lengths(tmp_path, [1024, 4096])
+    assert check_lengths(tmp_path, [1024, 2048], NEEDLES, None) == []
+    (warning,) = check_lengths(tmp_path, [1024, 4096], NEEDLES, None)
     assert "4096 is past the model's max_position_embeddings=2048" in warning
+
+
+def test_offline_settings_are_restored(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with ruler._offline_hub():
+        assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "HF_DATASETS_OFFLINE" not in os.environ
+
+
+def test_the_commands_copies_of_light_constants_agree():
+    """Constants the tools copy so that their --help imports nothing heavy."""
+    import importlib.util
+
+    from focus_pretrain.bench.config import DTYPE_NAMES
+    from focus_pretrain.bench.report import DTYPES
+    from focus_pretrain.cli import ROOT
+
+    spec = importlib.util.spec_from_file_location("ruler_tool", ROOT / "tools" / "ruler.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tuple(tool.DEFAULT_TASKS) == ruler.DEFAULT_TASKS
+    assert set(DTYPE_NAMES) == set(DTYPES)
 
 
 def test_the_summary_averages_lm_evals_scores_per_task_and_length():
