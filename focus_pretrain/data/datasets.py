@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,11 @@ def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | No
     )
 
 
+def _say(line: str) -> None:
+    """A data-preparation phase line (on stderr, with the progress bars)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def prepare_data(
     config: DataConfig, seed: int = 0, *, in_job: bool = False
 ) -> tuple[Path, list[str]]:
@@ -232,6 +238,10 @@ def prepare_data(
             "them (a directory's manifest.json names it)"
         )
     elif not tokenizer_path.is_file() and config.sources[0] not in raw:
+        _say(
+            f"data: training a SentencePiece tokenizer ({config.vocab_size:,} pieces) on "
+            f"{config.sources[0]} -> {tokenizer_path}"
+        )
         train_tokenizer(texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size)
     if raw:
         _refuse_raw_sources(config, raw, tokenizer_path if tokenizer_path.is_file() else None)
@@ -248,10 +258,12 @@ def prepare_data(
             continue
         prefix = cache / f"{_source_slug(source, seed, spec)}-{tokenizer_path.stem}"
         if not Path(f"{prefix}.idx").is_file():
+            _say(f"data: tokenising {source} into {prefix}.bin/.idx (kept for the next runs)")
             documents = texts(source)
             tokenize_to_indexed(
-                documents, tokenizer_path, prefix, workers=config.workers, total=len(documents)
-            )
+                documents, tokenizer_path, prefix, workers=config.workers,
+                total=len(documents), label=source,
+            )  # fmt: skip
         prefixes.append(str(prefix))
     return tokenizer_path, prefixes
 

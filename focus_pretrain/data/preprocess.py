@@ -142,8 +142,10 @@ def tokenize_to_indexed(
     workers: int = 1,
     batch_size: int = 64,
     total: int | None = None,
+    label: str | None = None,
 ) -> dict[str, int]:
-    """Tokenise ``texts`` (each document ends with ``</s>``) into ``PREFIX.bin``/``PREFIX.idx``.
+    """Tokenise ``texts`` (each document ends with ``</s>``) into ``PREFIX.bin``/``PREFIX.idx``
+    (``label``: what the progress bar names, default the prefix's name).
 
     Documents keep their order whatever ``workers`` is. Both files are written under a temporary
     prefix and renamed at the end, so an interrupted run never leaves a half-written dataset.
@@ -161,7 +163,7 @@ def tokenize_to_indexed(
     tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
     documents = tokens = 0
-    progress = tqdm(total=total, unit="doc", desc=f"tokenising -> {prefix.name}")
+    progress = tqdm(total=total, unit="doc", desc=f"tokenising {label or prefix.name}")
     pool = None
     if workers > 1:
         pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_path),))
