@@ -42,7 +42,7 @@ from focus_pretrain.data.corpus import (
     read_all,
     resolve_inputs,
 )
-from focus_pretrain.data.preprocess import tokenize_to_indexed
+from focus_pretrain.data.preprocess import say_phase, tokenize_to_indexed
 from focus_pretrain.data.shards import SHARD_DOCUMENTS, preprocess_corpus, train_corpus_tokenizer
 
 
@@ -70,12 +70,12 @@ def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptio
     """The ``--output-prefix`` mode: one ``PREFIX.bin``/``PREFIX.idx``."""
     started = time.perf_counter()
     units = resolve_inputs(inputs)
-    print(f"indexing {len(units)} input(s) ...", file=sys.stderr, flush=True)
+    say_phase(f"indexing {len(units)} input(s) ...")
     indexes = index_inputs(units, options)
     tokenizer = args.tokenizer
     if args.train_tokenizer:
         prefix = Path(args.output_prefix)
-        print(f"training a SentencePiece tokenizer ({args.vocab_size:,} pieces)", file=sys.stderr)
+        say_phase(f"training a SentencePiece tokenizer ({args.vocab_size:,} pieces)")
         tokenizer = train_corpus_tokenizer(units, indexes, options, prefix, args.vocab_size)
         print(f"tokenizer: {tokenizer}")
     counts = RecordCounts()

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shlex
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,12 @@ from pathlib import Path
 from focus_pretrain.data.corpus import resolve_inputs
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.manifest import find_manifest, manifest_shards
-from focus_pretrain.data.preprocess import check_tokenizer, load_texts, tokenize_to_indexed
+from focus_pretrain.data.preprocess import (
+    check_tokenizer,
+    load_texts,
+    say_phase,
+    tokenize_to_indexed,
+)
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 from focus_pretrain.validation import check_int, check_positive
@@ -196,11 +200,6 @@ def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | No
     )
 
 
-def _say(line: str) -> None:
-    """A data-preparation phase line (on stderr, with the progress bars)."""
-    print(line, file=sys.stderr, flush=True)
-
-
 def prepare_data(
     config: DataConfig, seed: int = 0, *, in_job: bool = False
 ) -> tuple[Path, list[str]]:
@@ -238,7 +237,7 @@ def prepare_data(
             "them (a directory's manifest.json names it)"
         )
     elif not tokenizer_path.is_file() and config.sources[0] not in raw:
-        _say(
+        say_phase(
             f"data: training a SentencePiece tokenizer ({config.vocab_size:,} pieces) on "
             f"{config.sources[0]} -> {tokenizer_path}"
         )
@@ -258,7 +257,7 @@ def prepare_data(
             continue
         prefix = cache / f"{_source_slug(source, seed, spec)}-{tokenizer_path.stem}"
         if not Path(f"{prefix}.idx").is_file():
-            _say(f"data: tokenising {source} into {prefix}.bin/.idx (kept for the next runs)")
+            say_phase(f"data: tokenising {source} into {prefix}.bin/.idx (kept for the next runs)")
             documents = texts(source)
             tokenize_to_indexed(
                 documents, tokenizer_path, prefix, workers=config.workers,

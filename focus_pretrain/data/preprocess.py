@@ -17,6 +17,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -132,6 +133,13 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def say_phase(line: str, show: bool = True) -> None:
+    """A data-preparation phase line, on stderr with the progress bars (``show``: whether the
+    run shows progress)."""
+    if show:
+        print(line, file=sys.stderr, flush=True)
 
 
 def tokenize_to_indexed(

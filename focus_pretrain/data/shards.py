@@ -32,7 +32,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import sys
 import time
 import warnings
 from collections import Counter
@@ -57,7 +56,7 @@ from focus_pretrain.data.manifest import FORMAT, MANIFEST
 from focus_pretrain.data.manifest import find_manifest as find_manifest
 from focus_pretrain.data.manifest import manifest_shards as manifest_shards
 from focus_pretrain.data.manifest import read_manifest as read_manifest
-from focus_pretrain.data.preprocess import token_dtype
+from focus_pretrain.data.preprocess import say_phase, token_dtype
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
 PLAN = ".plan.json"
@@ -260,12 +259,6 @@ def _index_all(units: list[Unit], options: ReadOptions, workers: int) -> list[di
         return index_inputs(units, options, pool)
 
 
-def _say(show: bool, line: str) -> None:
-    """A phase line of a run with progress output (the bars go to stderr, these too)."""
-    if show:
-        print(line, file=sys.stderr, flush=True)
-
-
 def _differ(stored: dict, settings: dict) -> list[str]:
     return sorted(k for k in {*stored, *settings} if stored.get(k) != settings.get(k))
 
@@ -361,7 +354,7 @@ def preprocess_corpus(
         trained_into = tokenizer if trained else None
         plan = _new_plan(out, units, options, settings, workers, trained_into, progress)
     else:
-        _say(progress, f"resuming {out}: inputs indexed, tokenizer {tokenizer}")
+        say_phase(show=progress, line=f"resuming {out}: inputs indexed, tokenizer {tokenizer}")
     indexes = plan["index"]
     shards = _cut(units, indexes, shard_documents)
     if not shards:
@@ -370,7 +363,9 @@ def preprocess_corpus(
     finished = (
         f", {len(shards) - len(pending)} finished before" if len(pending) < len(shards) else ""
     )
-    _say(progress, f"{len(shards)} shard(s) of up to {shard_documents:,} records{finished}")
+    say_phase(
+        show=progress, line=f"{len(shards)} shard(s) of up to {shard_documents:,} records{finished}"
+    )
     index_seconds = time.perf_counter() - started
     written = _run_shards(
         [(k, shards[k], str(out)) for k in pending],
@@ -418,18 +413,23 @@ def _new_plan(
     """Index the inputs, train the run's tokenizer into ``trained`` (when not ``None``; its
     sha256 joins ``settings``) and store the plan."""
     started = time.perf_counter()
-    _say(show, f"indexing {len(units)} input(s) ...")
+    say_phase(show=show, line=f"indexing {len(units)} input(s) ...")
     indexes = _index_all(units, options, workers)
     records = sum(i["records"] for i in indexes)
-    _say(show, f"indexed {records:,} records in {time.perf_counter() - started:.1f} s")
+    say_phase(
+        show=show, line=f"indexed {records:,} records in {time.perf_counter() - started:.1f} s"
+    )
     if trained is not None:  # a tokenizer found here without a plan is of unknown inputs
         vocab = settings["vocab_size"]
         started = time.perf_counter()
         used = -(-records // tokenizer_sample_step(records))  # every step-th record
-        _say(show, f"training a SentencePiece tokenizer ({vocab:,} pieces) on {used:,} records")
+        say_phase(
+            show=show,
+            line=f"training a SentencePiece tokenizer ({vocab:,} pieces) on {used:,} records",
+        )
         train_corpus_tokenizer(units, indexes, options, Path(trained).with_suffix(""), vocab)
         settings["tokenizer_sha256"] = tokenizer_sha256(trained)
-        _say(show, f"tokenizer: {trained} ({time.perf_counter() - started:.1f} s)")
+        say_phase(show=show, line=f"tokenizer: {trained} ({time.perf_counter() - started:.1f} s)")
     plan = {"units": [asdict(u) for u in units], "index": indexes, "settings": settings}
     _write_json(out / PLAN, plan)
     return plan
