@@ -22,6 +22,7 @@ import torch
 from focus_pretrain.bench.report import environment, run_and_report
 from focus_pretrain.bench.training import MfuConfig, markdown_table, run_benchmark
 from focus_pretrain.cli import tool_parser
+from focus_pretrain.errors import exit_on_input_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.warmup_intervals,
         help="leading logged intervals left out of the figures",
     )
-    parser.add_argument("--output-dir", default=defaults.output_dir, help="run directories")
+    parser.add_argument(
+        "--output-dir",
+        default=defaults.output_dir,
+        help="parent of the run directories (OUTPUT_DIR/<recipe stem>, emptied before each "
+        "measurement if this tool made it; another directory of that name is refused)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=defaults.timeout_s, help="seconds per recipe"
     )
@@ -64,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
     )
     env = environment(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    rows = run_and_report(env, lambda: run_benchmark(cfg), markdown_table, args.json, args.markdown)
+    with exit_on_input_error(parser.prog):  # a bad recipe, or an output directory not ours
+        rows = run_and_report(
+            env, lambda: run_benchmark(cfg), markdown_table, args.json, args.markdown
+        )
     return 1 if any(row["error"] for row in rows) else 0
 
 

@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING
 import yaml
 
 from focus_pretrain.cli import ROOT, tool_parser
-from focus_pretrain.errors import InputError, as_input_error, exit_on_input_error
+from focus_pretrain.errors import (
+    InputError,
+    MissingInputError,
+    as_input_error,
+    exit_on_input_error,
+)
 
 if TYPE_CHECKING:  # heavy at run time: imported after the arguments
     from focus_pretrain.config import Config
@@ -64,13 +69,25 @@ def _arguments():
                         metavar="SECTION.KEY=VALUE", help="recipe overrides")  # fmt: skip
     parser.add_argument("--report-samples", type=int, default=8,
                         help="corpus pieces the group report reads")  # fmt: skip
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    return parser.parse_args()
+    parser.add_argument(
+        "--force", action="store_true", help="replace an earlier retrofit's output at --out"
+    )
+    return parser
 
 
-def write_recipe(args, out: Path) -> Path:
-    """``out/recipe.yaml``: the base recipe plus the imported sections (validated with the
-    overrides before any work)."""
+MARKER = "focus_retrofit.json"  # what makes OUT an earlier retrofit's, for --force
+ENTRIES = (  # everything a retrofit writes into OUT (--force replaces these and nothing else)
+    MARKER, "recipe.yaml", "run", "export", "adapter", "eval", "groups", "report.md",
+    "report.json", "loss.png", "loss_by_position.png",
+)  # fmt: skip
+
+
+def build_recipe(args) -> str:
+    """The text of ``recipe.yaml``: the base recipe plus the imported sections and the
+    overrides, validated (a bad checkpoint, override or value is refused here, before
+    anything is written)."""
+    import tempfile
+
     from focus_pretrain.config import apply_override, load_config, recipe_sections
     from focus_pretrain.convert.retrofit import retrofit_sections
 
@@ -81,19 +98,68 @@ def write_recipe(args, out: Path) -> Path:
         )
     )
     print(f"{args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters")
-    sections["run"]["output_dir"] = str(out / "run")
+    path = args.out / "recipe.yaml"
+    sections["run"]["output_dir"] = str(args.out / "run")
     sections["data"]["sources"] = list(args.data)
     if args.steps is not None:
         sections["train"]["steps"] = args.steps
     recipe = {"defaults": str(Path(args.base).resolve()), **sections}
     for override in args.overrides:  # written into the recipe: it reruns as it stands
-        apply_override(recipe, override)
-    path = out / "recipe.yaml"
+        as_input_error(lambda override=override: apply_override(recipe, override))
     header = f"# focus-pretrain retrofit {args.hf_dir}: rerun or resume with\n"
     header += f"#   focus-pretrain train --config {path}\n"
-    path.write_text(header + yaml.safe_dump(recipe, sort_keys=False))
-    load_config(path)  # a bad override or value: refused now
-    return path
+    text = header + yaml.safe_dump(recipe, sort_keys=False)
+    with tempfile.TemporaryDirectory() as scratch:  # validated before OUT is touched
+        (Path(scratch) / "recipe.yaml").write_text(text)
+        load_config(Path(scratch) / "recipe.yaml")
+    return text
+
+
+def check_inputs(args) -> None:
+    """The checkpoint directory, the local data sources and the base recipe exist; OUT may be
+    written (not a file, none of the inputs, nor holding or inside one; with --force only an
+    earlier retrofit's output holding nothing else, its run not training)."""
+    from focus_pretrain.data.corpus import resolve_inputs
+    from focus_pretrain.storage.files import check_output_dir
+
+    if not Path(args.hf_dir).is_dir():
+        raise MissingInputError(f"{args.hf_dir} is not a directory: give a local HuggingFace model")
+    for source in args.data:  # a missing local file is named now, not after training starts
+        if not (Path(source).exists() or Path(f"{source}.idx").is_file()):
+            as_input_error(lambda source=source: resolve_inputs([source]))
+    inputs = [("the model", args.hf_dir), ("the base recipe", args.base)]
+    inputs += [("the data source", s) for s in args.data if Path(s).exists()]
+    check_output_dir(
+        args.out, force=args.force, marker=MARKER, what="retrofit output", owned=_owned,
+        inputs=inputs, option="--force",
+    )  # fmt: skip
+
+
+def _owned(out: Path) -> set[str] | None:
+    """What an earlier retrofit wrote into ``out`` (``None``: its marker is unreadable)."""
+    try:
+        json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return set(ENTRIES)
+
+
+def claim_output(args, recipe: str) -> Path:
+    """Replace an earlier retrofit's output (checked by :func:`check_inputs`) with the
+    marker and ``recipe.yaml``; returns the recipe's path."""
+    from focus_pretrain.storage.files import write_atomic
+
+    out = args.out
+    if out.is_dir() and any(out.iterdir()):
+        for name in ENTRIES:  # what the earlier retrofit wrote, and nothing else
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / MARKER, json.dumps({"hf_dir": str(args.hf_dir), "data": args.data}))
+    return write_atomic(out / "recipe.yaml", recipe)
 
 
 def _script(name: str, *args: str) -> list[str]:
@@ -152,23 +218,28 @@ def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> di
 
 
 def main() -> None:
-    args = _arguments()
+    parser = _arguments()
+    args = parser.parse_args()
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.config import load_config
     from focus_pretrain.convert.retrofit import write_report
 
     name = Path(args.hf_dir).resolve().name
-    out = Path(args.out or f"runs/retrofit-{name}")
-    with exit_on_input_error("retrofit"):  # bad input: one line, status 2, before any work
-        if out.exists() and any(out.iterdir()) and not args.force:
-            raise InputError(f"{out} exists and is not empty: choose another --out or --force")
-        if args.force and out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        recipe = write_recipe(args, out)
+    args.out = Path(args.out or f"runs/retrofit-{name}")
+    with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any work
+        if args.steps is not None and args.steps < 1:
+            raise InputError(f"--steps must be at least 1, got {args.steps}")
+        if args.groups < 2 or args.window < 1 or args.report_samples < 1:
+            raise InputError(
+                "--groups must be at least 2, --window and --report-samples at least 1 (got "
+                f"{args.groups}, {args.window}, {args.report_samples})"
+            )
+        check_inputs(args)  # everything is checked before OUT is touched
+        recipe = claim_output(args, build_recipe(args))
+    out = args.out
     config = load_config(recipe)
     _run(_script("launchers/pretrain.py", "--config", str(recipe)), "training the routers")
-    with exit_on_input_error("retrofit"):  # e.g. an export refused: one line, status 2
+    with exit_on_input_error(parser.prog):  # e.g. an export refused: one line, status 2
         evaluations = export_and_report(args, out, config)
     meta = {
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),

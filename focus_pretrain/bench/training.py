@@ -45,6 +45,7 @@ import torch
 
 from focus_pretrain.bench.report import markdown
 from focus_pretrain.config import Config, load_config
+from focus_pretrain.storage.files import check_output_dir
 from focus_pretrain.train.metrics import flops_per_sample, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +66,8 @@ class MfuConfig:
             micro-batches of 8192 tokens: ~3 minutes with Focus on an H100, 1 dense).
         log_interval: steps per logged interval.
         warmup_intervals: leading intervals left out of the figures.
-        output_dir: parent of the per-recipe run directories (each is emptied first).
+        output_dir: parent of the per-recipe run directories (each is emptied first, if the
+            benchmark made it; another directory of that name is refused).
         timeout_s: wall-clock limit of one recipe's child (start-up and data preparation
             included); a child past it is killed and its row records the timeout.
     """
@@ -109,6 +111,29 @@ class MfuConfig:
 def run_dir_for(cfg: MfuConfig, recipe: str) -> Path:
     """``output_dir/<recipe file stem>`` (``1b-8k``, ``1b-8k-dense``)."""
     return Path(cfg.output_dir) / Path(recipe).stem
+
+
+RUN_MARKER = "focus_bench_run.json"  # written into every run directory the benchmark makes
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse ``run_dir`` unless the benchmark made it (its marker) and no run holds it: a
+    directory of the user's (a training run of the same name, say) is never emptied."""
+    check_output_dir(
+        run_dir, force=True, marker=RUN_MARKER, what="benchmark run",
+        owned=lambda out: {p.name for p in out.iterdir()},
+        option="measure_mfu (choose another --output-dir)",
+    )  # fmt: skip
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Empty ``run_dir`` for a new measurement (a leftover checkpoint would be resumed), after
+    :func:`check_run_dir`, and mark it as the benchmark's."""
+    check_run_dir(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_MARKER).write_text(json.dumps({"made_by": "focus-pretrain measure_mfu"}))
 
 
 def full_attention_ratio(config: Config) -> float:
@@ -186,8 +211,7 @@ def measure_recipe(recipe: str, cfg: MfuConfig) -> dict[str, Any]:
     run_dir = run_dir_for(cfg, recipe)
     sets = cfg.recipe_overrides(run_dir)
     config = load_config(recipe, sets)  # a bad recipe or override fails here, before any run
-    shutil.rmtree(run_dir, ignore_errors=True)  # a leftover checkpoint would be resumed
-    run_dir.mkdir(parents=True)
+    claim_run_dir(run_dir)
     command = [sys.executable, "-m", "focus_pretrain.bench.training", "--child", recipe]
     command += ["--result", str(run_dir / CHILD_RESULT)]
     command += [item for override in sets for item in ("--set", override)]
@@ -262,6 +286,9 @@ def _read_json(path: Path) -> dict:
 
 def run_benchmark(cfg: MfuConfig, log=print) -> list[dict]:
     """Measure every recipe of ``cfg`` in turn; one row per recipe."""
+    for recipe in cfg.recipes:  # every output checked before the first run
+        load_config(recipe, cfg.recipe_overrides(run_dir_for(cfg, recipe)))
+        check_run_dir(run_dir_for(cfg, recipe))
     rows = []
     for recipe in cfg.recipes:
         log(f"measure_mfu: {recipe}: training {cfg.steps} steps (log {run_dir_for(cfg, recipe)})")

@@ -29,21 +29,45 @@ from torch import Tensor
 from focus_pretrain.config import Config, load_config
 from focus_pretrain.convert.families import rules_for, shard, unshard
 from focus_pretrain.errors import InputError, MissingInputError
+from focus_pretrain.storage.checkpoint_files import (
+    LATEST,
+    damaged_checkpoint_error,
+    read_latest,
+    step_folders,
+    verify_checkpoint,
+)
+from focus_pretrain.storage.safe_load import load_checkpoint_file, weights_only_loading
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory (``.../checkpoints/step_N``) from it, a run directory or its
-    ``checkpoints`` directory (the checkpoint ``latest`` names)."""
+    ``checkpoints`` directory (the checkpoint ``latest`` names, validated), checked against its
+    manifest: every file's size, and the CRC-32 of the model files a reader loads.
+
+    Raises:
+        MissingInputError: nothing at ``path`` is a checkpoint.
+        InputError: ``latest`` is missing, empty or dangling beside step folders, or the
+            checkpoint is truncated or corrupt (naming the file and the previous whole one).
+    """
     path = Path(path)
     for root in (path / "checkpoints", path):
-        if (root / "latest").is_file():
-            return root / (root / "latest").read_text().strip()
+        if (root / LATEST).exists() or step_folders(root):
+            tag = read_latest(root)
+            return _verified(root, tag)
     if (path / "config.yaml").is_file() and any(path.glob("*mp_rank_*_model_states.pt")):
-        return path
+        return _verified(path.parent, path.name)
     raise MissingInputError(
         f"{path} is neither a checkpoint (config.yaml + mp_rank_*_model_states.pt) nor a run "
         "directory whose checkpoints/latest names one"
     )
+
+
+def _verified(root: Path, tag: str) -> Path:
+    """``root / tag`` after checking it against its manifest (:func:`resolve_checkpoint`)."""
+    problems = verify_checkpoint(root / tag, checksum_patterns=["*model_states.pt"])
+    if problems:
+        raise damaged_checkpoint_error(root, tag, problems)
+    return root / tag
 
 
 def checkpoint_config(ckpt: Path, overrides: Sequence[str] = ()) -> Config:
@@ -65,7 +89,7 @@ def load_tp_shards(ckpt: Path, tp: int, zero_stage: int) -> list[dict[str, Tenso
         path = ckpt / f"mp_rank_{rank:02d}_model_states.pt"
         if not path.is_file():
             raise MissingInputError(f"{path} is missing (tensor-parallel rank {rank} of {tp})")
-        shards.append(torch.load(path, map_location="cpu", weights_only=False)["module"])
+        shards.append(load_checkpoint_file(path)["module"])
     return shards
 
 
@@ -107,9 +131,10 @@ def fp32_master_weights(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
         tag.mkdir()
         for path in [*optim, model]:
             (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
-        state = get_fp32_state_dict_from_zero_checkpoint(
-            scratch, tag=ckpt.name, exclude_frozen_parameters=True
-        )
+        with weights_only_loading(ckpt):
+            state = get_fp32_state_dict_from_zero_checkpoint(
+                scratch, tag=ckpt.name, exclude_frozen_parameters=True
+            )
     return {k: v.detach().float() for k, v in state.items() if torch.is_tensor(v)}
 
 
@@ -130,9 +155,10 @@ def _consolidate_zero3(ckpt: Path, tp_rank: int) -> dict[str, Tensor]:
         tag.mkdir()
         for path in files:
             (tag / path.name.replace(suffix, "mp_rank_00_")).symlink_to(path.resolve())
-        state = dict(get_fp32_state_dict_from_zero_checkpoint(scratch, tag=ckpt.name))
+        with weights_only_loading(ckpt):
+            state = dict(get_fp32_state_dict_from_zero_checkpoint(scratch, tag=ckpt.name))
     first = ckpt / f"zero_pp_rank_0_{suffix}model_states.pt"
-    module = torch.load(first, map_location="cpu", weights_only=False)["module"] or {}
+    module = load_checkpoint_file(first)["module"] or {}
     for key, value in module.items():  # buffers (router balance offsets) are not partitioned
         if key not in state and torch.is_tensor(value) and value.numel() > 0:
             state[key] = value

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInpu
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import family as family_description
+from focus_pretrain.storage.checkpoint_files import LATEST, tokenizer_copy
+from focus_pretrain.storage.files import check_output_dir, partial_dir, replace_dir
 
 MODELING_DIR = Path(__file__).with_name("hf_modeling")
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
@@ -181,15 +184,29 @@ def export_hf(
     *,
     max_shard_size: str = "2GB",
     overwrite: bool = False,
+    tokenizer: str | os.PathLike | None = None,
+    with_tokenizer: bool = True,
 ) -> Path:
     """Write the HF directory for ``checkpoint`` (a checkpoint or run directory); returns it.
-    An existing non-empty ``out_dir`` is refused unless ``overwrite`` (then replaced)."""
-    check_export_dir(out_dir, overwrite)
+
+    Every input is checked before the output is touched; the export is written next to
+    ``out_dir`` and swapped in whole, so a failed export leaves an earlier one intact. An
+    existing non-empty ``out_dir`` is refused unless ``overwrite``, which replaces only an
+    earlier export holding nothing else (:func:`check_export_dir`).
+
+    Args:
+        tokenizer: the tokenizer to ship (a ``.model`` or a HuggingFace tokenizer directory);
+            default: the copy the checkpoint holds, else the run's ``data.tokenizer`` or the one
+            it trained into ``data.cache_dir``; none found is refused, naming where it looked.
+        with_tokenizer: ``False`` exports without tokenizer files.
+    """
     ckpt, config = _exportable_checkpoint(checkpoint)
     model_cfg = config.model
+    found = _tokenizer_for(config, ckpt, tokenizer) if with_tokenizer else None
+    check_export_dir(out_dir, overwrite, _export_inputs(ckpt, config, found))
     tensors = hf_state_dict(trained_tp_shards(ckpt, config), model_cfg)
     originals = with_retrofit_originals(tensors, config, ckpt)
-    tokenizer = _tokenizer_for(config)
+    tokenizer = None if found is None else Tokenizer(found)
     if tokenizer is not None and tokenizer.vocab_size > model_cfg.vocab_size:
         raise InputError(
             f"the run's tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
@@ -206,6 +223,24 @@ def export_hf(
     return save_export(
         model, out_dir, tokenizer, record, max_shard_size=max_shard_size, overwrite=overwrite
     )
+
+
+def _export_inputs(ckpt: Path, config: Config, tokenizer: Path | None) -> list[tuple]:
+    """What an export reads, as :func:`~focus_pretrain.storage.files.check_output_dir`'s
+    ``inputs``: the checkpoint, the checkpoints directory it is in, a retrofit's original
+    weights and the tokenizer (an output may be none of these, hold one or lie inside one),
+    and the run directory (an output may lie inside it, e.g. ``runs/x/export``)."""
+    inputs: list[tuple] = [("the checkpoint", ckpt)]
+    root = ckpt.parent
+    if (root / LATEST).exists() or ckpt.name.startswith("step_"):
+        inputs.append(("the checkpoints directory", root))
+        if root.name == "checkpoints":
+            inputs.append(("the run directory", root.parent, "may_hold_output"))
+    if config.train.init_from_hf:
+        inputs.append(("train.init_from_hf", config.train.init_from_hf))
+    if tokenizer is not None:
+        inputs.append(("the tokenizer", tokenizer))
+    return inputs
 
 
 def shipped_classes(family: str) -> tuple[type, type]:
@@ -252,15 +287,58 @@ def hf_export_model(model_cfg: ModelConfig, tensors: dict[str, Tensor], tokenize
     return model
 
 
-def check_export_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
-    """Refuse an existing, non-empty ``out_dir`` unless ``overwrite``: an export never mixes
-    its files with another's silently (stale shards, another tokenizer)."""
-    out = Path(out_dir)
-    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError(
-            f"{out} exists and is not empty: export into a new directory, or pass --force "
-            "(overwrite=True) to replace it"
-        )
+EXPORT_MARKER = "focus_export.json"
+ADAPTER_MARKER = "focus_adapter.json"
+# what an export from before the marker listed its files wrote (besides the marker)
+_EARLIER_EXPORT_FILES = (
+    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *SHIPPED_MODELING_FILES,
+)  # fmt: skip
+
+
+def _files_written(out: Path, marker: str) -> set[str] | None:
+    """The entries an earlier export into ``out`` wrote (its marker's ``files``; for an
+    export from before that list existed, the names an export writes), ``None`` when the
+    marker is unreadable."""
+    try:
+        record = json.loads((out / marker).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("files"), list):
+        return {str(name) for name in record["files"]}
+    return {p.name for p in out.iterdir() if any(fnmatch(p.name, g) for g in _EARLIER_EXPORT_FILES)}
+
+
+def check_export_dir(
+    out_dir: str | os.PathLike,
+    overwrite: bool,
+    inputs: list[tuple] = (),
+    marker: str = EXPORT_MARKER,
+) -> None:
+    """Refuse an output directory an export may not write (before any work): a file; one
+    that is, holds or lies inside one of the export's ``inputs``; a non-empty one without
+    ``overwrite`` (``--force``); with it, one that is not an earlier export (no ``marker``)
+    or holds files that export did not write (named). See :mod:`focus_pretrain.storage.files`."""
+    check_output_dir(
+        out_dir,
+        force=overwrite,
+        marker=marker,
+        what="export",
+        owned=lambda out: _files_written(out, marker),
+        inputs=inputs,
+    )
+
+
+def shipped_code_digests(directory: str | os.PathLike) -> dict[str, str]:
+    """sha256 of each shipped modeling file in ``directory`` (what ``trust_remote_code``
+    runs when the export is loaded)."""
+    return {
+        name: hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest()
+        for name in SHIPPED_MODELING_FILES
+        if (Path(directory) / name).is_file()
+    }
 
 
 def save_export(
@@ -274,20 +352,23 @@ def save_export(
 ) -> Path:
     """Write ``model`` (from :func:`hf_export_model`) as an export directory: safetensors,
     ``config.json``, the shipped modeling code, the tokenizer (when given) and
-    ``focus_export.json`` (``record``: where it came from). Returns the directory. An existing
-    non-empty ``out_dir`` is refused unless ``overwrite``, which replaces it."""
+    ``focus_export.json`` (``record``: where it came from, the files written and the sha256 of
+    each shipped ``.py`` file). Written next to ``out_dir`` and swapped in whole; returns the
+    directory. An existing non-empty ``out_dir`` is refused unless ``overwrite``, which
+    replaces only an earlier export (:func:`check_export_dir`)."""
     check_export_dir(out_dir, overwrite)
     out = Path(out_dir)
-    if overwrite and out.is_dir():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    for name in SHIPPED_MODELING_FILES:
-        shutil.copyfile(MODELING_DIR / name, out / name)
-    if tokenizer is not None:
-        _save_tokenizer(tokenizer, out)
-    (out / "focus_export.json").write_text(json.dumps(record or {}, indent=1))
-    return out
+    with partial_dir(out) as work:
+        model.save_pretrained(work, max_shard_size=max_shard_size)
+        for name in SHIPPED_MODELING_FILES:
+            shutil.copyfile(MODELING_DIR / name, work / name)
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, work)
+        record = dict(record or {})
+        record["remote_code_sha256"] = shipped_code_digests(work)
+        record["files"] = [*sorted(p.name for p in work.iterdir()), EXPORT_MARKER]
+        (work / EXPORT_MARKER).write_text(json.dumps(record, indent=1))
+        return replace_dir(work, out)
 
 
 def export_router_adapter(
@@ -296,27 +377,35 @@ def export_router_adapter(
     """Only the routers of ``checkpoint`` (a retrofit): ``focus_adapter.safetensors`` plus
     ``focus_adapter.json``, attachable to the original HF model with
     :func:`attach_focus_adapter` (a few hundred KB instead of a model copy). An existing
-    non-empty ``out_dir`` is refused unless ``overwrite``."""
-    from safetensors.torch import save_file
+    non-empty ``out_dir`` is refused unless ``overwrite``, which replaces only an earlier
+    adapter (see :func:`check_export_dir`); written next to it and swapped in."""
 
-    check_export_dir(out_dir, overwrite)
     ckpt, config = _exportable_checkpoint(checkpoint)
+    check_export_dir(out_dir, overwrite, _export_inputs(ckpt, config, None), ADAPTER_MARKER)
     shards = trained_tp_shards(ckpt, config)  # the routers as trained (fp32 masters)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
     if not routers:
         raise InputError(f"{ckpt} has no routers (focus disabled or window-only)")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(routers, str(out / "focus_adapter.safetensors"))
+    with partial_dir(out) as work:
+        return _write_adapter(work, out, routers, config, ckpt)
+
+
+def _write_adapter(work: Path, out: Path, routers: dict, config: Config, ckpt: Path) -> Path:
+    """The adapter's files into ``work``, then swapped in as ``out``."""
+    from safetensors.torch import save_file
+
+    save_file(routers, str(work / "focus_adapter.safetensors"))
     meta = {
         "model_type": config.model.family_spec.hf_model_type,  # gemma3: gemma3_text
         "focus": _focus_section(config.model.focus),
         "parameters": sum(t.numel() for k, t in routers.items() if "balance" not in k),
         "focus_transformers": _shipped_configuration().export_record(),
         "checkpoint": str(ckpt),
+        "files": ["focus_adapter.safetensors", ADAPTER_MARKER],
     }
-    (out / "focus_adapter.json").write_text(json.dumps(meta, indent=1))
-    return out
+    (work / ADAPTER_MARKER).write_text(json.dumps(meta, indent=1))
+    return replace_dir(work, out)
 
 
 def attach_focus_adapter(model, adapter_dir: str | os.PathLike):
@@ -348,17 +437,34 @@ def _focus_section(focus) -> dict[str, Any]:
     return {name: getattr(focus, name) for name in EXPORTED_FOCUS_FIELDS}
 
 
-def _tokenizer_for(config):
-    """The run's tokenizer (``data.tokenizer``, or the one it trained into its cache)."""
-    import warnings
+def _tokenizer_for(config: Config, ckpt: Path, given: str | os.PathLike | None) -> Path:
+    """The tokenizer an export ships: ``given``, else the copy in the checkpoint, else the
+    run's (``data.tokenizer``, or the one it trained into ``data.cache_dir``).
 
+    Raises:
+        MissingInputError: ``given`` does not exist, or none of the others is found (a
+            relative ``data.cache_dir`` or ``data.tokenizer`` is read from the current
+            directory): names where it looked and the options.
+    """
+    if given is not None:
+        if not Path(given).exists():
+            raise MissingInputError(f"--tokenizer {given} does not exist")
+        return Path(given)
+    copy = tokenizer_copy(ckpt)
+    if copy is not None:
+        return copy
     path = tokenizer_path_for(config.data, config.run.seed)
-    if not Path(path).exists():
-        warnings.warn(
-            f"tokenizer {path} not found: exporting without tokenizer files", stacklevel=3
-        )
-        return None
-    return Tokenizer(path)
+    if Path(path).exists():
+        return Path(path)
+    relative = (
+        "" if Path(path).is_absolute() else f", relative to the current directory {os.getcwd()}"
+    )
+    raise MissingInputError(
+        f"the run's tokenizer {path} is not found{relative}; the checkpoint {ckpt} holds no "
+        "copy (it predates checkpoints that carry their tokenizer): run the export from the "
+        "directory the run was trained in, pass --tokenizer PATH (tokenizer=), or "
+        "--no-tokenizer (with_tokenizer=False) to export without tokenizer files"
+    )
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:

@@ -1,11 +1,23 @@
-"""DeepSpeed checkpoints whose ``latest`` only ever points at a complete checkpoint.
+"""DeepSpeed checkpoints that are never lost, never half-read and never silently restarted.
 
-Layout under ``run.output_dir/checkpoints``: one directory per step (``step_00000100``) with
-DeepSpeed's files, the resolved ``config.yaml`` and ``client_state`` (the trainer's
-``state_dict``: step, consumed samples, RNG states); a ``latest`` file naming the newest
-complete one. A checkpoint is written under a temporary name, renamed when every rank has
-finished, and only then does ``latest`` move (by an atomic rename), so a crash or SIGTERM
-mid-save leaves the previous checkpoint in charge.
+Layout under ``run.output_dir/checkpoints`` (:mod:`focus_pretrain.storage.checkpoint_files`):
+one directory per step (``step_00000100``) with DeepSpeed's files, the resolved
+``config.yaml``, ``client_state`` (the trainer's ``state_dict``: step, consumed samples, RNG
+states), a copy of the run's tokenizer and ``checkpoint.json`` (every file's size and CRC-32);
+a ``latest`` file naming the newest complete one.
+
+A save, in order: every rank writes its files under ``.tmp-step_N`` and fsyncs each one as it
+is written (recording its size and CRC-32); rank 0 adds the recipe, the tokenizer and the
+manifest, fsyncs them and the folder, renames it to ``step_N`` (a rollback's older folder of
+that step is set aside first and deleted at the end), fsyncs the parent, moves ``latest`` by
+an atomic, fsynced rename, and only then deletes checkpoints older than the ``keep_last``
+newest (never the one just written, nor a newer one). A crash, a SIGKILL or a power loss at
+any point leaves ``latest`` naming a whole checkpoint.
+
+A load, in order: ``latest`` is validated (missing, empty or dangling with step folders
+present: refused, naming them), the folder is checked against its manifest by all ranks (a
+truncated or corrupt file: refused, naming it and offering the previous whole checkpoint),
+then read with DeepSpeed under weights-only unpickling.
 
 Every checkpoint also declares how its tensors merge over tensor-parallel ranks (DeepSpeed's
 ``UNIVERSAL_CHECKPOINT_INFO``), so that it can resume at another parallel layout: with
@@ -16,7 +28,6 @@ form (``step_N/universal``) and loaded from it (:mod:`focus_pretrain.train.resha
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,37 +36,37 @@ from typing import Any
 import torch.distributed as dist
 
 from focus_pretrain.config import Config, save_config
+from focus_pretrain.storage.checkpoint_files import (
+    LATEST,
+    check_files,
+    copy_tokenizer,
+    damaged_checkpoint_error,
+    file_record,
+    prune,
+    read_latest,
+    read_manifest,
+    remove_leftovers,
+    tag_for,
+    write_manifest,
+)
+from focus_pretrain.storage.files import fsync_dir, fsync_file, write_atomic
 from focus_pretrain.train import reshard
 from focus_pretrain.train.resume import check_layout
 
-_TAG = re.compile(r"^step_(\d+)$")
-
-
-def tag_for(step: int) -> str:
-    """The directory name of step ``step``'s checkpoint."""
-    return f"step_{step:08d}"
+__all__ = ["Checkpointer", "latest_checkpoint", "latest_tag", "tag_for", "write_atomic"]
 
 
 def latest_tag(root: Path) -> str | None:
-    """The tag ``latest`` names, if that checkpoint exists."""
-    pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    return tag if (root / tag).is_dir() else None
+    """The tag ``latest`` names, validated (:func:`~focus_pretrain.storage.checkpoint_files.
+    read_latest`: ``None`` for a fresh run; a missing, empty or dangling ``latest`` beside
+    step folders raises)."""
+    return read_latest(root)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint directory ``latest`` names under ``root``, if it exists."""
+    """The checkpoint directory ``latest`` names under ``root`` (validated), or ``None``."""
     tag = latest_tag(Path(root))
     return None if tag is None else Path(root) / tag
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _is_main() -> bool:
@@ -65,6 +76,31 @@ def _is_main() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    """``value`` of every rank, in rank order (one process: ``[value]``)."""
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _record_written_files(engine, written: dict[str, dict[str, int]]) -> None:
+    """Make the engine's checkpoint engine fsync every file it saves and record its size and
+    CRC-32 into ``written`` (path -> record): DeepSpeed's extension point for checkpoint
+    I/O, wrapped on this engine's instance only."""
+    checkpoint_engine = engine.checkpoint_engine
+    save = checkpoint_engine.save
+
+    def save_durably(state_dict, path, *args, **kwargs):
+        result = save(state_dict, path, *args, **kwargs)
+        fsync_file(path)
+        written[str(path)] = file_record(path)
+        return result
+
+    checkpoint_engine.save = save_durably
 
 
 class Checkpointer:
@@ -79,6 +115,8 @@ class Checkpointer:
         layout: this run's parallel layout (:func:`~focus_pretrain.train.resume.run_layout`);
             a checkpoint saved at another one is loaded through its universal form (allowed
             by ``train.load_universal``, refused otherwise). ``None``: never resharded.
+        tokenizer: the run's tokenizer (a ``.model`` file or a HuggingFace tokenizer
+            directory), copied into every checkpoint so that an export finds it anywhere.
     """
 
     def __init__(
@@ -88,6 +126,7 @@ class Checkpointer:
         config: Config,
         client_state: Callable[[], dict[str, Any]],
         layout: dict[str, int] | None = None,
+        tokenizer: str | os.PathLike | None = None,
     ) -> None:
         self.root = Path(root)
         self.engine = engine
@@ -97,6 +136,9 @@ class Checkpointer:
         self.keep_last = config.train.keep_last
         self.saved_step: int | None = None  # never rewrite the checkpoint `latest` names
         self.layout = layout
+        self.tokenizer = None if tokenizer is None else Path(tokenizer)
+        self._written: dict[str, dict[str, int]] = {}
+        _record_written_files(engine, self._written)
         reshard.declare_universal_info(engine, config.model)
 
     def save(self, step: int, *, last: bool = False) -> Path | None:
@@ -112,15 +154,23 @@ class Checkpointer:
 
     def load(self) -> dict[str, Any] | None:
         """Restore the checkpoint ``latest`` names into the engine; its client state, or
-        ``None`` when there is none. Rank 0 first deletes what a killed save left behind
-        (``.tmp-*`` directories)."""
+        ``None`` when there is none. Rank 0 first deletes what a killed save or prune left
+        behind (``.tmp-step_*``, ``.old-step_*``, ``.deleting-step_*``, a temporary
+        ``latest``: the run directory's lock, held by the trainer, guarantees that no other
+        run is writing them). Collective.
+
+        Raises:
+            InputError: ``latest`` is missing, empty or dangling beside step folders, or the
+                checkpoint is truncated or corrupt (naming the file and the previous whole
+                checkpoint).
+        """
         if _is_main() and self.root.is_dir():
-            for stale in self.root.glob(".tmp-step_*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            remove_leftovers(self.root)
         _barrier()
         tag = latest_tag(self.root)
         if tag is None:
             return None
+        self._verify(tag)
         if self.layout is not None and check_layout(self.root / tag, self.config, self.layout):
             return self._load_resharded(self.root / tag)
         path, client_state = self.engine.load_checkpoint(str(self.root), tag=tag)
@@ -128,6 +178,21 @@ class Checkpointer:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
         self.saved_step = client_state["step"]
         return client_state
+
+    def _verify(self, tag: str) -> None:
+        """Check checkpoint ``tag`` against its manifest (sizes and CRC-32), the files shared
+        out over the ranks; raise on every rank when any file is missing, truncated or
+        corrupt. A checkpoint written before manifests existed passes."""
+        folder = self.root / tag
+        manifest = read_manifest(folder)
+        if manifest is None:
+            return
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        mine = check_files(folder, sorted(manifest)[rank::world], manifest)
+        problems = [problem for part in _all_gather(mine) for problem in part]
+        if problems:
+            raise damaged_checkpoint_error(self.root, tag, problems)
 
     def _load_resharded(self, checkpoint: Path) -> dict[str, Any]:
         """Convert ``checkpoint`` to its universal form (rank 0, once) and load that."""
@@ -148,23 +213,51 @@ class Checkpointer:
         return latest_checkpoint(self.root)
 
     def _write(self, step: int) -> Path:
-        """Every rank writes its shards under a temporary tag; rank 0 renames the directory,
-        moves ``latest`` and prunes old checkpoints once all ranks are done."""
+        """Every rank writes (and fsyncs) its shards under a temporary tag; once all are done,
+        rank 0 completes and commits the checkpoint (:meth:`_commit`)."""
         root = self.root
         root.mkdir(parents=True, exist_ok=True)
-        tag, tmp_tag = tag_for(step), f".tmp-{tag_for(step)}"
+        tmp_tag = f".tmp-{tag_for(step)}"
+        self._written.clear()
         self.engine.save_checkpoint(
             str(root), tag=tmp_tag, client_state=self.client_state(), save_latest=False
         )
-        _barrier()
+        folder = root / tmp_tag
+        records = {
+            Path(path).resolve().relative_to(folder.resolve()).as_posix(): record
+            for rank_records in _all_gather(dict(self._written))
+            for path, record in rank_records.items()
+        }
         if _is_main():
-            save_config(self.config, root / tmp_tag / "config.yaml")
-            if (root / tag).exists():
-                shutil.rmtree(root / tag)
-            os.replace(root / tmp_tag, root / tag)
-            write_atomic(root / "latest", tag)
-            steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _TAG.match(p.name)))
-            for old in steps[: -self.keep_last]:
-                shutil.rmtree(root / tag_for(old), ignore_errors=True)
+            self._commit(step, records)
         _barrier()
-        return root / tag
+        return root / tag_for(step)
+
+    def _commit(self, step: int, records: dict[str, dict[str, int]]) -> None:
+        """Rank 0: the recipe, the tokenizer and the manifest into the temporary folder, all
+        fsynced; the folder renamed to ``step_N`` (a rollback's older ``step_N`` set aside
+        first), ``latest`` moved, old checkpoints pruned. Every step is durable before the
+        next one starts, so a crash anywhere leaves ``latest`` naming a whole checkpoint."""
+        root, tag = self.root, tag_for(step)
+        folder = root / f".tmp-{tag}"
+        save_config(self.config, folder / "config.yaml")
+        if self.tokenizer is not None:
+            copy_tokenizer(self.tokenizer, folder)
+        manifest = write_manifest(folder, records)
+        for name in read_manifest(folder):  # the ranks fsynced theirs; these are rank 0's
+            if name not in records:
+                fsync_file(folder / name)
+        fsync_file(manifest)
+        for sub in sorted({p.parent for p in folder.rglob("*")}, key=lambda p: -len(p.parts)):
+            fsync_dir(sub)
+        replaced = None
+        if (root / tag).exists():  # a rollback's later checkpoint of this step
+            replaced = root / f".old-{tag}"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(root / tag, replaced)
+        os.rename(folder, root / tag)
+        fsync_dir(root)
+        write_atomic(root / LATEST, tag)
+        prune(root, tag, self.keep_last)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)

@@ -23,6 +23,7 @@ from typing import Any
 import deepspeed
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.convert import load_hf_weights
@@ -30,7 +31,7 @@ from focus_pretrain.convert.hf_import import check_hf_source
 from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import ResumableSampler, build_datasets
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.errors import as_input_error
+from focus_pretrain.errors import InputError, as_input_error
 from focus_pretrain.focus import FocusRouter
 from focus_pretrain.model import build_model
 from focus_pretrain.model.attention import FocusSelfAttention
@@ -38,13 +39,9 @@ from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
 from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
+from focus_pretrain.storage.files import RunLock, write_atomic
 from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
-from focus_pretrain.train.checkpoint import (
-    Checkpointer,
-    latest_checkpoint,
-    latest_tag,
-    write_atomic,
-)
+from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint, latest_tag
 from focus_pretrain.train.focus_stats import (
     attention_density,
     discard_balance,
@@ -95,6 +92,16 @@ class Trainer:
         self.config = config
         self.layout = ParallelLayout.initialize(config.parallel, config.run.seed)
         self.output_dir = Path(config.run.output_dir)
+        self.run_lock = RunLock(self.output_dir)
+        self._claim_output_dir()  # one run per directory; its checkpoints resumable
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: Config) -> None:
+        """Everything after the output directory is claimed (see the class docstring)."""
         self.grad_accum = self._gradient_accumulation()
         # before anything is built or written: a resume with another model or data order
         # is refused, naming the keys (train.allow_changes continues anyway)
@@ -124,6 +131,7 @@ class Trainer:
             config,
             self.state_dict,
             self.run_layout,
+            tokenizer=self.tokenizer.path,
         )
         state = self.checkpointer.load()
         self.resumed_step = None if state is None else state["step"]
@@ -138,6 +146,29 @@ class Trainer:
         self.last_train_loss: float | None = None
 
     # -- building -----------------------------------------------------------------------------
+    def _claim_output_dir(self) -> None:
+        """Rank 0 takes the run directory's lock (a second run there is refused, naming the
+        holder) and validates its checkpoints' ``latest`` (never a silent restart over
+        checkpoints); every rank raises the same one-line error when either fails."""
+        refusal = None
+        if self.layout.is_main:
+            try:
+                self.run_lock.acquire()
+                latest_tag(self.output_dir / "checkpoints")
+            except InputError as err:
+                refusal = err
+        if dist.is_initialized() and self.layout.world_size > 1:
+            shared = [None if refusal is None else (type(refusal), str(refusal))]
+            dist.broadcast_object_list(shared, src=0)
+            if shared[0] is not None and refusal is None:
+                refusal = shared[0][0](shared[0][1])
+        if refusal is not None:
+            self.close()
+            raise refusal
+
+    def close(self) -> None:
+        """Release the run directory (its lock); idempotent."""
+        self.run_lock.release()
 
     def _gradient_accumulation(self) -> int:
         train = self.config.train
@@ -239,13 +270,14 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs besides the engine: step, consumed samples, RNG states."""
+        generator, keys, *numbers = np.random.get_state()  # keys: a uint32 array
         return {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "skipped_steps": self.bad_steps.skipped,
             "rng": {
                 "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                "numpy": [generator, keys.tolist(), *numbers],  # plain data: no numpy global
                 "torch": torch.get_rng_state(),
             },
         }
@@ -256,7 +288,8 @@ class Trainer:
         self.bad_steps.skipped = state.get("skipped_steps", 0)  # counted over resumes
         if "rng" in state:
             random.setstate(state["rng"]["python"])
-            np.random.set_state(state["rng"]["numpy"])
+            generator, keys, *numbers = state["rng"]["numpy"]  # numpy's tuple in older files
+            np.random.set_state((generator, np.asarray(keys, dtype=np.uint32), *numbers))
             torch.set_rng_state(state["rng"]["torch"])
         if self.gate is not None and self.step >= self.config.train.router_only_steps:
             self.gate.open()
@@ -333,6 +366,7 @@ class Trainer:
             return self._finish()
         finally:
             self.logger.close()
+            self.close()
 
     def _stop_after_bad_steps(self, meter: IntervalMeter) -> None:
         """Log, save a checkpoint (the last good weights, the data position past the bad
