@@ -232,7 +232,7 @@ def _export_inputs(ckpt: Path, config: Config, tokenizer: Path | None) -> list[t
     and the run directory (an output may lie inside it, e.g. ``runs/x/export``)."""
     inputs: list[tuple] = [("the checkpoint", ckpt)]
     root = ckpt.parent
-    if (root / LATEST).exists() or ckpt.name.startswith("step_"):
+    if (root / LATEST).exists() or root.name == "checkpoints":
         inputs.append(("the checkpoints directory", root))
         if root.name == "checkpoints":
             inputs.append(("the run directory", root.parent, "may_hold_output"))

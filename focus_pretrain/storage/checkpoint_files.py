@@ -116,14 +116,20 @@ def file_record(path: str | os.PathLike) -> dict[str, int]:
     return {"size": size, "crc32": crc}
 
 
+# the recipe is the user's to edit (a moved train.init_from_hf, say: our refusals say so), and
+# it is validated whenever it is read; every other file of a checkpoint is listed
+UNLISTED = frozenset({MANIFEST, "config.yaml"})
+
+
 def write_manifest(folder: Path, records: dict[str, dict[str, int]]) -> Path:
     """``folder/checkpoint.json`` listing ``records`` (relative path -> size and CRC-32) plus
-    every other file already in the folder (checksummed here, e.g. config.yaml)."""
+    every other file already in the folder (checksummed here, e.g. the tokenizer copy), but
+    :data:`UNLISTED`."""
     folder = Path(folder)
-    files = dict(records)
+    files = {name: record for name, record in records.items() if name not in UNLISTED}
     for path in sorted(folder.rglob("*")):
         name = path.relative_to(folder).as_posix()
-        if path.is_file() and name != MANIFEST and name not in files:
+        if path.is_file() and name not in UNLISTED and name not in files:
             files[name] = file_record(path)
     path = folder / MANIFEST
     path.write_text(json.dumps({"format": 1, "files": dict(sorted(files.items()))}, indent=1))
@@ -230,7 +236,8 @@ def discard(folder: Path) -> None:
     leftover is removed at the next start (:data:`LEFTOVERS`)."""
     folder = Path(folder)
     doomed = folder.with_name(f".deleting-{folder.name}")
-    shutil.rmtree(doomed, ignore_errors=True)
+    if doomed.exists():  # an earlier deletion's leftover
+        shutil.rmtree(doomed, ignore_errors=True)
     os.rename(folder, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 

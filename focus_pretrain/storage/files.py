@@ -233,7 +233,7 @@ def check_output_dir(
     * with ``force``: ``out`` carries no ``marker`` (it is not an earlier output of this
       command), or holds entries the earlier output did not write (``owned(out)``: the names
       it wrote, ``None`` when the marker is unreadable), named in the refusal;
-    * ``out`` is a run directory in use (its lock is held).
+    * ``out`` or a directory in it is a run directory in use (its lock is held).
     """
     out = Path(out)
     check_not_overlapping(out, inputs, what)
@@ -266,9 +266,10 @@ def check_output_dir(
             f"{out} holds files the earlier {what} did not write ({listed}); {option} replaces "
             "only what it wrote: move them out, or choose another directory"
         )
-    holder = is_locked(out)
-    if holder is not None:
-        raise RunInUseError(f"{out} is in use ({holder}): wait for it to end, or stop it")
+    for directory in [out, *(p for p in out.iterdir() if p.is_dir())]:  # e.g. OUT/run
+        holder = is_locked(directory)
+        if holder is not None:
+            raise RunInUseError(f"{directory} is in use ({holder}): wait for it to end, or stop it")
 
 
 @contextlib.contextmanager

@@ -222,11 +222,12 @@ class Checkpointer:
         self.engine.save_checkpoint(
             str(root), tag=tmp_tag, client_state=self.client_state(), save_latest=False
         )
-        folder = root / tmp_tag
+        folder = (root / tmp_tag).resolve()
         records = {
-            Path(path).resolve().relative_to(folder.resolve()).as_posix(): record
+            Path(path).resolve().relative_to(folder).as_posix(): record
             for rank_records in _all_gather(dict(self._written))
             for path, record in rank_records.items()
+            if Path(path).resolve().is_relative_to(folder)  # the folder's files (each rank's)
         }
         if _is_main():
             self._commit(step, records)
@@ -243,11 +244,11 @@ class Checkpointer:
         save_config(self.config, folder / "config.yaml")
         if self.tokenizer is not None:
             copy_tokenizer(self.tokenizer, folder)
-        manifest = write_manifest(folder, records)
-        for name in read_manifest(folder):  # the ranks fsynced theirs; these are rank 0's
-            if name not in records:
-                fsync_file(folder / name)
-        fsync_file(manifest)
+        write_manifest(folder, records)
+        for path in folder.rglob("*"):  # the ranks fsynced theirs; these are rank 0's
+            name = path.relative_to(folder).as_posix()
+            if path.is_file() and name not in records:
+                fsync_file(path)
         for sub in sorted({p.parent for p in folder.rglob("*")}, key=lambda p: -len(p.parts)):
             fsync_dir(sub)
         replaced = None

@@ -49,8 +49,9 @@ def test_export_layout(exported):
 
 
 def test_an_export_never_mixes_with_an_existing_directory(exported, tmp_path):
-    """A non-empty target is refused (stale shards or another tokenizer would mix in);
-    ``overwrite=True`` (``--force``) replaces it whole."""
+    """A non-empty target is refused (stale shards or another tokenizer would mix in), and
+    ``overwrite=True`` (``--force``) too unless the target is an earlier export (its
+    ``focus_export.json``), which it replaces whole, stale shards of that export included."""
     from focus_pretrain.errors import InputError
 
     root, _ = exported
@@ -59,7 +60,10 @@ def test_an_export_never_mixes_with_an_existing_directory(exported, tmp_path):
     (target / "model-00009-of-00009.safetensors").write_bytes(b"stale")
     with pytest.raises(InputError, match=r"exists and is not empty: .* pass --force"):
         export_hf(root / "run", target)
+    with pytest.raises(InputError, match=r"replaces only an earlier export .*focus_export.json"):
+        export_hf(root / "run", target, overwrite=True)
     assert (target / "model-00009-of-00009.safetensors").read_bytes() == b"stale"
+    (target / "focus_export.json").write_text("{}")  # an export from before files were listed
     out = export_hf(root / "run", target, overwrite=True)
     assert not (out / "model-00009-of-00009.safetensors").exists()
     assert (out / "config.json").is_file()
@@ -201,22 +205,42 @@ def test_exported_tokenizer_encodes_like_ours(exported, cache):
 
 
 def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(exported, tmp_path):
+    """The checkpoint's own tokenizer copy is what an export ships; another one named with
+    ``--tokenizer`` (``tokenizer=``) that does not fit the embeddings is refused."""
+    from focus_pretrain.data import demo_documents
+    from tests.helpers import make_hf_tokenizer
+
+    root, _ = exported
+    ckpt = root / "run" / "checkpoints" / "step_00000004"
+    assert (ckpt / "tokenizer.model").is_file()  # the run's, copied at save time
+    other = make_hf_tokenizer(tmp_path / "tok", demo_documents(50), 400)
+    with pytest.raises(ValueError, match=r"has 400 tokens but the model only 320 embeddings"):
+        export_hf(ckpt, tmp_path / "out", tokenizer=other)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_finds_the_tokenizer_from_any_directory(exported, tmp_path, monkeypatch):
+    """A checkpoint carries its tokenizer: exporting from another working directory, with
+    the run's relative ``data.cache_dir`` gone, still ships it (it was dropped silently)."""
     import shutil
 
-    import yaml
-
-    from tests.helpers import make_hf_tokenizer
+    from focus_pretrain.convert.checkpoints import checkpoint_config
 
     root, _ = exported
     ckpt = tmp_path / "step_00000004"
     shutil.copytree(root / "run" / "checkpoints" / "step_00000004", ckpt)
-    config = yaml.safe_load((ckpt / "config.yaml").read_text())
-    from focus_pretrain.data import demo_documents
-
-    config["data"]["tokenizer"] = str(make_hf_tokenizer(tmp_path / "tok", demo_documents(50), 400))
-    (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(ValueError, match=r"has 400 tokens but the model only 320 embeddings"):
-        export_hf(ckpt, tmp_path / "out")
+    cache_dir = checkpoint_config(ckpt).data.cache_dir
+    monkeypatch.chdir(tmp_path)
+    out = export_hf(ckpt, tmp_path / "hf")
+    assert (out / "tokenizer.json").is_file()
+    # a checkpoint from before the copy, trained with the shipped recipes' relative cache
+    (ckpt / "tokenizer.model").unlink()
+    (ckpt / "checkpoint.json").unlink()
+    recipe = ckpt / "config.yaml"
+    recipe.write_text(recipe.read_text().replace(f"cache_dir: {cache_dir}", "cache_dir: data/c"))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer .* is not found, relative to the current directory .*--no-tokenizer"):
+        export_hf(ckpt, tmp_path / "hf2")
+    assert not (export_hf(ckpt, tmp_path / "hf3", with_tokenizer=False) / "tokenizer.json").exists()
 
 
 def _edited_checkpoint(exported, tmp_path, **focus):
@@ -252,7 +276,7 @@ def test_the_export_tool_refuses_routers_its_config_does_not_describe(exported, 
         )
         assert done.returncode == 2, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
-        (line,) = [x for x in done.stderr.splitlines() if x.startswith("convert_to_hf: error:")]
+        (line,) = [x for x in done.stderr.splitlines() if x.startswith("convert_to_hf.py: error:")]
         assert "router.centroids is [4, 16] but its config.yaml describes [8, 16]" in line
         assert "restore its num_groups, group_dim to the trained values" in line
     fewer = _edited_checkpoint(exported, tmp_path / "fewer", num_groups=2)
