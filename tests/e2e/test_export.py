@@ -238,7 +238,8 @@ def test_export_finds_the_tokenizer_from_any_directory(exported, tmp_path, monke
     (ckpt / "checkpoint.json").unlink()
     recipe = ckpt / "config.yaml"
     recipe.write_text(recipe.read_text().replace(f"cache_dir: {cache_dir}", "cache_dir: data/c"))
-    with pytest.raises(FileNotFoundError, match=r"tokenizer .* is not found, relative to the current directory .*--no-tokenizer"):
+    missing = r"tokenizer .* is not found, relative to the current directory .*--no-tokenizer"
+    with pytest.raises(FileNotFoundError, match=missing):
         export_hf(ckpt, tmp_path / "hf2")
     assert not (export_hf(ckpt, tmp_path / "hf3", with_tokenizer=False) / "tokenizer.json").exists()
 
