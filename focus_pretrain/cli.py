@@ -6,18 +6,25 @@
 
 Each subcommand runs the script it names (the launchers and ``tools/*.py`` keep working on their
 own) with ``focus-pretrain COMMAND`` as its program name, so its usage, errors and exit codes
-are the script's. The scripts live in the source checkout next to the package: ``make setup``
-installs it editable (``pip install -e .``), which is what the command needs.
+are the script's. Bad input ends every command with one line, ``focus-pretrain COMMAND: error:
+MESSAGE``, and status 2: argparse's own errors (:class:`ToolParser`) and the scripts'
+:class:`~focus_pretrain.errors.InputError` alike; a crash keeps its traceback. The scripts live
+in the source checkout next to the package: ``make setup`` installs it editable (``pip install
+-e .``), which is what the command needs.
 
 This module imports nothing heavy: ``focus-pretrain --help`` answers without loading PyTorch.
 :class:`HelpFormatter` is the scripts' help format: their whole docstring, and every option with
-its default.
+its default; :func:`at_least`, :func:`number_in`, :func:`device` and :func:`output_file` are
+argument types that refuse a bad count, number, device or output path while the arguments are
+parsed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import math
 import runpy
 import sys
 from dataclasses import dataclass
@@ -82,12 +89,90 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+class ToolParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE (see PROG
+    --help)``, and status 2 (argparse prints its whole usage first); ``--help`` is unchanged."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def tool_parser(doc: str | None, **kwargs) -> argparse.ArgumentParser:
     """The argument parser of a script whose docstring is ``doc``: the whole docstring as its
-    description, defaults shown (:class:`HelpFormatter`)."""
+    description, defaults shown (:class:`HelpFormatter`), one-line errors (:class:`ToolParser`)."""
     if _program is not None:  # runpy sets argv[0] to the script's path: name the command
         kwargs.setdefault("prog", _program)
-    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter, **kwargs)
+    return ToolParser(description=doc, formatter_class=HelpFormatter, **kwargs)
+
+
+def at_least(low: int):
+    """An argument type: an integer ``>= low`` (e.g. ``type=at_least(1)`` for a count)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in some messages
+    return parse
+
+
+def number_in(low: float, high: float = math.inf, *, low_open: bool = False):
+    """An argument type: a finite number in ``[low, high]`` (``(low, high]`` with
+    ``low_open``), e.g. ``number_in(0, 1, low_open=True)`` for a probability mass."""
+    if high == math.inf:
+        interval = f"> {low:g}" if low_open else f">= {low:g}"
+    else:
+        interval = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        inside = (low < value if low_open else low <= value) and value <= high
+        if not (math.isfinite(value) and inside):
+            raise argparse.ArgumentTypeError(f"must be a number {interval}, got {text}")
+        return value
+
+    parse.__name__ = f"number {interval}"
+    return parse
+
+
+def device(text: str) -> str:
+    """An argument type: a PyTorch device this machine has (``cpu``, ``cuda``, ``cuda:1``...);
+    imports PyTorch when the arguments are parsed (never for ``--help``)."""
+    import torch  # heavy: only once a command is going to run
+
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device here; use cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {count} CUDA device(s)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argument type: a file the command will write (its missing parent directories are
+    created then); refused when it is a directory or below a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file name")
+    blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise argparse.ArgumentTypeError(
+            f"{text} cannot be written: {blocked} is a file, not a directory"
+        )
+    return text
 
 
 def _overview() -> str:
@@ -99,7 +184,7 @@ def _overview() -> str:
 def _top_parser() -> argparse.ArgumentParser:
     from focus_pretrain import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = ToolParser(
         prog="focus-pretrain",
         description=DESCRIPTION,
         epilog=_overview() + "\n\n`focus-pretrain COMMAND --help` lists a command's options.",
@@ -121,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     command = COMMANDS.get(name)
     if command is None:
-        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+        close = difflib.get_close_matches(name.lower(), COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        parser.error(f"unknown command {name!r}; {hint}choose from {', '.join(COMMANDS)}")
     script = ROOT / command.script
     if not script.is_file():
         parser.error(

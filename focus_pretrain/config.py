@@ -306,9 +306,13 @@ def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise InputError(f"{path} is not valid YAML: {err}".replace("\n", " ")) from err
-    if loaded is not None and not isinstance(loaded, dict):
+    if loaded is None:  # a mistake (a wrong or truncated file), not "every default"
+        raise ValueError(
+            f"recipe {path} is empty: give a recipe with its sections (see configs/*.yaml)"
+        )
+    if not isinstance(loaded, dict):
         raise ValueError(f"{path} must hold a mapping of sections, got {type(loaded).__name__}")
-    tree = loaded or {}
+    tree = loaded
     bases = tree.pop("defaults", None)
     if bases is None:
         return tree

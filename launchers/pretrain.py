@@ -56,7 +56,7 @@ def main() -> None:
         args.overrides.append("train.load_universal=true")
     # a bad recipe, override, layout or checkpoint: one line naming it and the fix, status 2;
     # a real crash keeps its traceback
-    with exit_on_input_error("focus-pretrain"):
+    with exit_on_input_error(parser.prog):
         config = load_config(args.config, args.overrides)
         if args.dry_run:
             print_plan(config)
@@ -64,7 +64,7 @@ def main() -> None:
         try:
             pretrain(config)
         except TooManyBadSteps as err:  # a checkpoint was saved; the reason, not a traceback
-            sys.exit(f"focus-pretrain: error: {err}")
+            sys.exit(f"{parser.prog}: error: {err}")
 
 
 if __name__ == "__main__":

@@ -17,31 +17,34 @@ import json
 import pathlib
 
 from focus_pretrain.bench.config import DTYPE_NAMES, BenchConfig
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, device, output_file, tool_parser
+from focus_pretrain.errors import exit_on_input_error
 
 
 def main(argv: list[str] | None = None) -> None:
     defaults = BenchConfig()
     parser = tool_parser(__doc__)
-    parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
-    parser.add_argument("--groups", type=int, nargs="+", default=defaults.groups)
-    parser.add_argument("--top-k", type=int, nargs="+", default=defaults.top_k)
-    parser.add_argument("--window", type=int, default=defaults.window)
-    parser.add_argument("--batch", type=int, default=defaults.batch)
-    parser.add_argument("--heads", type=int, default=defaults.heads)
-    parser.add_argument("--heads-kv", type=int, help="KV heads (GQA); default: --heads")
-    parser.add_argument("--head-dim", type=int, default=defaults.head_dim)
+    parser.add_argument("--seq", type=at_least(1), nargs="+", default=defaults.seq)
+    parser.add_argument("--groups", type=at_least(1), nargs="+", default=defaults.groups)
+    parser.add_argument("--top-k", type=at_least(1), nargs="+", default=defaults.top_k)
+    parser.add_argument("--window", type=at_least(0), default=defaults.window)
+    parser.add_argument("--batch", type=at_least(1), default=defaults.batch)
+    parser.add_argument("--heads", type=at_least(1), default=defaults.heads)
+    parser.add_argument("--heads-kv", type=at_least(1), help="KV heads (GQA); default: --heads")
+    parser.add_argument("--head-dim", type=at_least(1), default=defaults.head_dim)
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=defaults.dtype)
     parser.add_argument("--backends", nargs="+", default=defaults.backends)
-    parser.add_argument("--warmup", type=int, default=defaults.warmup)
-    parser.add_argument("--repeats", type=int, default=defaults.repeats)
+    parser.add_argument("--warmup", type=at_least(0), default=defaults.warmup)
+    parser.add_argument("--repeats", type=at_least(1), default=defaults.repeats)
     parser.add_argument(
         "--train",
         action="store_true",
         help="also time training steps (fwd+bwd): the soft gate, and sparse training "
         "(hard_gated) per --top-k",
     )
-    parser.add_argument("--device", default=defaults.device, help="cuda (figures) or cpu (smoke)")
+    parser.add_argument(
+        "--device", type=device, default=defaults.device, help="cuda (figures) or cpu (smoke)"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--no-hard", action="store_true", help="only the --train rows")
     parser.add_argument(
@@ -56,12 +59,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="time calls captured whole (torch.compile reduce-overhead: CUDA graphs), dense too",
     )
-    parser.add_argument("--profile", help="append profiler tables (one call per backend) here")
-    parser.add_argument("--json", help="write environment and rows to this JSON file")
-    parser.add_argument("--markdown", help="write the markdown table to this file")
+    parser.add_argument(
+        "--profile", type=output_file, help="append profiler tables (one call per backend) here"
+    )
+    parser.add_argument(
+        "--json", type=output_file, help="write environment and rows to this JSON file"
+    )
+    parser.add_argument(
+        "--markdown", type=output_file, help="write the markdown table to this file"
+    )
     args = parser.parse_args(argv)
     # heavy imports after the arguments: --help answers without loading PyTorch
-    from focus_pretrain.bench.attention import markdown_table, run_benchmark
+    from focus_pretrain.bench.attention import check_config, markdown_table, run_benchmark
     from focus_pretrain.bench.report import environment, run_and_report
 
     cfg = BenchConfig(
@@ -85,6 +94,11 @@ def main(argv: list[str] | None = None) -> None:
         graphs=args.graphs,
         hard=not args.no_hard,
     )
+    with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any work
+        check_config(cfg)
+    for path in (args.json, args.markdown, args.profile):
+        if path:
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     env = environment(cfg, cfg.device)
 
     def save_partial(rows: list[dict]) -> None:  # kept if a time limit stops the run

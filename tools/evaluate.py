@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import output_file, tool_parser
 from focus_pretrain.errors import exit_on_input_error
 
 
@@ -29,14 +29,14 @@ def main() -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
     )
-    parser.add_argument("--out", help="write the result as JSON to this file")
+    parser.add_argument("--out", type=output_file, help="write the result as JSON to this file")
     args = parser.parse_args()
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.parallel.launch import shutdown_distributed
     from focus_pretrain.train.evaluate import evaluate_checkpoint
 
     try:
-        with exit_on_input_error("evaluate"):  # a bad override or checkpoint: one line, status 2
+        with exit_on_input_error(parser.prog):  # a bad override or checkpoint: one line, status 2
             result = evaluate_checkpoint(args.checkpoint, args.overrides, args.out)
         _report(result)
     finally:

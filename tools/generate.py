@@ -19,7 +19,8 @@ import os
 import pathlib
 import time
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, device, number_in, output_file, tool_parser
+from focus_pretrain.errors import InputError, MissingInputError, exit_on_input_error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,39 +28,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("export", help="exported HF directory (config.json, modeling_focus.py)")
     parser.add_argument("--prompt", action="append", default=[], help="repeat for a batch")
     parser.add_argument("--prompts-file", help="one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--num-beams", type=int, default=1)
+    parser.add_argument("--temperature", type=number_in(0, low_open=True), default=1.0)
+    parser.add_argument("--top-p", type=number_in(0, 1, low_open=True), default=1.0)
+    parser.add_argument("--num-beams", type=at_least(1), default=1)
     parser.add_argument("--mode", choices=["hard", "soft"], help="focus inference_mode")
     parser.add_argument("--backend", help="focus inference_backend (auto, dense, decomposed...)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write prompts, completions and speed to this file")
+    parser.add_argument(
+        "--json", type=output_file, help="write prompts, completions and speed to this file"
+    )
     args = parser.parse_args(argv)
-
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        prompts += [
-            line for line in pathlib.Path(args.prompts_file).read_text().splitlines() if line
-        ]
-    if not prompts:
+    if not args.prompt and not args.prompts_file:
         parser.error("give at least one --prompt or a --prompts-file")
-    export = pathlib.Path(args.export)
-    if not (export / "config.json").is_file():
-        parser.error(f"{export} has no config.json: point at a directory written by convert_to_hf")
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.convert.export_dir import export_tokenizer
 
+    with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any loading
+        prompts = read_prompts(args.prompt, args.prompts_file)
+        check_export(args.export, args.mode, args.backend)
+    export = pathlib.Path(args.export)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(export, trust_remote_code=True)
+    tokenizer = export_tokenizer(export)  # tokenizer.json: no remote code
     tokenizer.padding_side = "left"  # decoder-only batches pad on the left
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)
+    with exit_on_input_error(parser.prog):
+        check_tokens(tokenizer, prompts)
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)  # its code
     model = model.to(args.device).eval()
     if args.mode:
         model.config.focus["inference_mode"] = args.mode
@@ -93,7 +95,60 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
     if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def check_export(export: str, mode: str | None, backend: str | None) -> None:
+    """Refuse what is not an export with a tokenizer, and a ``--mode``/``--backend`` that the
+    export's code refuses (:func:`validate_focus`, the shipped rules) or a non-Focus model."""
+    from focus_pretrain.convert.export_dir import read_export
+    from focus_pretrain.convert.hf_modeling.configuration_focus import (
+        FOCUS_DEFAULTS,
+        validate_focus,
+    )
+
+    config = read_export(export, tokenizer=True, focus=bool(mode or backend))
+    if mode or backend:
+        focus = {**FOCUS_DEFAULTS, **config["focus"]}
+        focus.update(inference_mode=mode or focus["inference_mode"])
+        focus.update(inference_backend=backend or focus["inference_backend"])
+        try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
+            validate_focus(focus)
+        except ValueError as error:
+            given = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
+            raise InputError(f"{given}: {error}") from error
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
+    """The ``--prompt`` texts, then the non-empty lines of ``prompts_file``.
+
+    Raises:
+        InputError: an empty ``--prompt``, a ``prompts_file`` that is a directory or holds no
+            prompt.
+        MissingInputError: ``prompts_file`` does not exist.
+    """
+    if any(not prompt for prompt in prompts):
+        raise InputError('--prompt "" is empty: give the text to continue')
+    prompts = list(prompts)
+    if prompts_file is not None:
+        path = pathlib.Path(prompts_file)
+        if not path.exists():
+            raise MissingInputError(f"--prompts-file {path} does not exist: give a text file")
+        if not path.is_file():
+            raise InputError(f"--prompts-file {path} is a directory: give a text file")
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            raise InputError(f"--prompts-file {path} holds no prompt: write one prompt per line")
+        prompts += lines
+    return prompts
+
+
+def check_tokens(tokenizer, prompts: list[str]) -> None:
+    """Refuse a prompt the export's tokenizer turns into no token (nothing to continue)."""
+    for prompt in prompts:
+        if not tokenizer(prompt)["input_ids"]:
+            raise InputError(f"--prompt {prompt!r} is no token for the export's tokenizer")
 
 
 if __name__ == "__main__":

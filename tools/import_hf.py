@@ -18,7 +18,7 @@ import sys
 
 import yaml
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, tool_parser
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 BASE = "configs/retrofit.yaml"  # the training knobs (relative to the recipe, else the cwd)
@@ -27,12 +27,14 @@ BASE = "configs/retrofit.yaml"  # the training knobs (relative to the recipe, el
 def main() -> None:
     parser = tool_parser(__doc__)
     parser.add_argument("hf_dir", help="a local HuggingFace model directory")
-    parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
-    parser.add_argument("--window", type=int, default=128, help="Focus local window")
+    parser.add_argument("--groups", type=at_least(1), default=4, help="Focus groups K")
+    parser.add_argument("--window", type=at_least(0), default=128, help="Focus local window")
     args = parser.parse_args()
     from focus_pretrain.convert.retrofit import retrofit_sections  # heavy: after --help
+    from focus_pretrain.focus.config import FocusConfig
 
-    with exit_on_input_error("import_hf"):  # what the checkpoint lacks: one line, status 2
+    with exit_on_input_error(parser.prog):  # what the checkpoint lacks: one line, status 2
+        FocusConfig(num_groups=args.groups, window=args.window)  # its rules (at most 64 groups)
         recipe, summary = as_input_error(
             lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)
         )

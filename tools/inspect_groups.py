@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import sys
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, device, tool_parser
+from focus_pretrain.errors import exit_on_input_error
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,14 +26,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", required=True, help="run, checkpoint or HF export dir")
     parser.add_argument("--text", nargs="+", default=[], metavar="FILE", help="text files")
     parser.add_argument("--corpus", help="a corpus source (demo:50, file.jsonl, dir, hub name)")
-    parser.add_argument("--samples", type=int, default=16, help="corpus pieces (default 16)")
-    parser.add_argument("--length", type=int, help="tokens per sample (default: model maximum)")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--samples", type=at_least(1), default=16, help="corpus pieces (default 16)"
+    )
+    parser.add_argument(
+        "--length", type=at_least(1), help="tokens per sample (default: model maximum)"
+    )
+    parser.add_argument("--batch-size", type=at_least(1), default=4)
     parser.add_argument("--tokenizer", help="replace the model's tokenizer (.model or HF dir)")
-    parser.add_argument("--device", help="cpu, cuda, ... (default: where the loader puts it)")
-    parser.add_argument("--min-count", type=int, default=5, help="occurrences to rank a token")
-    parser.add_argument("--top-n", type=int, default=8, help="tokens listed per group")
-    parser.add_argument("--plot-tokens", type=int, default=256, help="tokens in the token plots")
+    parser.add_argument(
+        "--device", type=device, help="cpu, cuda, ... (default: where the loader puts it)"
+    )
+    parser.add_argument(
+        "--min-count", type=at_least(1), default=5, help="occurrences to rank a token"
+    )
+    parser.add_argument("--top-n", type=at_least(1), default=8, help="tokens listed per group")
+    parser.add_argument(
+        "--plot-tokens", type=at_least(1), default=256, help="tokens in the token plots"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-routing reference")
     parser.add_argument("--out", required=True, help="directory for report.md/.json and PNGs")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
@@ -42,24 +53,23 @@ def main(argv: list[str] | None = None) -> None:
     from focus_pretrain.parallel.launch import shutdown_distributed
 
     try:
-        report = inspect_groups(
-            args.checkpoint,
-            args.out,
-            texts=args.text,
-            corpus=args.corpus,
-            samples=args.samples,
-            length=args.length,
-            batch_size=args.batch_size,
-            tokenizer=args.tokenizer,
-            device=args.device,
-            min_count=args.min_count,
-            top_n=args.top_n,
-            plot_tokens=args.plot_tokens,
-            seed=args.seed,
-            progress=not args.quiet,
-        )
-    except (ValueError, FileNotFoundError) as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any work
+            report = inspect_groups(
+                args.checkpoint,
+                args.out,
+                texts=args.text,
+                corpus=args.corpus,
+                samples=args.samples,
+                length=args.length,
+                batch_size=args.batch_size,
+                tokenizer=args.tokenizer,
+                device=args.device,
+                min_count=args.min_count,
+                top_n=args.top_n,
+                plot_tokens=args.plot_tokens,
+                seed=args.seed,
+                progress=not args.quiet,
+            )
     finally:
         shutdown_distributed()
     print(f"report: {report}")

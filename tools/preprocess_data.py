@@ -28,22 +28,23 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, output_file, tool_parser
 from focus_pretrain.data.corpus import (
-    BadRecordError,
     ReadOptions,
     RecordCounts,
+    check_sizes,
     index_inputs,
     read_all,
     resolve_inputs,
 )
 from focus_pretrain.data.preprocess import say_phase, tokenize_to_indexed
 from focus_pretrain.data.shards import SHARD_DOCUMENTS, preprocess_corpus, train_corpus_tokenizer
+from focus_pretrain.data.tokenizer import check_tokenizer_path, check_vocab_size
+from focus_pretrain.errors import exit_on_input_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,12 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--text-key", default="text", help="the field holding the text")
     parser.add_argument("--split", default="train", help="split of a datasets dataset")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    parser.add_argument("--shard-documents", type=int, default=SHARD_DOCUMENTS)
+    parser.add_argument("--workers", type=at_least(1), default=max(1, (os.cpu_count() or 2) - 1))
+    parser.add_argument("--shard-documents", type=at_least(1), default=SHARD_DOCUMENTS)
     parser.add_argument("--skip-bad-records", action="store_true")
     parser.add_argument("--overwrite", action="store_true", help="start a sharded run again")
     parser.add_argument("--seed", type=int, default=0, help="demo corpus seed")
-    parser.add_argument("--stats", help="also write the stats JSON here")
+    parser.add_argument("--stats", type=output_file, help="also write the stats JSON here")
     return parser
 
 
@@ -70,6 +71,11 @@ def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptio
     """The ``--output-prefix`` mode: one ``PREFIX.bin``/``PREFIX.idx``."""
     started = time.perf_counter()
     units = resolve_inputs(inputs)
+    if args.train_tokenizer:
+        check_vocab_size(args.vocab_size)
+    else:
+        check_tokenizer_path(args.tokenizer)
+    check_sizes(units, options)
     say_phase(f"indexing {len(units)} input(s) ...")
     indexes = index_inputs(units, options)
     tokenizer = args.tokenizer
@@ -101,11 +107,9 @@ def main() -> None:
     args = parser.parse_args()
     if bool(args.tokenizer) == args.train_tokenizer:
         parser.error("give exactly one of --tokenizer MODEL or --train-tokenizer")
-    if args.workers < 1 or args.shard_documents < 1:
-        parser.error("--workers and --shard-documents must be >= 1")
     inputs = [value for group in args.input for value in group]
     options = ReadOptions(args.text_key, args.skip_bad_records, args.seed, args.split)
-    try:
+    with exit_on_input_error(parser.prog):  # bad input (a bad record too): one line, status 2
         if args.output_prefix:
             stats = _single_file(args, inputs, options)
         else:
@@ -119,8 +123,6 @@ def main() -> None:
                 options=options,
                 overwrite=args.overwrite,
             )
-    except (BadRecordError, FileNotFoundError, ValueError) as error:
-        sys.exit(f"error: {error}")
     if args.output and stats["shards_reused"]:
         print(f"resumed: {stats['shards_reused']} of {stats['shards']} shards were already done")
     rate = f"{stats['tokens_per_s']:,.0f} tokens/s"

@@ -12,7 +12,7 @@ node with many workers before the GPUs are allocated.
 
 from __future__ import annotations
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, tool_parser
 from focus_pretrain.convert import resolve_checkpoint
 from focus_pretrain.errors import exit_on_input_error
 from focus_pretrain.train.reshard import convert_to_universal
@@ -23,12 +23,12 @@ def main() -> None:
     parser.add_argument("checkpoint", help="a run directory or a checkpoints/step_N directory")
     parser.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=None,
         help="processes extracting ZeRO fragments (default: 1 under 1 GiB, else up to 8)",
     )
     args = parser.parse_args()
-    with exit_on_input_error("reshard_checkpoint"):  # a missing checkpoint: one line, status 2
+    with exit_on_input_error(parser.prog):  # a missing checkpoint: one line, status 2
         out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.workers)
     print(f"universal checkpoint: {out}")
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import at_least, device, output_file, tool_parser
 from focus_pretrain.errors import exit_on_input_error
 
 DEFAULT_TASKS = ["niah_single_1", "niah_multikey_2"]  # focus_pretrain.convert.ruler's
@@ -30,24 +30,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = tool_parser(__doc__)
     parser.add_argument("export", help="exported HF directory (tools/convert_to_hf.py)")
     parser.add_argument("--tasks", nargs="+", default=DEFAULT_TASKS, help="RULER tasks")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096], help="sample lengths")
-    parser.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    parser.add_argument(
+        "--lengths", type=at_least(1), nargs="+", default=[4096], help="sample lengths"
+    )
+    parser.add_argument(
+        "--samples", type=at_least(1), default=20, help="samples per task and length"
+    )
     parser.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=at_least(1),
         help="answer tokens (default: each task's budget, 128 for the needle tasks; a needle's "
         "value needs about 10)",
     )
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=at_least(1), default=1)
+    parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--online", action="store_true", help="let task generators download")
-    parser.add_argument("--json", help="write the scores, skips and every sample's record here")
-    parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument(
+        "--json", type=output_file, help="write the scores, skips and every sample's record here"
+    )
+    parser.add_argument("--markdown", type=output_file, help="write the table here")
     args = parser.parse_args(argv)
     from focus_pretrain.convert.ruler import markdown_table, run_ruler  # heavy: after --help
 
-    with exit_on_input_error("ruler"):  # bad input or a missing package: one line, status 2
+    with exit_on_input_error(parser.prog):  # bad input or a missing package: one line, status 2
         result = run_ruler(
             args.export, args.tasks, args.lengths, samples=args.samples,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
@@ -55,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     table = markdown_table(result)
     print(table)
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(table + "\n")
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    for path, text in ((args.markdown, table + "\n"), (args.json, json.dumps(result, indent=1))):
+        if path:
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+            pathlib.Path(path).write_text(text)
     print(json.dumps({k: v for k, v in result.items() if k != "records"}))
 
 

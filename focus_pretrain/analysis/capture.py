@@ -12,6 +12,8 @@ import re
 
 from torch import Tensor, nn
 
+from focus_pretrain.errors import InputError
+
 ROUTER_CLASS = "FocusRouter"
 # the layer index in a module name: ours "decoder.layers.3.self_attention.router", HF Llama-style
 # "model.layers.3.self_attn.router", GPT-2 "transformer.h.3.attn.router"
@@ -22,8 +24,8 @@ def find_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """``(layer index, router)`` of every Focus router of ``model``, in layer order.
 
     Raises:
-        ValueError: the model has no router (Focus disabled, the window-only twin, or not a
-            Focus model).
+        InputError: (a ``ValueError``) the model has no router (Focus disabled, the
+            window-only twin, or not a Focus model).
     """
     routers = []
     for name, module in model.named_modules():
@@ -32,7 +34,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
         match = _LAYER_INDEX.search(name)
         routers.append((int(match.group(1)) if match else len(routers), module))
     if not routers:
-        raise ValueError(
+        raise InputError(
             f"the model ({type(model).__name__}) has no Focus router: it was built with "
             "focus.enabled=false or focus.window_only=true, or is not a Focus model; there are "
             "no groups to inspect"

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.data import Tokenizer, load_texts
+from focus_pretrain.errors import InputError, MissingInputError
 
 
 @dataclass
@@ -44,10 +45,17 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return piece.replace("▁", " ")
 
 
+def check_counts(counts: dict[str, int | None]) -> None:
+    """Refuse a count below 1 (``None``: not given), naming its option."""
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            raise InputError(f"{name} must be at least 1, got {value}")
+
+
 def check_length(length: int, max_length: int) -> None:
     """Refuse ``--length`` outside ``1 .. max_length``."""
     if not 1 <= length <= max_length:
-        raise ValueError(
+        raise InputError(
             f"--length {length} is outside 1 .. {max_length} (the model's maximum length): "
             f"pass --length {max_length} or less"
         )
@@ -62,8 +70,8 @@ def text_samples(
     """One sample per text file (its first ``length`` tokens when given).
 
     Raises:
-        FileNotFoundError: a file does not exist.
-        ValueError: a file is empty (no token), or longer than the model's maximum length
+        MissingInputError: a file does not exist.
+        InputError: a file is empty (no token), or longer than the model's maximum length
             with no ``length`` to cut it.
     """
     if length is not None:
@@ -71,12 +79,12 @@ def text_samples(
     samples = []
     for path in map(Path, paths):
         if not path.is_file():
-            raise FileNotFoundError(f"--text {path} does not exist: give an existing text file")
+            raise MissingInputError(f"--text {path} does not exist: give an existing text file")
         ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
         if not ids:
-            raise ValueError(f"--text {path} is empty (no token): give a file with some text")
+            raise InputError(f"--text {path} is empty (no token): give a file with some text")
         if length is None and len(ids) > max_length:
-            raise ValueError(
+            raise InputError(
                 f"--text {path} has {len(ids)} tokens, more than the model's maximum length "
                 f"{max_length}: shorten the text, or pass --length {max_length} to inspect its "
                 f"first {max_length} tokens"
@@ -91,11 +99,10 @@ def corpus_samples(
     """``samples`` pieces of ``length`` tokens from the start of corpus ``source``.
 
     Raises:
-        ValueError: bad ``samples``/``length``, or a corpus with fewer tokens than needed.
+        InputError: bad ``samples``/``length``, or a corpus with fewer tokens than needed.
     """
     check_length(length, max_length)
-    if samples < 1:
-        raise ValueError(f"--samples must be at least 1, got {samples}")
+    check_counts({"--samples": samples})
     needed = samples * length
     stream: list[int] = []
     for text in load_texts(source)["text"]:
@@ -103,7 +110,7 @@ def corpus_samples(
         if len(stream) >= needed:
             break
     if len(stream) < needed:
-        raise ValueError(
+        raise InputError(
             f"--corpus {source} has {len(stream)} tokens, fewer than --samples {samples} x "
             f"--length {length} = {needed}: lower --samples or --length, or use a larger corpus"
         )
@@ -114,8 +121,7 @@ def corpus_samples(
 def batches(samples: Sequence[Sample], batch_size: int) -> Iterator[Tensor]:
     """``[b, s]`` token batches of equal-length samples (at most ``batch_size`` each), in
     order of first appearance of each length; the first batch starts with ``samples[0]``."""
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    check_counts({"--batch-size": batch_size})
     by_length: dict[int, list[Tensor]] = {}
     for sample in samples:
         by_length.setdefault(sample.ids.numel(), []).append(sample.ids)

@@ -2,7 +2,8 @@
 
 Ours go through :func:`focus_pretrain.train.evaluate.load_checkpoint_model` (one process; the
 model in ``eval()``, so layers run the inference pattern); an export through
-``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (its shipped code).
+``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (its shipped code; its
+``tokenizer.json`` through :class:`~focus_pretrain.data.Tokenizer`, no remote code).
 Either way the result says how to run a ``[b, s]`` token batch and the pattern's settings.
 """
 
@@ -16,7 +17,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from focus_pretrain.convert.checkpoints import resolve_checkpoint
+from focus_pretrain.convert.export_dir import read_export
 from focus_pretrain.data import Tokenizer
+from focus_pretrain.errors import MissingInputError
 from focus_pretrain.train.evaluate import load_checkpoint_model
 
 CHECKPOINT_HELP = (
@@ -55,6 +59,33 @@ class InspectedModel:
     max_length: int
 
 
+def check_inspectable(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> str:
+    """What :func:`load_for_inspection` would load at ``path``, checked without loading it:
+    ``"hf-export"`` or ``"checkpoint"``.
+
+    Raises:
+        MissingInputError: ``path`` or ``tokenizer`` does not exist, or ``path`` is not a
+            checkpoint or an export (or an incomplete export).
+        InputError: an export that is not a Focus model.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise MissingInputError(f"checkpoint {path} does not exist: {CHECKPOINT_HELP}")
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise MissingInputError(
+            f"--tokenizer {tokenizer} does not exist: pass a SentencePiece .model file or a "
+            "HuggingFace tokenizer directory (tokenizer.json)"
+        )
+    if (path / "config.json").is_file():
+        read_export(path, focus=True)  # weights, code, a focus section
+        return "hf-export"
+    try:
+        resolve_checkpoint(path)
+    except MissingInputError as error:
+        raise MissingInputError(f"{error}; {CHECKPOINT_HELP}") from error
+    return "checkpoint"
+
+
 def load_for_inspection(
     path: str | os.PathLike,
     *,
@@ -67,22 +98,15 @@ def load_for_inspection(
     SentencePiece ``.model`` or an HF tokenizer directory) replaces the model's own.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist or is not a checkpoint or an export.
+        MissingInputError, InputError: what :func:`check_inspectable` refuses.
     """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist: {CHECKPOINT_HELP}")
-    if tokenizer is not None and not Path(tokenizer).exists():
-        raise FileNotFoundError(
-            f"--tokenizer {tokenizer} does not exist: pass a SentencePiece .model file or a "
-            "HuggingFace tokenizer directory (tokenizer.json)"
-        )
-    if (path / "config.json").is_file():
+    if check_inspectable(path, tokenizer) == "hf-export":
         return _load_export(path, tokenizer, device)
     try:
         loaded = load_checkpoint_model(path, overrides)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{error}; {CHECKPOINT_HELP}") from error
+    except MissingInputError as error:
+        raise MissingInputError(f"{error}; {CHECKPOINT_HELP}") from error
     model, focus = loaded.model, loaded.config.model.focus
     if device is not None:
         model.to(device)
@@ -118,12 +142,7 @@ def _load_export(
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
     model = model.to(device or "cpu").eval()
     config = model.config
-    focus = getattr(config, "focus", None)
-    if focus is None:
-        raise ValueError(
-            f"{path} is a HuggingFace model without a focus section in config.json: not a Focus "
-            "export (tools/convert_to_hf.py writes one)"
-        )
+    focus = config.focus  # read_export checked that config.json has one
     max_length = getattr(config, "max_position_embeddings", None) or config.n_positions
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = path

@@ -15,13 +15,16 @@ from focus_pretrain.analysis.groups import GroupStats
 from focus_pretrain.analysis.inputs import (
     Sample,
     batches,
+    check_counts,
     corpus_samples,
     text_samples,
     token_text,
 )
-from focus_pretrain.analysis.load import InspectedModel, load_for_inspection
+from focus_pretrain.analysis.load import InspectedModel, check_inspectable, load_for_inspection
 from focus_pretrain.analysis.plots import write_plots
 from focus_pretrain.analysis.report import write_report
+from focus_pretrain.data.corpus import resolve_inputs
+from focus_pretrain.errors import InputError, MissingInputError
 
 
 def collect(
@@ -69,22 +72,29 @@ def inspect_groups(
     ``out_dir`` and returns the path of ``report.md``.
 
     Raises:
-        ValueError: neither or both of ``texts``/``corpus``; no tokenizer; empty text; a text
-            or ``length`` beyond the model's maximum length; too small a corpus.
-        FileNotFoundError: a missing checkpoint or text file.
+        InputError: neither or both of ``texts``/``corpus``; a count below 1; no tokenizer;
+            empty text; a text or ``length`` beyond the model's maximum length; too small a
+            corpus; ``out_dir`` is a file.
+        MissingInputError: a missing checkpoint, tokenizer or text file.
     """
     if bool(texts) == bool(corpus):
-        raise ValueError("give either --text FILE [FILE ...] or --corpus SOURCE (one of them)")
+        raise InputError("give either --text FILE [FILE ...] or --corpus SOURCE (one of them)")
     for path in texts:
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--text {path} does not exist: give an existing text file")
-    for name, value in (("--batch-size", batch_size), ("--plot-tokens", plot_tokens)):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise MissingInputError(f"--text {path} does not exist: give an existing text file")
+    check_counts(
+        {"--samples": samples, "--length": length, "--batch-size": batch_size,
+         "--plot-tokens": plot_tokens, "--min-count": min_count, "--top-n": top_n}
+    )  # fmt: skip
+    if corpus:
+        resolve_inputs([corpus])  # a missing file or a bad demo:N, before the model loads
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise InputError(f"--out {out_dir} is a file: give a directory for the report")
+    check_inspectable(checkpoint, tokenizer)  # before the first progress line
     _say(progress, f"loading {checkpoint}")
     model = load_for_inspection(checkpoint, tokenizer=tokenizer, device=device)
     if model.tokenizer is None:
-        raise ValueError(
+        raise InputError(
             f"{checkpoint} has no tokenizer (its file is gone or the export has none): pass "
             "--tokenizer PATH (the SentencePiece .model or HF tokenizer directory it was "
             "trained with)"

@@ -40,8 +40,11 @@ from focus_pretrain.bench.attention_train import train_rows
 from focus_pretrain.bench.config import BenchConfig
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.bench.report import DTYPES, markdown, median_ms
+from focus_pretrain.errors import InputError
 from focus_pretrain.focus import flex
 from focus_pretrain.focus.attention import focus_attention
+from focus_pretrain.focus.backends import backend_names
+from focus_pretrain.focus.config import MAX_GROUPS
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import pattern_density
 from focus_pretrain.focus.router import Routing
@@ -170,6 +173,39 @@ def _check(name: str, q, k, v, routing, kwargs) -> float:
     want = focus_attention(*args, backend="reference", **kwargs).float()
     got = focus_attention(*args, backend=name, **kwargs).float()
     return float((got - want).abs().max())
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse, before anything runs, what the benchmark cannot measure (the counts' lower
+    bounds are the command's argument types).
+
+    Raises:
+        InputError: naming the option and what is allowed.
+    """
+    if cfg.heads % cfg.heads_kv:
+        raise InputError(
+            f"--heads {cfg.heads} is not a multiple of --heads-kv {cfg.heads_kv} (grouped-query "
+            "attention shares each KV head among the same number of query heads)"
+        )
+    if max(cfg.groups) > MAX_GROUPS:
+        raise InputError(f"--groups {max(cfg.groups)} is more than {MAX_GROUPS}, the most groups")
+    if cfg.hard and min(cfg.top_k) > max(cfg.groups):
+        raise InputError(
+            f"every --top-k ({' '.join(map(str, cfg.top_k))}) is above every --groups "
+            f"({' '.join(map(str, cfg.groups))}): no pattern to measure; give top_k <= K"
+        )
+    if not cfg.hard and not cfg.train:
+        raise InputError("--no-hard leaves only the --train rows: add --train")
+    unknown = [name for name in cfg.backends if name not in backend_names()]
+    if unknown:
+        raise InputError(
+            f"--backends: unknown backend(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(backend_names())}"
+        )
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        raise InputError(
+            f"--device {cfg.device}: no CUDA device here; pass --device cpu (a smoke test only)"
+        )
 
 
 def run_benchmark(

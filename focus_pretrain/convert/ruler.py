@@ -4,7 +4,8 @@ export's own tokenizer sizing every prompt.
 
 lm-eval's generator builds each task's samples at each length (``max_seq_lengths``: the prompt
 plus the task's answer budget, :data:`ANSWER_TOKENS`), the export answers greedily through the
-``hf`` model (``trust_remote_code``), and lm-eval scores each answer by string match of the
+``hf`` model (the model's shipped code with ``trust_remote_code``; the tokenizer, a plain
+``tokenizer.json``, without), and lm-eval scores each answer by string match of the
 needles' values.
 Tasks whose generator downloads its haystack or questions (the Paul Graham essays, SQuAD,
 HotpotQA) are skipped offline with the reason; the others need only ``wonderwords`` and
@@ -22,7 +23,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from focus_pretrain.errors import InputError, MissingInputError
+from focus_pretrain.convert.export_dir import export_tokenizer, read_export
+from focus_pretrain.errors import InputError
 
 DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2")
 GENERATED_TOKENS = 128  # the needle tasks' answer budget: a length holds the prompt and these
@@ -193,18 +195,21 @@ def run_ruler(
         share of the needles' values found in the answer (1.0: every needle found).
 
     Raises:
-        InputError: unknown tasks, bad lengths, every task skipped, no export there, a length
-            that holds no sample, or lm-evaluation-harness, wonderwords or nltk missing.
+        InputError: a count below 1, unknown tasks, bad lengths, every task skipped, no export
+            with a tokenizer there (:func:`~focus_pretrain.convert.export_dir.read_export`), a
+            length that holds no sample, or lm-evaluation-harness, wonderwords or nltk missing.
     """
     export = Path(export_dir).resolve()
-    if not (export / "config.json").is_file():
-        raise MissingInputError(f"{export}/config.json does not exist: give an exported directory")
     tasks, lengths = list(dict.fromkeys(tasks)), list(dict.fromkeys(lengths))
-    if samples is not None and samples < 1:
-        raise InputError(f"samples is {samples}: give at least 1 per task and length")
+    for name, value in (("samples", samples), ("max_new_tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise InputError(f"{name} is {value}: give at least 1")
+    if batch_size < 1:
+        raise InputError(f"batch_size is {batch_size}: give at least 1")
     runnable, skipped = split_tasks(tasks, allow_downloads)
     if not runnable:
         raise InputError(f"no task to run: {'; '.join(f'{t}: {r}' for t, r in skipped.items())}")
+    read_export(export, tokenizer=True)  # lm-eval's generator sizes prompts with its tokenizer
     for warning in check_lengths(export, lengths, runnable, max_new_tokens):
         print(f"ruler: warning: {warning}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -233,8 +238,9 @@ def _run_lengths(
     """The export as lm-eval's ``hf`` model, evaluated at each length: every sample's record."""
     from lm_eval.models.huggingface import HFLM
 
-    model = HFLM(
-        pretrained=str(export), tokenizer=str(export), trust_remote_code=True, dtype=dtype,
+    model = HFLM(  # the model runs its shipped code; the tokenizer is plain tokenizer.json
+        pretrained=str(export), tokenizer=export_tokenizer(export), trust_remote_code=True,
+        dtype=dtype,
         batch_size=batch_size, device=device,
         # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
         # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one

@@ -32,8 +32,14 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from focus_pretrain.data.demo_corpus import demo_document, is_demo_source
-from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key, stdlib_files
+from focus_pretrain.data.demo_corpus import demo_count, demo_document, is_demo_source
+from focus_pretrain.data.stdlib_corpus import (
+    is_stdlib_source,
+    stdlib_cache_key,
+    stdlib_count,
+    stdlib_files,
+)
+from focus_pretrain.errors import InputError, MissingInputError
 
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 LINE_STRIDE = 1024  # a .jsonl index keeps the byte offset of every LINE_STRIDE-th line
@@ -41,9 +47,10 @@ MAX_EXAMPLES = 10  # skipped records quoted in the stats
 SKIP_HINT = "or pass --skip-bad-records to skip (and count) such records"
 
 
-class BadRecordError(ValueError):
+class BadRecordError(InputError):
     """A record or input file that cannot become a document; the message names the file and
-    line (or row) and the fix."""
+    line (or row) and the fix (an :class:`~focus_pretrain.errors.InputError`: one line and
+    status 2 from the commands)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class ReadOptions:
 def _file_unit(path: Path) -> Unit:
     kind = FILE_KINDS.get(path.suffix)
     if kind is None:
-        raise ValueError(
+        raise InputError(
             f"{path}: unknown kind of input file; use {', '.join(sorted(FILE_KINDS))} files"
         )
     stat = path.stat()
@@ -101,7 +108,7 @@ def _directory_units(path: Path) -> list[Unit]:
         if p.suffix in FILE_KINDS and p.is_file() and not p.name.startswith(".")
     )
     if not files:
-        raise FileNotFoundError(
+        raise MissingInputError(
             f"{path} holds no {'/'.join(sorted(FILE_KINDS))} files (searched recursively)"
         )
     return [_file_unit(p) for p in files]
@@ -111,15 +118,17 @@ def resolve_inputs(sources: Sequence[str]) -> list[Unit]:
     """The inputs ``sources`` name, in order (each glob and directory in path order).
 
     Raises:
-        FileNotFoundError: a path, glob or directory that names no file.
-        ValueError: a file of an unknown kind.
+        MissingInputError: a path, glob or directory that names no file.
+        InputError: a file of an unknown kind, a bad ``N`` in ``demo:N`` or ``pystdlib:N``.
     """
     units: list[Unit] = []
     for source in sources:
         path = Path(source)
         if is_demo_source(source):
+            demo_count(source)  # refuses a bad N now, not while indexing
             units.append(Unit("demo", source, source))
         elif is_stdlib_source(source):
+            stdlib_count(source)
             units.append(Unit("pystdlib", source, stdlib_cache_key(source)))
         elif path.is_dir():
             units += _directory_units(path)
@@ -128,13 +137,13 @@ def resolve_inputs(sources: Sequence[str]) -> list[Unit]:
         elif any(ch in source for ch in "*?["):
             matches = sorted(glob.glob(source, recursive=True))
             if not matches:
-                raise FileNotFoundError(f"no file matches {source}")
+                raise MissingInputError(f"no file matches {source}")
             for match in matches:
                 match_path = Path(match)
                 units += _directory_units(match_path) if match_path.is_dir() else []
                 units += [] if match_path.is_dir() else [_file_unit(match_path)]
         elif path.suffix in FILE_KINDS or os.sep in source:
-            raise FileNotFoundError(f"corpus file {source} does not exist")
+            raise MissingInputError(f"corpus file {source} does not exist")
         else:
             units.append(Unit("hf", source, source))
     return units
@@ -152,10 +161,11 @@ def index_unit(unit: Unit, options: ReadOptions) -> dict[str, Any]:
     ``.json`` array that does not parse); such a file holds no records.
 
     Raises:
-        ValueError: a ``.parquet`` file or dataset without the ``options.text_key`` column.
+        InputError: a ``.parquet`` file or dataset without the ``options.text_key`` column, a
+            hub dataset that is not there.
     """
     if unit.kind == "demo":
-        return _index(int(unit.name.partition(":")[2] or 2000))
+        return _index(demo_count(unit.name))
     if unit.kind == "pystdlib":
         return _index(len(stdlib_files(unit.name)))
     if unit.kind in ("hf", "hf_disk"):
@@ -204,7 +214,7 @@ def _index_parquet(path: str, key: str) -> dict[str, Any]:
     metadata = pq.ParquetFile(path).metadata
     columns = metadata.schema.names
     if key not in columns:
-        raise ValueError(
+        raise InputError(
             f"{path}: no column {key!r} (columns: {', '.join(columns)}); pass --text-key COLUMN"
         )
     if metadata.num_rows == 0:
@@ -453,9 +463,9 @@ def _hf_dataset(unit: Unit, options: ReadOptions) -> Any:
             if isinstance(dataset, datasets.DatasetDict):
                 dataset = dataset[options.split]
         else:
-            dataset = datasets.load_dataset(unit.name, split=options.split)
+            dataset = _hub_dataset(unit.name, options.split)
         if options.text_key not in dataset.column_names:
-            raise ValueError(
+            raise InputError(
                 f"{unit.name} has no column {options.text_key!r} (columns: "
                 f"{', '.join(dataset.column_names)}); pass --text-key COLUMN"
             )
@@ -464,12 +474,49 @@ def _hf_dataset(unit: Unit, options: ReadOptions) -> Any:
     return _cached(f"hf:{unit.name}:{options.split}", load)
 
 
+def _hub_dataset(name: str, split: str) -> Any:
+    """Hub dataset ``name`` (its ``split``); a name that is none, or a hub out of reach, is
+    refused as input (a local path without a slash or suffix lands here too)."""
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except (DatasetNotFoundError, ConnectionError) as error:
+        raise MissingInputError(
+            f"{name} is no local file or directory, nor a hub dataset this machine can load "
+            f"({error}): check the path (a directory: ./{name}), or go online"
+        ) from error
+
+
+def check_sizes(units: Sequence[Unit], options: ReadOptions) -> None:
+    """What the inputs' sizes tell before any is read: an empty file is refused (unless
+    ``options.skip_bad_records``), and so are inputs that are all empty files.
+
+    Raises:
+        BadRecordError: an empty file, as :func:`index_inputs` would.
+        InputError: every input is an empty file.
+    """
+    empty = [u for u in units if u.kind in FILE_KINDS.values() and u.fingerprint[:2] == "0:"]
+    if empty and not options.skip_bad_records:
+        message = f"{empty[0].name}: empty input file (no records)"
+        raise BadRecordError(f"{message}; remove it from the inputs {SKIP_HINT}")
+    if units and len(empty) == len(units):
+        _no_records(units)
+
+
+def _no_records(units: Sequence[Unit]) -> None:
+    names = ", ".join(unit.name for unit in units[:3]) + (", ..." if len(units) > 3 else "")
+    raise InputError(f"the inputs ({names}) hold no records: give a corpus with some text")
+
+
 def index_inputs(units: Sequence[Unit], options: ReadOptions, pool: Any = None) -> list[dict]:
     """:func:`index_unit` of every input (in ``pool``, a ``multiprocessing`` pool, if given).
 
     Raises:
         BadRecordError: an input with a whole-file problem (an empty file), naming the file and
             the fix, unless ``options.skip_bad_records``.
+        InputError: the inputs hold no record at all.
     """
     jobs = [(unit, options) for unit in units]
     indexes = pool.starmap(index_unit, jobs) if pool is not None else [index_unit(*j) for j in jobs]
@@ -478,6 +525,8 @@ def index_inputs(units: Sequence[Unit], options: ReadOptions, pool: Any = None) 
             kind, message = index["problem"]
             fix = "remove it from the inputs" if kind == "empty_files" else "repair the file"
             raise BadRecordError(f"{message}; {fix} {SKIP_HINT}")
+    if units and not any(index["records"] for index in indexes):
+        _no_records(units)
     return indexes
 
 

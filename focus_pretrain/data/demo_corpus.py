@@ -18,6 +18,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from focus_pretrain.errors import InputError
+
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "be", "da", "fo", "gu", "hi", "ju")
 _SUBJECTS = (
     "the farmer",
@@ -100,6 +102,23 @@ class DemoSpec:
 def is_demo_source(source: str) -> bool:
     """Does a ``data.sources`` entry name the embedded demo corpus (``demo`` or ``demo:N``)?"""
     return source == "demo" or source.startswith("demo:")
+
+
+DEFAULT_DOCUMENTS = 2000  # ``demo`` without ``:N``
+
+
+def demo_count(source: str) -> int:
+    """The number of documents a ``demo`` / ``demo:N`` source names.
+
+    Raises:
+        InputError: ``N`` is not a positive integer.
+    """
+    count = source.partition(":")[2]
+    if not count:
+        return DEFAULT_DOCUMENTS
+    if not count.isdigit() or int(count) < 1:
+        raise InputError(f"{source}: N in demo:N must be a positive integer (documents)")
+    return int(count)
 
 
 def _check(spec: DemoSpec) -> None:

@@ -24,12 +24,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from focus_pretrain.data.demo_corpus import DemoSpec, demo_documents, is_demo_source
+from focus_pretrain.data.demo_corpus import DemoSpec, demo_count, demo_documents, is_demo_source
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_documents
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import InputError, MissingInputError
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-DEFAULT_DEMO_DOCUMENTS = 2000
 
 
 def load_texts(
@@ -42,7 +42,7 @@ def load_texts(
     import datasets
 
     if is_demo_source(source):
-        count = int(source.partition(":")[2] or DEFAULT_DEMO_DOCUMENTS)
+        count = demo_count(source)
         documents = list(demo_documents(count, seed, demo_spec))
         return datasets.Dataset.from_dict({"text": documents})
     if is_stdlib_source(source):
@@ -53,7 +53,7 @@ def load_texts(
     else:
         kinds = {Path(f).suffix for f in files}
         if len(kinds) != 1 or next(iter(kinds)) not in _BUILDERS:
-            raise ValueError(
+            raise InputError(
                 f"{source}: mix or unknown kind of files {sorted(kinds)}; "
                 f"use one of {sorted(_BUILDERS)}"
             )
@@ -61,7 +61,10 @@ def load_texts(
         extra = {"sample_by": "document"} if builder == "text" else {}
         dataset = datasets.load_dataset(builder, data_files=files, split="train", **extra)
     if text_key not in dataset.column_names:
-        raise ValueError(f"{source} has no column {text_key!r} (columns: {dataset.column_names})")
+        raise InputError(
+            f"{source} has no column {text_key!r} (columns: {dataset.column_names}); pass the "
+            "field that holds the text"
+        )
     dataset = dataset.select_columns([text_key])
     return dataset if text_key == "text" else dataset.rename_column(text_key, "text")
 
@@ -71,17 +74,17 @@ def _local_files(source: str) -> list[str] | None:
     if path.is_dir():
         files = sorted(str(p) for p in path.iterdir() if p.suffix in _BUILDERS)
         if not files:
-            raise FileNotFoundError(f"{source} holds no {'/'.join(sorted(_BUILDERS))} files")
+            raise MissingInputError(f"{source} holds no {'/'.join(sorted(_BUILDERS))} files")
         return files
     if path.is_file():
         return [str(path)]
     if any(ch in source for ch in "*?["):
         files = sorted(glob.glob(source))
         if not files:
-            raise FileNotFoundError(f"no file matches {source}")
+            raise MissingInputError(f"no file matches {source}")
         return files
     if path.suffix in _BUILDERS or os.sep in source:
-        raise FileNotFoundError(f"corpus file {source} does not exist")
+        raise MissingInputError(f"corpus file {source} does not exist")
     return None
 
 
@@ -108,14 +111,14 @@ def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
     """Refuse token files made by another tokenizer than ``tokenizer`` (when they say which).
 
     Raises:
-        ValueError: naming both tokenizers and the fix.
+        InputError: naming both tokenizers and the fix.
     """
     stamp_path = Path(f"{prefix}.tokenizer.json")
     if not stamp_path.is_file():
         return  # token files from elsewhere: nothing recorded to check against
     stamp = json.loads(stamp_path.read_text())
     if stamp["sha256"] != tokenizer.unique_identifiers["sha256"]:
-        raise ValueError(
+        raise InputError(
             f"token files {prefix} were made with tokenizer {stamp['tokenizer']} "
             f"(sha256 {stamp['sha256']}, {stamp['vocab_size']} pieces) but data.tokenizer is "
             f"{tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "

@@ -47,6 +47,7 @@ from focus_pretrain.data.corpus import (
     ReadOptions,
     RecordCounts,
     Unit,
+    check_sizes,
     index_inputs,
     read_all,
     read_unit,
@@ -57,7 +58,13 @@ from focus_pretrain.data.manifest import find_manifest as find_manifest
 from focus_pretrain.data.manifest import manifest_shards as manifest_shards
 from focus_pretrain.data.manifest import read_manifest as read_manifest
 from focus_pretrain.data.preprocess import say_phase, token_dtype
-from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from focus_pretrain.data.tokenizer import (
+    Tokenizer,
+    check_tokenizer_path,
+    check_vocab_size,
+    train_tokenizer,
+)
+from focus_pretrain.errors import InputError
 
 PLAN = ".plan.json"
 STATS = "stats.json"
@@ -226,7 +233,7 @@ def _load_plan(out: Path, units: list[Unit], overwrite: bool, trained: bool) -> 
     leftovers = [p.name for p in out.iterdir() if _SHARD.fullmatch(p.name) or p.name == MANIFEST]
     if not plan_path.is_file():
         if leftovers:
-            raise ValueError(
+            raise InputError(
                 f"{out} already holds shards ({leftovers[0]}, ...) but no {PLAN}; pass "
                 "--overwrite to replace them, or choose another --output"
             )
@@ -238,7 +245,7 @@ def _load_plan(out: Path, units: list[Unit], overwrite: bool, trained: bool) -> 
         return None
     if stored != units:
         changed = [f"{u.name}" for u in units if u not in stored] or [u.name for u in stored]
-        raise ValueError(
+        raise InputError(
             f"{out} holds a run over other inputs (changed or new: {', '.join(changed[:3])}); "
             "rerun with the original inputs to resume it, or pass --overwrite to start again"
         )
@@ -278,7 +285,7 @@ def _check_settings(out: Path, plan: dict, settings: dict) -> None:
     """Refuse to resume finished shards under other settings (nothing finished: start again)."""
     if any(out.glob("shard-*.idx")):
         differ = _differ(plan["settings"], settings)
-        raise ValueError(
+        raise InputError(
             f"{out} holds a run with other settings ({', '.join(differ)} differ); rerun with "
             "the original arguments to resume it, or pass --overwrite to start again"
         )
@@ -330,20 +337,27 @@ def preprocess_corpus(
     Raises:
         BadRecordError: a bad record or an empty input, naming the file and line (unless
             ``options.skip_bad_records``: then skipped and counted).
-        ValueError: ``output_dir`` holds a run over other inputs or settings.
+        InputError: bad counts, missing inputs or tokenizer, no records, or ``output_dir``
+            holds a run over other inputs or settings (or is a file); all but bad records
+            found before anything is written.
     """
     started = time.perf_counter()
     options = options or ReadOptions()
     if workers < 1 or shard_documents < 1:
-        raise ValueError(
+        raise InputError(
             f"workers ({workers}) and shard_documents ({shard_documents}) must be >= 1"
         )
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file: give a directory for the shards")
     units = resolve_inputs(inputs)
     trained = tokenizer is None
+    if trained:
+        check_vocab_size(vocab_size)
+    else:
+        check_tokenizer_path(tokenizer)
     tokenizer = out / TOKENIZER if tokenizer is None else tokenizer
-    plan = _load_plan(out, units, overwrite, trained)
+    plan = _load_plan(out, units, overwrite, trained) if out.is_dir() else None
     settings = {**asdict(options), "shard_documents": shard_documents, "format": FORMAT}
     if trained:  # the run's own tokenizer: how it is trained is a setting too
         settings.update(tokenizer_trained=True, vocab_size=vocab_size)
@@ -358,7 +372,7 @@ def preprocess_corpus(
     indexes = plan["index"]
     shards = _cut(units, indexes, shard_documents)
     if not shards:
-        raise ValueError(f"the inputs {', '.join(inputs)} hold no records")
+        raise InputError(f"the inputs {', '.join(inputs)} hold no records")
     pending = [k for k in range(len(shards)) if not (out / f"{shard_name(k)}.idx").is_file()]
     finished = (
         f", {len(shards) - len(pending)} finished before" if len(pending) < len(shards) else ""
@@ -413,12 +427,14 @@ def _new_plan(
     """Index the inputs, train the run's tokenizer into ``trained`` (when not ``None``; its
     sha256 joins ``settings``) and store the plan."""
     started = time.perf_counter()
+    check_sizes(units, options)  # empty files: refused before the long part starts
     say_phase(show=show, line=f"indexing {len(units)} input(s) ...")
     indexes = _index_all(units, options, workers)
     records = sum(i["records"] for i in indexes)
     say_phase(
         show=show, line=f"indexed {records:,} records in {time.perf_counter() - started:.1f} s"
     )
+    out.mkdir(parents=True, exist_ok=True)  # the inputs are good: the run writes from here
     if trained is not None:  # a tokenizer found here without a plan is of unknown inputs
         vocab = settings["vocab_size"]
         started = time.perf_counter()

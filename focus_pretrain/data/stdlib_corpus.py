@@ -15,6 +15,8 @@ import platform
 import sysconfig
 from pathlib import Path
 
+from focus_pretrain.errors import InputError, MissingInputError
+
 STDLIB_SOURCE = "pystdlib"
 _SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -29,13 +31,25 @@ def stdlib_files(source: str = STDLIB_SOURCE) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not set(p.relative_to(root).parts[:-1]) & _SKIP)
     if not files:
-        raise FileNotFoundError(f"no standard-library sources under {root} (a stripped Python?)")
+        raise MissingInputError(
+            f"no standard-library sources under {root} (a stripped Python?): use another corpus"
+        )
+    count = stdlib_count(source)
+    return files if count is None else files[:count]
+
+
+def stdlib_count(source: str) -> int | None:
+    """``N`` of ``pystdlib:N`` (``None``: every file).
+
+    Raises:
+        InputError: ``N`` is not a positive integer.
+    """
     count = source.partition(":")[2]
-    if count:
-        if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{source}: N in pystdlib:N must be a positive integer")
-        files = files[: int(count)]
-    return files
+    if not count:
+        return None
+    if not count.isdigit() or int(count) < 1:
+        raise InputError(f"{source}: N in pystdlib:N must be a positive integer")
+    return int(count)
 
 
 def stdlib_documents(source: str = STDLIB_SOURCE) -> list[str]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from focus_pretrain.errors import InputError, MissingInputError
+
 LLAMA_STYLE_OPTIONS: dict[str, object] = dict(
     model_type="bpe",
     byte_fallback=True,
@@ -33,6 +35,46 @@ LLAMA_STYLE_OPTIONS: dict[str, object] = dict(
 )
 
 
+MIN_VOCAB_SIZE = 259  # byte fallback's 256 byte pieces and <unk>, <s>, </s>
+
+
+def check_vocab_size(vocab_size: int, **options: object) -> None:
+    """Refuse a ``vocab_size`` below what any corpus needs (with byte fallback, the default
+    of :data:`LLAMA_STYLE_OPTIONS` that ``options`` override: :data:`MIN_VOCAB_SIZE`).
+
+    Raises:
+        InputError: naming the setting and the minimum.
+    """
+    low = MIN_VOCAB_SIZE if {**LLAMA_STYLE_OPTIONS, **options}.get("byte_fallback") else 4
+    if vocab_size < low:
+        raise InputError(
+            f"vocab_size={vocab_size} is less than the {low} pieces a tokenizer needs (with byte "
+            "fallback: 256 bytes, <unk>, <s>, </s>); raise data.vocab_size (--vocab-size of "
+            "focus-pretrain preprocess)"
+        )
+
+
+def check_tokenizer_path(path: str | os.PathLike) -> None:
+    """Refuse a tokenizer path that is neither a file (a SentencePiece ``.model``) nor a
+    directory with ``tokenizer.json`` (HuggingFace).
+
+    Raises:
+        MissingInputError: naming the path and what to give instead.
+    """
+    path = Path(path)
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        raise MissingInputError(
+            f"{path} is a directory without tokenizer.json: point data.tokenizer at a "
+            "SentencePiece .model or a HuggingFace tokenizer directory"
+        )
+    if not path.exists():
+        raise MissingInputError(
+            f"tokenizer model {path} does not exist; train one with "
+            "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model "
+            "(or at a HuggingFace tokenizer directory)"
+        )
+
+
 def train_tokenizer(
     texts: Iterable[str], model_prefix: str | os.PathLike, vocab_size: int, **options: object
 ) -> Path:
@@ -40,7 +82,12 @@ def train_tokenizer(
 
     ``options`` override :data:`LLAMA_STYLE_OPTIONS`. Each text is split into lines (one
     SentencePiece "sentence" per line).
+
+    Raises:
+        InputError: ``vocab_size`` is more than the corpus can fill, or less than its
+            characters, the byte-fallback bytes and the special pieces need; no text at all.
     """
+    check_vocab_size(vocab_size, **options)
     prefix = Path(model_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     settings = {**LLAMA_STYLE_OPTIONS, "minloglevel": 2, **options}  # minloglevel: quiet
@@ -50,10 +97,19 @@ def train_tokenizer(
             sentence_iterator=lines, model_prefix=str(prefix), vocab_size=vocab_size, **settings
         )
     except RuntimeError as err:
+        if "smaller than required_chars" in str(err):  # "... required_chars. 260 vs 298."
+            needed = str(err).partition("required_chars.")[2].partition(" vs ")[2].split(".")[0]
+            raise InputError(
+                f"vocab_size={vocab_size} is less than the {needed} pieces this corpus needs (its "
+                "characters, 256 byte-fallback bytes, <unk>, <s>, </s>); raise data.vocab_size "
+                "(--vocab-size of focus-pretrain preprocess)"
+            ) from err
+        if "sentences_.empty()" in str(err):
+            raise InputError("no text to train a tokenizer on: the corpus is empty") from err
         if "Vocabulary size too high" not in str(err):
             raise
         # SentencePiece says "... Please set it to a value <= N": the corpus is too small
-        raise ValueError(
+        raise InputError(
             f"data.vocab_size={vocab_size} is more than a tokenizer can learn from this corpus "
             f"(SentencePiece: {str(err).strip().splitlines()[-1]}); lower data.vocab_size "
             "(model.vocab_size may stay larger) or point data.sources at a larger corpus "
@@ -77,22 +133,17 @@ class Tokenizer:
 
     def __init__(self, path: str | os.PathLike) -> None:
         path = Path(path)
+        check_tokenizer_path(path)
         if path.is_dir():
             self._init_hf(path)
             digest_of = path / "tokenizer.json"
-        elif path.is_file():
+        else:
             self.processor = spm.SentencePieceProcessor(model_file=str(path))
             self.hf = None
             self.vocab_size = self.processor.get_piece_size()
             self.bos = self.processor.bos_id()
             self.eod = self.processor.eos_id()
             digest_of = path
-        else:
-            raise FileNotFoundError(
-                f"tokenizer model {path} does not exist; train one with "
-                "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model "
-                "(or at a HuggingFace tokenizer directory)"
-            )
         self.path = path
         self.pad = self.vocab_size
         digest = hashlib.sha256(digest_of.read_bytes()).hexdigest()[:16]
@@ -102,11 +153,6 @@ class Tokenizer:
     def _init_hf(self, path: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        if not (path / "tokenizer.json").is_file():
-            raise FileNotFoundError(
-                f"{path} is a directory without tokenizer.json: point data.tokenizer at a "
-                "SentencePiece .model or a HuggingFace tokenizer directory"
-            )
         self.hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
         self.processor = None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
@@ -122,7 +168,7 @@ class Tokenizer:
         self.bos = token_id("bos_token")
         self.eod = token_id("eos_token")
         if self.eod is None:
-            raise ValueError(
+            raise InputError(
                 f"{path}: tokenizer_config.json names no eos_token present in tokenizer.json; "
                 "documents need an end-of-document id"
             )

@@ -8,7 +8,7 @@ elsewhere could run any code it carries. Every checkpoint read goes through here
 * :func:`weights_only_loading`: a context for third-party code that calls
   ``torch.load(..., weights_only=False)`` itself (DeepSpeed's ``engine.load_checkpoint``,
   ``zero_to_fp32``, ``ds_to_universal``): torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` overrides
-  that argument (torch 2.4 up to 2.13 at least), and the allowlist is in force.
+  that argument (read in the sources of torch 2.11 and 2.13), and the allowlist is in force.
 
 A file that needs any other global is refused with :class:`UnsafeCheckpointError` (an
 :class:`~focus_pretrain.errors.InputError`: the tools print one line and exit with status 2)
@@ -23,7 +23,7 @@ import pickle
 import re
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -84,10 +84,19 @@ def allowed_globals() -> tuple[Any, ...]:
 
 @contextmanager
 def _allowlist() -> Iterator[None]:
-    """:func:`allowed_globals` marked safe inside (those already marked stay so after)."""
-    present = set(torch.serialization.get_safe_globals())
-    with torch.serialization.safe_globals([g for g in allowed_globals() if g not in present]):
+    """Exactly :func:`allowed_globals` marked safe inside: what other libraries mark safe for
+    the whole process is set aside until the exit (importing megatron.core marks PosixPath,
+    argparse.Namespace, BytesIO, its config classes...; our checkpoints need none of them)."""
+    ours = list(allowed_globals())  # first: its imports may mark globals safe
+    others = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(ours)
+    try:
         yield
+    finally:  # and what a library imported inside marked safe meanwhile
+        added = [g for g in torch.serialization.get_safe_globals() if g not in ours]
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(others + added)
 
 
 def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
@@ -103,7 +112,7 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> 
         with _allowlist():
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(refusal(err, path)) from err
+        raise UnsafeCheckpointError(_refusal(err, path)) from err
 
 
 @contextmanager
@@ -127,7 +136,7 @@ def weights_only_loading(source: str | os.PathLike | None = None) -> Iterator[No
         with _allowlist():
             yield
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(refusal(err, _file_of(err) or source)) from err
+        raise UnsafeCheckpointError(_refusal(err, _file_of(err) or source)) from err
     finally:
         for name, value in saved.items():
             if value is None:
@@ -144,7 +153,16 @@ def install_in_worker() -> None:
         return
     os.environ.pop(_NO_FORCE_ENV, None)
     os.environ[FORCE_ENV] = "1"
+    torch.serialization.clear_safe_globals()
     torch.serialization.add_safe_globals(list(allowed_globals()))
+
+
+def unsafe_globals(path: str | os.PathLike) -> list[str]:
+    """The globals the checkpoint file ``path`` names beyond :func:`allowed_globals`, found
+    without loading it (torch's static listing: a class a file builds only while loading, e.g.
+    numpy's dtype classes, shows up only when it is loaded)."""
+    with _allowlist():
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
 
 
 def _file_of(err: BaseException) -> str | None:
@@ -157,25 +175,23 @@ def _file_of(err: BaseException) -> str | None:
     return None
 
 
-def refusal(err: BaseException, path: str | os.PathLike | None = None) -> str:
+def _refusal(err: BaseException, path: str | os.PathLike | None = None) -> str:
     """One line: what ``path`` needs that the allowlist lacks (from torch's error ``err``, and
     the file's own list of globals where ``path`` is a file) and the way out."""
     names = [a or b for a, b in _NAMED.findall(str(err))]
+    names = [n if "." in n else f"builtins.{n}" for n in names]  # torch says "GLOBAL getattr"
     if path is not None and Path(path).is_file():
-        try:
-            with _allowlist():
-                names += torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # not a zip checkpoint: torch's error names what it met
-            pass
+        with suppress(Exception):  # not a zip checkpoint: torch's error names what it met
+            names += unsafe_globals(path)
     names = sorted(set(names))
     where = "a checkpoint file" if path is None else f"checkpoint file {path}"
     if path is not None and Path(path).is_dir():
         where = f"a file of checkpoint {path}"
     if names:
         need = f"needs {', '.join(names)}, not on the allowlist of checkpoint globals"
-    else:
-        reason = " ".join(str(err).split())
-        need = f"cannot be loaded as weights only ({reason[:300]})"
+    else:  # torch's reason, without its advice and terminal escapes
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err).split("WeightsUnpickler error:")[-1])
+        need = f"cannot be loaded as weights only ({' '.join(reason.split())[:300]})"
     return (
         f"{where} {need} (focus_pretrain.storage.safe_load.allowed_globals): loading it could "
         f"run code it carries. Only if you trust the file, load it with {TRUST_ENV}=1 "

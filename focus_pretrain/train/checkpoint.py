@@ -50,6 +50,7 @@ from focus_pretrain.storage.checkpoint_files import (
     write_manifest,
 )
 from focus_pretrain.storage.files import fsync_dir, fsync_file, write_atomic
+from focus_pretrain.storage.safe_load import weights_only_loading
 from focus_pretrain.train import reshard
 from focus_pretrain.train.resume import check_layout
 
@@ -173,7 +174,8 @@ class Checkpointer:
         self._verify(tag)
         if self.layout is not None and check_layout(self.root / tag, self.config, self.layout):
             return self._load_resharded(self.root / tag)
-        path, client_state = self.engine.load_checkpoint(str(self.root), tag=tag)
+        with weights_only_loading(self.root / tag):  # DeepSpeed's own torch.load calls too
+            path, client_state = self.engine.load_checkpoint(str(self.root), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
         self.saved_step = client_state["step"]

@@ -32,6 +32,7 @@ from focus_pretrain.convert.checkpoints import (
 from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import InputError, MissingInputError
 from focus_pretrain.focus import FocusRouter, Routing, pattern_density
 from focus_pretrain.model import build_model
 from focus_pretrain.parallel.context_parallel import apply_context_parallel
@@ -67,7 +68,7 @@ def _world_size() -> int:
 
 
 def load_checkpoint_model(
-    checkpoint: str | os.PathLike, overrides: Sequence[str] = ()
+    checkpoint: str | os.PathLike, overrides: Sequence[str] = (), *, need_tokenizer: bool = False
 ) -> EvalModel:
     """The model of ``checkpoint`` (a checkpoint or run directory) with ``overrides``
     (``section.key=value``) applied to its config.
@@ -75,10 +76,12 @@ def load_checkpoint_model(
     In a lone process the checkpoint's tensor and context parallelism default to 1 (pass
     ``parallel.*`` overrides and launch with ``torchrun`` to evaluate sharded). Data
     overrides keep the checkpoint's tokenizer unless ``data.tokenizer`` is given.
+    ``need_tokenizer``: a tokenizer file that is gone is refused before the model is loaded.
 
     Raises:
-        FileNotFoundError: no checkpoint there (the message says what a checkpoint is).
-        ValueError: a bad override, or a checkpoint that does not fit the model.
+        MissingInputError: no checkpoint there (the message says what a checkpoint is), or no
+            tokenizer where ``need_tokenizer``.
+        InputError: a bad override, or a checkpoint that does not fit the model.
     """
     ckpt = resolve_checkpoint(checkpoint)
     trained = checkpoint_config(ckpt)
@@ -94,6 +97,11 @@ def load_checkpoint_model(
         token_file = tokenizer_path_for(trained.data, trained.run.seed)
         extra.append(f"data.tokenizer={token_file}")
     config = checkpoint_config(ckpt, extra)
+    if need_tokenizer and not Path(config.data.tokenizer).exists():
+        raise MissingInputError(
+            f"the tokenizer {config.data.tokenizer} of {ckpt} is gone; pass "
+            "--set data.tokenizer=PATH (the .model the run was trained with)"
+        )
     layout = ParallelLayout.initialize(config.parallel, config.run.seed)
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -112,7 +120,7 @@ def load_checkpoint_model(
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ValueError(
+        raise InputError(
             f"{ckpt} does not fit the model its config.yaml describes: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]} (overrides that change the architecture are not "
             "allowed when loading a checkpoint)"
@@ -168,14 +176,15 @@ def evaluate_checkpoint(
     Returns ``{"checkpoint", "step", "overrides", "metrics", "loss_by_position", "config"}``
     (``loss_by_position``: ``{"lo-hi": loss}``, the validation tokens by position bucket);
     rank 0 writes it as JSON to ``out`` when given.
+
+    Raises:
+        InputError: ``out`` is a directory, or what :func:`load_checkpoint_model` refuses (a
+            missing tokenizer included), before the model is loaded.
     """
-    loaded = load_checkpoint_model(checkpoint, overrides)
+    if out is not None and Path(out).is_dir():
+        raise InputError(f"--out {out} is a directory: give a file name for the JSON")
+    loaded = load_checkpoint_model(checkpoint, overrides, need_tokenizer=True)
     config, layout = loaded.config, loaded.layout
-    if loaded.tokenizer is None:
-        raise FileNotFoundError(
-            f"the tokenizer {config.data.tokenizer} of {loaded.checkpoint} is gone; pass "
-            "--set data.tokenizer=PATH (the .model the run was trained with)"
-        )
     trained = config.train  # the split the run validated on: the same size, the same shuffle
     train = replace(config.train, eval_interval=max(config.train.eval_interval, 1))
     config = replace(config, train=train)

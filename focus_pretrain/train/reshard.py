@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -51,6 +52,12 @@ from focus_pretrain.config import Config
 from focus_pretrain.convert.checkpoints import checkpoint_config
 from focus_pretrain.convert.families import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.storage.safe_load import (
+    UnsafeCheckpointError,
+    install_in_worker,
+    load_checkpoint_file,
+    weights_only_loading,
+)
 
 UNIVERSAL_DIR = "universal"
 EXTRAS_FILE = "extras.pt"
@@ -139,12 +146,28 @@ def convert_to_universal(checkpoint: str | os.PathLike, workers: int | None = No
         strict=True,
         inject_missing_state=False,
     )
-    with contextlib.redirect_stdout(sys.stderr):  # its progress is not our console's
-        ds_to_universal.main(args)
+    with contextlib.redirect_stdout(sys.stderr), _weights_only_conversion(ckpt):
+        ds_to_universal.main(args)  # its progress (stdout) is not our console's
     _complete(work / UNIVERSAL_DIR, ckpt, config)
     os.replace(work / UNIVERSAL_DIR, out)
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _weights_only_conversion(ckpt: Path):
+    """:func:`weights_only_loading` for DeepSpeed's converter, its worker processes included:
+    its ``ProcessPoolExecutor`` forks them (Python's default on Linux up to 3.13: they inherit
+    the state); a worker started otherwise (spawn, fork server) gets it from the initializer."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    pool = ds_to_universal.ProcessPoolExecutor
+    ds_to_universal.ProcessPoolExecutor = functools.partial(pool, initializer=install_in_worker)
+    try:
+        with weights_only_loading(ckpt):
+            yield
+    finally:
+        ds_to_universal.ProcessPoolExecutor = pool
 
 
 def _link_or_sanitize(path: Path, to: Path) -> None:
@@ -154,7 +177,7 @@ def _link_or_sanitize(path: Path, to: Path) -> None:
     if not path.name.startswith("mp_rank_"):
         to.symlink_to(path.resolve())
         return
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint_file(path)
     module = state.get("module") or {}
     state["module"] = {k: v for k, v in module.items() if v is not None}
     torch.save(state, to)
@@ -164,10 +187,10 @@ def _complete(out: Path, ckpt: Path, config: Config) -> None:
     """Make the converter's output loadable at every ZeRO stage (see the module docstring)."""
     zero = out / "zero"
     first = min(p for p in out.iterdir() if _MODEL_FILE.match(p.name))
-    groups = torch.load(first, map_location="cpu", weights_only=False)["param_shapes"]
+    groups = load_checkpoint_file(first)["param_shapes"]
     shapes = {name: torch.Size(shape) for group in groups for name, shape in group.items()}
     step = _normalize_optimizer_state(zero / "optimizer_state.pt")
-    sample = torch.load(zero / next(iter(shapes)) / "fp32.pt", weights_only=False)
+    sample = load_checkpoint_file(zero / next(iter(shapes)) / "fp32.pt")
     if not isinstance(sample, dict):  # ZeRO-3 at TP=1: flat tensors, and the shapes are whole
         kinds = shard_kinds(config.model, list(shapes))
         for name, shape in shapes.items():
@@ -184,7 +207,7 @@ def _normalize_state(path: Path, shape: torch.Size, kind: str) -> None:
     """One state file as a dict holding the full tensor and how tensor parallelism cuts it."""
     from deepspeed.checkpoint import constants as c
 
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint_file(path)
     tensor = state[c.PARAM] if isinstance(state, dict) else state
     meta = {c.PARAM: tensor.reshape(shape)}
     if kind in (COLUMN, ROW, GLU):
@@ -204,13 +227,13 @@ def _normalize_optimizer_state(path: Path):
     from deepspeed import __version__
     from deepspeed.checkpoint import constants as c
 
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint_file(path)
     inner = state.get(c.OPTIMIZER_STATE_DICT)
     if inner is not None:
         step = inner["state"][0]["step"]
     else:  # ZeRO-1/2: every parameter's folder has the step already
         first = next(p for p in path.parent.rglob("step.pt"))
-        step = torch.load(first, map_location="cpu", weights_only=False)
+        step = load_checkpoint_file(first)
     slim = {k: v for k, v in state.items() if k not in (c.OPTIMIZER_STATE_DICT, c.FP32_FLAT_GROUPS)}
     slim[c.OPTIMIZER_STATE_DICT] = {
         "state": {0: {"step": step}},
@@ -245,7 +268,7 @@ def _extras(ckpt: Path, optimized: set[str], model: ModelConfig) -> dict[str, to
         for p in ckpt.iterdir()
         if (m := _MODEL_FILE.match(p.name)) and m.group(1) in (None, "0")
     )
-    modules = [torch.load(p, map_location="cpu", weights_only=False)["module"] for _, p in files]
+    modules = [load_checkpoint_file(p)["module"] for _, p in files]
     names = [n for n, v in modules[0].items() if n not in optimized and torch.is_tensor(v)]
     if any(modules[0][n].numel() == 0 for n in names):
         from focus_pretrain.convert.checkpoints import megatron_state_dict
@@ -258,17 +281,20 @@ def _extras(ckpt: Path, optimized: set[str], model: ModelConfig) -> dict[str, to
 
 def ensure_universal(checkpoint: Path, is_main: bool) -> Path:
     """Convert ``checkpoint`` on rank 0 (once), the other ranks waiting; every rank returns the
-    universal folder. A failed conversion fails every rank (its error is broadcast)."""
-    error = [None]
+    universal folder. A failed conversion fails every rank (its error is broadcast; a refused
+    checkpoint file stays an :class:`UnsafeCheckpointError`)."""
+    error: list = [None]
     if is_main:
         try:
             convert_to_universal(checkpoint)
         except Exception as err:
-            error = [f"{type(err).__name__}: {err}"]
+            error = [(isinstance(err, UnsafeCheckpointError), f"{type(err).__name__}: {err}")]
     if dist.is_initialized():
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise RuntimeError(f"converting {checkpoint} to a universal checkpoint failed: {error[0]}")
+        unsafe, message = error[0]
+        failed = f"converting {checkpoint} to a universal checkpoint failed: {message}"
+        raise UnsafeCheckpointError(failed) if unsafe else RuntimeError(failed)
     return universal_path(checkpoint)
 
 
@@ -327,7 +353,8 @@ def load_universal(engine, folder: Path, config: Config) -> dict[str, Any]:
     previous = engine._config.load_universal_checkpoint
     engine._config.load_universal_checkpoint = True  # what {"checkpoint": {"load_universal"}} sets
     try:
-        with _deepspeed_tp_group() if zero3_tp else contextlib.nullcontext():
+        tp_group = _deepspeed_tp_group() if zero3_tp else contextlib.nullcontext()
+        with tp_group, weights_only_loading(folder):
             path, client_state = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     finally:
         engine._config.load_universal_checkpoint = previous
@@ -354,7 +381,7 @@ def _load_extras(module: nn.Module, path: Path, model: ModelConfig) -> None:
     """Copy the whole buffers and frozen weights of ``extras.pt``, cut for this rank."""
     from megatron.core import parallel_state
 
-    extras = torch.load(path, map_location="cpu", weights_only=False)
+    extras = load_checkpoint_file(path)
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
     targets = dict(module.named_parameters()) | dict(module.named_buffers())

@@ -85,7 +85,7 @@ class Trainer:
 
     def __init__(self, config: Config) -> None:
         if config.train.precision == "fp16" and not torch.cuda.is_available():
-            raise ValueError(
+            raise InputError(
                 "train.precision=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16 "
                 "support); use bf16 or fp32 on CPU"
             )
@@ -194,7 +194,7 @@ class Trainer:
                 if train.init_from_hf
                 else "raise model.vocab_size"
             )
-            raise ValueError(
+            raise InputError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but "
                 f"model.vocab_size is {config.model.vocab_size}; {fix}"
             )

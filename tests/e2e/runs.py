@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from focus_pretrain.storage.safe_load import load_checkpoint_file
 from focus_pretrain.train import read_metrics
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -97,4 +98,4 @@ def events(run: pathlib.Path, name: str) -> list[dict]:
 def module_state(run: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
     """The module weights of checkpoint ``step`` (tensor-parallel rank 0)."""
     path = run / "checkpoints" / f"step_{step:08d}" / "mp_rank_00_model_states.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)["module"]
+    return load_checkpoint_file(path)["module"]  # with the allowlist, as every reader

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -443,6 +444,33 @@ def test_parallel_layouts_match_one_process(tmp_path, one_process, layout_run, l
         assert exported[0].keys() == exported[1].keys()
         for key, value in exported[0].items():  # balance offsets included (Sinkhorn over CP)
             torch.testing.assert_close(exported[1][key], value, rtol=1e-3, atol=1e-4, msg=key)
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_of_every_layout_hold_only_allowlisted_globals(
+    tmp_path, one_process, layout_run
+):
+    """Every ``.pt`` file of the runs above (one process at ZeRO-1, and each parallel layout:
+    TP=2, ZeRO-2, ZeRO-3, CPU offload, CP ring, TP x SP x CP) and of the ZeRO-3 run's universal
+    form names no Python global outside ``storage.safe_load``'s allowlist, none of numpy's (the
+    trainer stores numpy's RNG state as a list), and loads weights-only."""
+    from focus_pretrain.storage.safe_load import load_checkpoint_file, unsafe_globals
+    from focus_pretrain.train.reshard import convert_to_universal
+
+    layouts = ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-sp-cp2-ring"]
+    runs_ = [one_process[1], *(layout_run(name)[1] for name in layouts)]
+    folders = [max((run / "checkpoints").glob("step_*")) for run in runs_]
+    zero3 = shutil.copytree(folders[3], tmp_path / folders[3].name)  # the shared run untouched
+    folders.append(convert_to_universal(zero3))
+    named: set[str] = set()
+    files = [path for folder in folders for path in sorted(folder.rglob("*.pt"))]
+    for path in files:
+        assert unsafe_globals(path) == [], path
+        named.update(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        load_checkpoint_file(path)
+    assert len(files) > 100 and any("universal" in str(path) for path in files)
+    assert "deepspeed.runtime.zero.config.ZeroStageEnum" in named  # the allowlist is used
+    assert not [name for name in named if name.startswith("numpy")]
 
 
 @pytest.mark.multiprocess

@@ -56,7 +56,7 @@ def test_no_length_or_a_broken_config_is_refused(tmp_path):
         check_lengths(tmp_path, [512], NEEDLES, None)
     with pytest.raises(InputError, match="samples is 0: give at least 1"):
         ruler.run_ruler(tmp_path, NEEDLES, [512], samples=0)
-    with pytest.raises(InputError, match=r"config\.json does not exist"):
+    with pytest.raises(InputError, match=r"missing does not exist: give a directory written by"):
         ruler.run_ruler(tmp_path / "missing", NEEDLES, [512])
 
 

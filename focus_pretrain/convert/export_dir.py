@@ -1,0 +1,100 @@
+"""What a directory must hold to be loaded as an export (``focus-pretrain export`` writes one:
+``config.json``, the weights, the shipped modeling code its ``auto_map`` names and, when the
+run had one, ``tokenizer.json``), checked before anything is loaded, so that a wrong path ends
+in one line naming the fix; and the export's tokenizer, loaded without running remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from focus_pretrain.errors import InputError, MissingInputError
+
+EXPORT_HELP = "give a directory written by `focus-pretrain export RUN OUT`"
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def read_export(
+    path: str | os.PathLike, *, tokenizer: bool = False, focus: bool = False
+) -> dict[str, Any]:
+    """The ``config.json`` of the export at ``path``, once the directory is checked: it holds
+    a config, weights and the code files its ``auto_map`` names; ``tokenizer``: also
+    ``tokenizer.json``; ``focus``: the config has a ``focus`` section (a Focus model, not a
+    plain HuggingFace one).
+
+    Raises:
+        MissingInputError: ``path`` or a file it must hold does not exist (a run or router
+            adapter directory is named as such, with the command that exports it).
+        InputError: ``path`` is a file, ``config.json`` is not a JSON object, or the model is
+            not a Focus model where ``focus`` asks for one.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise MissingInputError(f"{path} does not exist: {EXPORT_HELP}")
+    if not path.is_dir():
+        raise InputError(f"{path} is a file, not an export directory: {EXPORT_HELP}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise MissingInputError(f"{config_file} does not exist: {_not_an_export(path)}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{config_file} is not valid JSON ({error}): export again") from error
+    if not isinstance(config, dict):
+        raise InputError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise MissingInputError(
+            f"{path} has no weights ({' or '.join(WEIGHT_FILES[:2])}): an incomplete export; "
+            "export again"
+        )
+    code = sorted({f"{v.partition('.')[0]}.py" for v in (config.get("auto_map") or {}).values()})
+    missing = [name for name in code if not (path / name).is_file()]
+    if missing:
+        raise MissingInputError(
+            f"{path} lacks {', '.join(missing)}, the model code its config.json names: copy the "
+            "whole export directory, or export again"
+        )
+    if focus and not isinstance(config.get("focus"), dict):
+        raise InputError(
+            f"{path} is a HuggingFace model without a focus section in config.json, not a "
+            f"Focus export: {EXPORT_HELP}"
+        )
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        raise MissingInputError(
+            f"{path} has no tokenizer.json (the run had no tokenizer file when it was "
+            "exported): export again once data.tokenizer points at the run's tokenizer"
+        )
+    return config
+
+
+def _not_an_export(path: Path) -> str:
+    """What ``path`` (a directory without ``config.json``) is instead, and the fix."""
+    if (path / "focus_adapter.json").is_file():
+        return (
+            f"{path} holds the routers alone (export --adapter-only), not a whole model: "
+            "attach them to their base model (modeling_focus.attach_focus_adapter), or export "
+            "the run without --adapter-only"
+        )
+    if any((path / name).exists() for name in ("config.yaml", "checkpoints", "latest")):
+        return (
+            f"{path} is a training run or checkpoint, not an export: export it first "
+            f"(focus-pretrain export {path} OUT) and give OUT"
+        )
+    return EXPORT_HELP
+
+
+def export_tokenizer(path: str | os.PathLike):
+    """The export's tokenizer (``tokenizer.json`` with its ``tokenizer_config.json``) as a
+    ``transformers`` fast tokenizer, without ``trust_remote_code``: ``AutoTokenizer`` would
+    read ``config.json``, whose model type only the export's own code defines."""
+    from transformers import PreTrainedTokenizerFast  # heavy; the callers load a model next
+
+    return PreTrainedTokenizerFast.from_pretrained(Path(path))
