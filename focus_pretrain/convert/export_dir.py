@@ -6,6 +6,7 @@ in one line naming the fix; and the export's tokenizer, loaded without running r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -62,6 +63,7 @@ def read_export(
             f"{path} lacks {', '.join(missing)}, the model code its config.json names: copy the "
             "whole export directory, or export again"
         )
+    check_remote_code(path)
     if focus and not isinstance(config.get("focus"), dict):
         raise InputError(
             f"{path} is a HuggingFace model without a focus section in config.json, not a "
@@ -69,10 +71,35 @@ def read_export(
         )
     if tokenizer and not (path / "tokenizer.json").is_file():
         raise MissingInputError(
-            f"{path} has no tokenizer.json (the run had no tokenizer file when it was "
-            "exported): export again once data.tokenizer points at the run's tokenizer"
+            f"{path} has no tokenizer.json (exported with --no-tokenizer, or from a run whose "
+            "tokenizer was not found): export again, with --tokenizer PATH if needed"
         )
     return config
+
+
+def check_remote_code(path: str | os.PathLike) -> None:
+    """The shipped ``.py`` files ``trust_remote_code`` runs are those the export wrote: their
+    sha256 equal the ``remote_code_sha256`` of ``focus_export.json`` (an export from before
+    that record, or without ``focus_export.json``, is not checked).
+
+    Raises:
+        InputError: a file differs (edited or replaced after the export) or is missing.
+    """
+    record_file = Path(path) / "focus_export.json"
+    try:
+        digests = json.loads(record_file.read_text()).get("remote_code_sha256") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    for name, expected in sorted(digests.items()):
+        code = Path(path) / name
+        if not code.is_file():
+            raise MissingInputError(f"{code} is missing (the export shipped it): export again")
+        if hashlib.sha256(code.read_bytes()).hexdigest() != expected:
+            raise InputError(
+                f"{code} is not the file the export wrote (its sha256 differs from "
+                f"{record_file}'s remote_code_sha256), and trust_remote_code would run it: "
+                "export again; if you changed it on purpose, put its new sha256 there"
+            )
 
 
 def _not_an_export(path: Path) -> str:

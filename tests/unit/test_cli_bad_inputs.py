@@ -125,6 +125,11 @@ GENERATE = rows(
     ),
     (["{in}/export_no_tokenizer", "--prompt", "x"], "has no tokenizer.json", "no-tokenizer"),
     (
+        ["{in}/export_edited", "--prompt", "x"],
+        "modeling_focus.py is not the file the export wrote (its sha256 differs",
+        "edited-code",
+    ),
+    (
         ["{in}/export", "--prompt", "", "--json", "{out}/g.json"],
         '--prompt "" is empty',
         "empty-prompt",
@@ -374,6 +379,9 @@ BENCH = rows(
 )
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
+RING = ["--set", "parallel.cp_mode=ring"]
+FLEX = ["--set", "model.focus.inference_backend=flex"]
+EMPTY_LATEST = "run.output_dir={in}/run_empty_latest"
 TRAIN = rows(  # refused before the trainer starts (the trainer's own: test_checkpoint_faults)
     "train",
     (["--config", "{in}/missing.yaml"], "config file {in}/missing.yaml does not exist", "recipe"),
@@ -386,6 +394,26 @@ TRAIN = rows(  # refused before the trainer starts (the trainer's own: test_chec
         "too-long",
     ),
     (["--config", "{in}/blank.txt"], "blank.txt is empty: give a recipe", "empty-recipe"),
+    (
+        ["--config", TINY, "--set", "parallel.tensor_parallel_size=3"],
+        "num_attention_heads (4) must be divisible by",
+        "tp",
+    ),
+    (
+        ["--config", TINY, "--set", "parallel.context_parallel_size=3", *RING],
+        "data.seq_length (128) must be divisible by 2 x parallel.context_parallel_size",
+        "cp-ring",
+    ),
+    (
+        ["--config", TINY, "--set", "parallel.context_parallel_size=8"],
+        "parallel.cp_mode 'a2a' splits each tensor-parallel rank's heads (4 / 1 = 4)",
+        "cp-a2a",
+    ),
+    (
+        ["--config", TINY, "--set", "parallel.context_parallel_size=2", *RING, *FLEX],
+        "model.focus.inference_backend 'flex' cannot run inside the ring",
+        "ring-backend",
+    ),
     ([], "the following arguments are required: --config", "no-recipe"),
 )
 if not _cuda():
@@ -504,6 +532,9 @@ def inputs(tmp_path_factory) -> Path:
     focus = {"num_groups": 4, "window": 8, "top_k": 1}
     _fake_export(root / "export", {"focus": focus}, tokenizer=True)
     _fake_export(root / "export_no_tokenizer", {"focus": focus}, tokenizer=False)
+    _fake_export(root / "export_edited", {"focus": focus}, tokenizer=True)
+    record = {"remote_code_sha256": {"modeling_focus.py": "0" * 64}}  # not the file's
+    (root / "export_edited" / "focus_export.json").write_text(json.dumps(record))
     _fake_export(root / "plain_hf", {}, tokenizer=True)
     (root / "bad_json").mkdir()
     (root / "bad_json" / "config.json").write_text("{not json")
@@ -606,6 +637,11 @@ def test_bad_input_is_one_line_and_status_2(row, substring, inputs, tmp_path, mo
             ],
             "hold no records: give a corpus with some text",
             id="preprocess-empty-corpus",
+        ),
+        pytest.param(
+            ["train", "--config", "{in}/run_empty_latest/config.yaml", "--set", EMPTY_LATEST],
+            "checkpoints/latest is empty (checkpoints present: step_00000002)",
+            id="train-empty-latest",
         ),
         pytest.param(
             ["generate", "{in}/export", "--prompt", "", "--json", "{out}/g.json"],

@@ -42,28 +42,6 @@ def test_config_errors_are_input_errors_of_the_old_types(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--set", "model.focus.top_k=9"], r"focus.top_k must be <= num_groups \(4\), got 9"),
-        (["--set", "train.stepz=3"], r"unknown key\(s\) train.stepz; allowed keys:"),
-    ],
-    ids=["value", "key"],
-)
-def test_the_launcher_prints_a_config_error_on_one_line(args, message):
-    launcher = [sys.executable, str(ROOT / "launchers" / "pretrain.py")]
-    done = subprocess.run(
-        [*launcher, "--config", str(ROOT / "configs" / "tiny.yaml"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    (line,) = [x for x in done.stderr.splitlines() if x.startswith("pretrain.py: error:")]
-    assert re.search(message, line), line
-
-
-@pytest.mark.parametrize(
     "tool,args,message",
     [
         ("import_hf.py", ["{missing}"], r"config.json does not exist: point at a HuggingFace"),
