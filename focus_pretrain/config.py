@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -39,6 +38,7 @@ from focus_pretrain.data.datasets import DataConfig
 from focus_pretrain.errors import InputError, as_input_error
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.parallel.config import ParallelConfig
+from focus_pretrain.storage.files import write_atomic
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 
@@ -452,18 +452,8 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def save_config(config: Any, path: str | os.PathLike) -> Path:
-    """Write the resolved config to ``path`` as YAML, atomically (temp file, then rename)."""
+    """Write the resolved config to ``path`` as YAML, atomically and durably (a temporary file,
+    fsynced, renamed, the directory fsynced), with the umask's mode."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, prefix=f".{path.name}.", delete=False
-    ) as tmp:
-        tmp.write(text)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    umask = os.umask(0)  # the temp file is private (0600); the config is an ordinary file
-    os.umask(umask)
-    os.chmod(tmp.name, 0o666 & ~umask)
-    os.replace(tmp.name, path)
-    return path
+    return write_atomic(path, yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -44,7 +44,7 @@ from focus_pretrain.data.corpus import (
 from focus_pretrain.data.preprocess import say_phase, tokenize_to_indexed
 from focus_pretrain.data.shards import SHARD_DOCUMENTS, preprocess_corpus, train_corpus_tokenizer
 from focus_pretrain.data.tokenizer import check_tokenizer_path, check_vocab_size
-from focus_pretrain.errors import exit_on_input_error
+from focus_pretrain.errors import InputError, exit_on_input_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=at_least(1), default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--shard-documents", type=at_least(1), default=SHARD_DOCUMENTS)
     parser.add_argument("--skip-bad-records", action="store_true")
-    parser.add_argument("--overwrite", action="store_true", help="start a sharded run again")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a sharded run again (its own files only), or replace an existing "
+        "PREFIX.bin/.idx (and PREFIX.model with --train-tokenizer)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="demo corpus seed")
     parser.add_argument("--stats", type=output_file, help="also write the stats JSON here")
     return parser
@@ -70,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
 def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptions) -> dict:
     """The ``--output-prefix`` mode: one ``PREFIX.bin``/``PREFIX.idx``."""
     started = time.perf_counter()
+    suffixes = [".bin", ".idx", *([".model", ".vocab"] if args.train_tokenizer else [])]
+    existing = [f"{args.output_prefix}{s}" for s in suffixes]
+    existing = [path for path in existing if Path(path).exists()]
+    if existing and not args.overwrite:  # a dataset (or tokenizer) there is never replaced silently
+        raise InputError(
+            f"{', '.join(existing)} exist: pass --overwrite to replace them, or choose another "
+            "--output-prefix"
+        )
     units = resolve_inputs(inputs)
     if args.train_tokenizer:
         check_vocab_size(args.vocab_size)

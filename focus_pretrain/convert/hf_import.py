@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from focus_pretrain.convert.families import Geometry, rules_for, shard
+from focus_pretrain.errors import InputError
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import hf_family, hf_model_types, refused_hf_model_types
 
@@ -58,7 +59,12 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
             f"{path} does not exist: point at a HuggingFace model directory (config.json plus "
             "*.safetensors), e.g. one written by save_pretrained"
         )
-    hf = json.loads(path.read_text())
+    try:
+        hf = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path} is not valid JSON ({err}): restore the checkpoint's") from err
+    if not isinstance(hf, dict):
+        raise InputError(f"{path} holds a JSON {type(hf).__name__}, not a config object")
     base = str(hf.get("model_type", "")).removeprefix("focus_")
     if hf.get("model_type", "").startswith("focus_") and base in hf_model_types():
         hf["model_type"] = base  # our own export: its family's tensors plus routers (not loaded)
@@ -85,7 +91,13 @@ def _architecture(hf: dict[str, Any]) -> dict[str, Any]:
     family = hf_family(model_type)
     hf = {**_hf_defaults(model_type), **hf}  # a key config.json lacks: what transformers assumes
     _check_causal(hf, model_type)
-    fields_ = family.config_from_hf(hf)
+    try:
+        fields_ = family.config_from_hf(hf)
+    except KeyError as err:  # a field the family needs and transformers has no default for
+        raise InputError(
+            f"config.json of this {model_type} model lacks {err}, which its architecture needs: "
+            "restore the checkpoint's config.json"
+        ) from err
     if family.hf_slides is not None and family.hf_slides(hf):
         warnings.warn(
             f"{model_type} sliding_window={hf['sliding_window']} is not reproduced (Focus's window "

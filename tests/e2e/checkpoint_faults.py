@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import shutil
+import traceback
 
 import torch
 
@@ -201,11 +201,20 @@ def run_all(rank: int, world_size: int, base: str, cache: str) -> dict:
     reference = base / "reference"
     train(reference, cache, 6)
     results: dict = {"reference": {"losses": train_losses(reference), "run": str(reference)}}
-    for phase in PHASES:
-        results[f"kill:{phase}"] = kill_during_save(base, cache, phase)
-    for damage in DAMAGES:
-        results[f"damaged:{damage}"] = damaged_latest(base, cache, damage)
-    results["rollback"] = rollback(base, cache)
-    results["two-runs"] = two_runs(base, cache)
-    shutil.rmtree(base / "scratch", ignore_errors=True)
+    scenarios = {f"kill:{phase}": (kill_during_save, phase) for phase in PHASES}
+    scenarios.update({f"damaged:{d}": (damaged_latest, d) for d in DAMAGES})
+    scenarios.update({"rollback": (rollback,), "two-runs": (two_runs,)})
+    for name, (scenario, *args) in scenarios.items():
+        try:
+            results[name] = scenario(base, cache, *args)
+        except Exception:  # that scenario's test fails with it; the others still run
+            results[name] = {"error": traceback.format_exc()}
     return results
+
+
+def observed(results: dict, name: str) -> dict:
+    """Scenario ``name``'s observations; its traceback as the failure if it raised."""
+    result = results[name]
+    if "error" in result:
+        raise AssertionError(f"scenario {name} raised:\n{result['error']}")
+    return result

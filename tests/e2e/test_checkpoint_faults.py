@@ -16,7 +16,7 @@ import pytest
 
 from focus_pretrain.errors import InputError
 from tests.distributed import run_workers
-from tests.e2e.checkpoint_faults import CKPT, DAMAGES, PHASES
+from tests.e2e.checkpoint_faults import CKPT, DAMAGES, PHASES, observed
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ AFTER_KILL = {
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_a_kill_at_each_phase_of_a_save_leaves_a_whole_checkpoint(faults, phase):
-    result = faults[f"kill:{phase}"]
+    result = observed(faults, f"kill:{phase}")
     entries, latest, resumed = AFTER_KILL[phase]
     assert result["after_kill"]["entries"] == sorted([*entries, "latest"])
     assert result["after_kill"]["latest"] == latest
@@ -68,7 +68,7 @@ EXPECTED_REFUSAL = {
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_or_dangling_latest_is_refused_and_nothing_is_touched(faults, damage):
-    result = faults[f"damaged:{damage}"]
+    result = observed(faults, f"damaged:{damage}")
     message = result["message"]
     assert message is not None, "the run started over a damaged checkpoint directory"
     assert EXPECTED_REFUSAL[damage] in message and "\n" not in message
@@ -85,7 +85,7 @@ def test_a_damaged_or_dangling_latest_is_refused_and_nothing_is_touched(faults, 
 
 
 def test_pruning_after_a_rollback_keeps_the_new_and_every_newer_checkpoint(faults):
-    result = faults["rollback"]
+    result = observed(faults, "rollback")
     assert result["starts"][-2:] == [2, 3]
     assert result["after_3"]["latest"] == S3
     assert result["after_3"]["entries"] == sorted([S3, S4, S6, "latest"])  # 2 pruned only
@@ -96,7 +96,7 @@ def test_pruning_after_a_rollback_keeps_the_new_and_every_newer_checkpoint(fault
 
 
 def test_a_second_run_on_a_directory_in_use_is_refused_and_deletes_nothing(faults):
-    result = faults["two-runs"]
+    result = observed(faults, "two-runs")
     assert "is in use by another run (training: pid " in result["message"]
     assert result["after"] == result["before"] and result["live_save_kept"]
     assert result["after_release"]["latest"] == S4

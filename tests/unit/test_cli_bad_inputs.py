@@ -73,6 +73,8 @@ IMPORT_HF = rows(
         "window",
     ),
     ([], "the following arguments are required: hf_dir", "no-dir"),
+    (["{in}/bad_json"], "config.json is not valid JSON", "bad-json"),
+    (["{in}/hf_no_heads"], "lacks 'num_attention_heads', which its architecture needs", "field"),
 )
 
 EVALUATE = rows(
@@ -319,6 +321,11 @@ PREPROCESS = rows(
         "vocab-size",
     ),
     (
+        ["--input", "demo:10", "--output-prefix", "{in}/dataset", "--tokenizer", "x.model"],
+        "{in}/dataset.bin, {in}/dataset.idx exist: pass --overwrite to replace them",
+        "prefix-exists",
+    ),
+    (
         ["--input", "demo:0", "--output-prefix", "{out}/p", "--train-tokenizer"],
         "demo:0: N in demo:N must be a positive integer",
         "demo-0",
@@ -527,6 +534,8 @@ def inputs(tmp_path_factory) -> Path:
     for name, pointer in (("run_empty_latest", ""), ("run_dangling_latest", "step_00000009")):
         shutil.copytree(root / "run", root / name)
         (root / name / "checkpoints" / "latest").write_text(pointer)
+    for suffix in (".bin", ".idx"):  # a dataset of the user's at an --output-prefix
+        (root / f"dataset{suffix}").write_bytes(b"the user's tokens")
     (root / "user_files").mkdir()
     (root / "user_files" / "notes.txt").write_text("the user's, never deleted\n")
     focus = {"num_groups": 4, "window": 8, "top_k": 1}
@@ -544,7 +553,9 @@ def inputs(tmp_path_factory) -> Path:
     llama.update(num_attention_heads=4, num_key_value_heads=2, vocab_size=320, rms_norm_eps=1e-5)
     llama.update(max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False)
     llama.update(hidden_act="silu", architectures=["LlamaForCausalLM"])
-    for name, config in (("hf_no_weights", llama), ("hf_unknown", {"model_type": "weird"})):
+    no_heads = {k: v for k, v in llama.items() if k != "num_attention_heads"}
+    hf_configs = (("hf_no_weights", llama), ("hf_unknown", {"model_type": "weird"}))
+    for name, config in (*hf_configs, ("hf_no_heads", no_heads)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
     return root
