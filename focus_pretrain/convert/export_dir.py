@@ -45,12 +45,7 @@ def read_export(
     config_file = path / "config.json"
     if not config_file.is_file():
         raise MissingInputError(f"{config_file} does not exist: {_not_an_export(path)}")
-    try:
-        config = json.loads(config_file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InputError(f"{config_file} is not valid JSON ({error}): export again") from error
-    if not isinstance(config, dict):
-        raise InputError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    config = read_json_object(config_file, "export again")
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         raise MissingInputError(
             f"{path} has no weights ({' or '.join(WEIGHT_FILES[:2])}): an incomplete export; "
@@ -75,6 +70,21 @@ def read_export(
             "tokenizer was not found): export again, with --tokenizer PATH if needed"
         )
     return config
+
+
+def read_json_object(path: Path, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (a ``config.json``).
+
+    Raises:
+        InputError: it is not valid JSON, or not an object; ``fix`` says what to do.
+    """
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path} is not valid JSON ({error}): {fix}") from error
+    if not isinstance(value, dict):
+        raise InputError(f"{path} holds a JSON {type(value).__name__}, not an object: {fix}")
+    return value
 
 
 def check_remote_code(path: str | os.PathLike) -> None:

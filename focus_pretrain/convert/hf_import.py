@@ -22,6 +22,7 @@ import torch
 from megatron.core import parallel_state
 from torch import Tensor
 
+from focus_pretrain.convert.export_dir import read_json_object
 from focus_pretrain.convert.families import Geometry, rules_for, shard
 from focus_pretrain.errors import InputError
 from focus_pretrain.model.config import ModelConfig
@@ -59,12 +60,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
             f"{path} does not exist: point at a HuggingFace model directory (config.json plus "
             "*.safetensors), e.g. one written by save_pretrained"
         )
-    try:
-        hf = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{path} is not valid JSON ({err}): restore the checkpoint's") from err
-    if not isinstance(hf, dict):
-        raise InputError(f"{path} holds a JSON {type(hf).__name__}, not a config object")
+    hf = read_json_object(path, "restore the checkpoint's config.json")
     base = str(hf.get("model_type", "")).removeprefix("focus_")
     if hf.get("model_type", "").startswith("focus_") and base in hf_model_types():
         hf["model_type"] = base  # our own export: its family's tensors plus routers (not loaded)

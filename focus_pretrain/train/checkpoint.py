@@ -54,19 +54,13 @@ from focus_pretrain.storage.safe_load import weights_only_loading
 from focus_pretrain.train import reshard
 from focus_pretrain.train.resume import check_layout
 
-__all__ = ["Checkpointer", "latest_checkpoint", "latest_tag", "tag_for", "write_atomic"]
-
-
-def latest_tag(root: Path) -> str | None:
-    """The tag ``latest`` names, validated (:func:`~focus_pretrain.storage.checkpoint_files.
-    read_latest`: ``None`` for a fresh run; a missing, empty or dangling ``latest`` beside
-    step folders raises)."""
-    return read_latest(root)
+__all__ = ["Checkpointer", "latest_checkpoint", "tag_for"]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint directory ``latest`` names under ``root`` (validated), or ``None``."""
-    tag = latest_tag(Path(root))
+    """The checkpoint directory ``latest`` names under ``root``, validated
+    (:func:`~focus_pretrain.storage.checkpoint_files.read_latest`), or ``None`` for a fresh run."""
+    tag = read_latest(Path(root))
     return None if tag is None else Path(root) / tag
 
 
@@ -168,7 +162,7 @@ class Checkpointer:
         if _is_main() and self.root.is_dir():
             remove_leftovers(self.root)
         _barrier()
-        tag = latest_tag(self.root)
+        tag = read_latest(self.root)
         if tag is None:
             return None
         self._verify(tag)
@@ -225,11 +219,15 @@ class Checkpointer:
             str(root), tag=tmp_tag, client_state=self.client_state(), save_latest=False
         )
         folder = (root / tmp_tag).resolve()
-        records = {
-            Path(path).resolve().relative_to(folder).as_posix(): record
+        written = {
+            Path(path).resolve(): record
             for rank_records in _all_gather(dict(self._written))
             for path, record in rank_records.items()
-            if Path(path).resolve().is_relative_to(folder)  # the folder's files (each rank's)
+        }
+        records = {  # the folder's files, every rank's
+            path.relative_to(folder).as_posix(): record
+            for path, record in written.items()
+            if path.is_relative_to(folder)
         }
         if _is_main():
             self._commit(step, records)

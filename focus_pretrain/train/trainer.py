@@ -39,9 +39,10 @@ from focus_pretrain.parallel.context_parallel import apply_context_parallel
 from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
 from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
+from focus_pretrain.storage.checkpoint_files import read_latest
 from focus_pretrain.storage.files import RunLock, write_atomic
 from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
-from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint, latest_tag
+from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint
 from focus_pretrain.train.focus_stats import (
     attention_density,
     discard_balance,
@@ -154,7 +155,7 @@ class Trainer:
         if self.layout.is_main:
             try:
                 self.run_lock.acquire()
-                latest_tag(self.output_dir / "checkpoints")
+                read_latest(self.output_dir / "checkpoints")
             except InputError as err:
                 refusal = err
         if dist.is_initialized() and self.layout.world_size > 1:
@@ -220,7 +221,7 @@ class Trainer:
         if cp_group is not None:
             ring_stats = apply_context_parallel(model, cp_group, config.parallel.cp_mode)
         hf_tensors = None
-        fresh = latest_tag(self.output_dir / "checkpoints") is None
+        fresh = read_latest(self.output_dir / "checkpoints") is None
         if config.train.init_from_hf and fresh:
             hf_tensors = load_hf_weights(model, config.train.init_from_hf, config.model)
             if self.layout.is_main:

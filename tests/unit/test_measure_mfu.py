@@ -94,3 +94,25 @@ def test_measures_a_tiny_recipe_on_cpu(tmp_path):
     cfg.output_dir, cfg.timeout_s = str(tmp_path / "slow"), 0.5
     late = measure_recipe(TINY, cfg)
     assert late["error"].startswith("timed out after 0.5 s") and late["tokens_per_s"] is None
+
+
+def test_a_run_directory_is_emptied_only_when_the_benchmark_made_it(tmp_path):
+    """measure_mfu empties ``OUTPUT_DIR/<recipe stem>`` before measuring: a directory of that
+    name it did not make (a training run of the user's) is refused for every recipe before
+    the first is measured, and left whole; its own earlier one is emptied and marked again."""
+    from focus_pretrain.bench.training import RUN_MARKER, claim_run_dir, run_benchmark
+    from focus_pretrain.errors import InputError
+
+    user = tmp_path / "tiny"  # the tiny recipe's run directory name
+    (user / "checkpoints").mkdir(parents=True)
+    (user / "checkpoints" / "latest").write_text("step_00000800")
+    cfg = MfuConfig(recipes=[TINY], output_dir=str(tmp_path), steps=4, log_interval=1)
+    measured = []
+    with pytest.raises(InputError, match=r"measure_mfu \(choose another --output-dir\) replaces"):
+        run_benchmark(cfg, log=measured.append)
+    assert measured == [] and (user / "checkpoints" / "latest").read_text() == "step_00000800"
+    ours = tmp_path / "ours"
+    claim_run_dir(ours)
+    (ours / "checkpoints").mkdir()  # what a measurement left
+    claim_run_dir(ours)
+    assert [p.name for p in ours.iterdir()] == [RUN_MARKER]

@@ -139,8 +139,16 @@ def test_a_deletion_leaves_no_half_deleted_step_folder(tmp_path, monkeypatch):
     assert (root / ".deleting-step_00000001" / "weights.pt").is_file()
     monkeypatch.undo()
     (root / ".latest.tmp-host-1").write_text("step_00000003")
+    (root / "notes.txt").write_text("the user's")  # not a name a save or prune writes
+    (root / ".tmp-notes").mkdir()
     assert sorted(cf.remove_leftovers(root)) == [".deleting-step_00000001", ".latest.tmp-host-1"]
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-notes", "notes.txt", "step_00000003"]
+    # a later prune over an earlier crash's leftover of the same folder
+    _folders(root, 5)
+    (root / ".deleting-step_00000003").mkdir()
+    (root / ".deleting-step_00000003" / "half.pt").write_bytes(b"x")
+    assert cf.prune(root, "step_00000005", 1) == ["step_00000003"]
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-notes", "notes.txt", "step_00000005"]
 
 
 # -- durable writes -----------------------------------------------------------------------------
@@ -334,3 +342,33 @@ def test_leftovers_of_a_killed_export_are_removed_only_when_their_process_is_dea
     with partial_dir(tmp_path / "out"):
         pass
     assert not stale.exists() and live.exists()
+
+
+def test_retrofit_force_replaces_only_what_a_retrofit_wrote(tmp_path):
+    """``focus-pretrain retrofit --force`` onto an earlier retrofit's output: the checks pass
+    and only the entries a retrofit writes are replaced (the marker, the recipe)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "tools" / "retrofit.py"
+    spec = importlib.util.spec_from_file_location("retrofit_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model = tmp_path / "model"
+    model.mkdir()
+    out = tmp_path / "out"
+    (out / "run" / "checkpoints").mkdir(parents=True)
+    (out / "report.md").write_text("old report")
+    (out / tool.MARKER).write_text("{}")
+    args = argparse.Namespace(
+        hf_dir=str(model), data=["demo:10"], out=out, force=True, base=str(path)
+    )
+    tool.check_inputs(args)
+    recipe = tool.claim_output(args, "defaults: x\n")
+    assert sorted(p.name for p in out.iterdir()) == [tool.MARKER, "recipe.yaml"]
+    assert recipe.read_text() == "defaults: x\n"
+    (out / "mine.txt").write_text("the user's")  # now something a retrofit does not write
+    with pytest.raises(InputError, match=r"holds files the earlier retrofit output did not"):
+        tool.check_inputs(args)
+    assert (out / "mine.txt").read_text() == "the user's"
