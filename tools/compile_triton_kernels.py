@@ -43,7 +43,7 @@ VARIANTS = {  # name: compile-time switches
 }
 KERNELS = {"fwd": "soft_forward_kernel", "kv": "soft_backward_kv_kernel",
            "q": "soft_backward_q_kernel"}  # fmt: skip
-POINTERS = {"G_Q": "fp32", "G_K": "fp32", "LSE": "fp32", "DELTA": "fp32", "DG_Q": "fp32",
+POINTERS = {"A_Q": "fp16", "A_K": "fp16", "LSE": "fp32", "DELTA": "fp32", "DG_Q": "fp32",
             "DG_K": "fp32", "DOC_Q": "i64", "DOC_K": "i64", "DOC_END": "i64", "POS_Q": "i64",
             "POS_K": "i64"}  # fmt: skip
 FLOAT_ARGS = ("scale", "lam", "cap")
@@ -122,7 +122,7 @@ def signature_of(kernel: Any, constants: dict, dtype: str) -> dict[str, str]:
             signature[name] = "constexpr"
         elif name in POINTERS:
             signature[name] = f"*{POINTERS[name]}"
-        elif name in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"):
+        elif name in ("Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV", "G_Q", "G_K"):
             signature[name] = "*fp32" if dtype == "tf32" else f"*{dtype}"  # tf32: fp32 data
         else:
             signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
@@ -167,32 +167,33 @@ def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from focus_pretrain.focus import soft_triton
+    from focus_pretrain.focus import soft_triton, soft_triton_launch
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     with fp32_products(dtype):  # "tf32": fp32 inputs with TF32 products allowed
         packed = bool(variant.get("PACKED"))  # the sorted top-1 path: its own tiles, refusals
         refused = soft_triton.cuda_refusal(torch_dtype, head_dim, packed=packed)
-        blocks = soft_triton._blocks("cuda", head_dim, torch_dtype, packed=packed)
-        qk_prec = soft_triton.fp32_products() if torch_dtype == torch.float32 else "tf32"
+        blocks = soft_triton_launch._blocks("cuda", head_dim, torch_dtype, packed=packed)
+        qk_prec = soft_triton_launch.fp32_products() if torch_dtype == torch.float32 else "tf32"
     if refused:  # the backend does not launch these: nothing to report
         return dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=None,
                     options={}, variant=variant, ok=True, refused=refused, seconds=0.0)  # fmt: skip
-    bm, bn = blocks[key]
-    gate_prec = "tf32x3"  # as on CUDA (soft_triton._precisions)
-    constants = {**dict(D=head_dim, KP=16, BM=bm, BN=bn, HAS_DOCS=False, HAS_POS=False,
-                        SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec, GATE_PREC=gate_prec,
-                        PACKED=False),
-                 **variant}  # fmt: skip
+    tile = blocks[key]
+    options = dict(num_warps=tile.warps, num_stages=tile.stages)
+    backward = dict(KP=16, GRAD_PREC="tf32x3") if key != "fwd" else {}  # as on CUDA, K = 8
+    constants = {**dict(D=head_dim, KA=32, BM=tile.bm, BN=tile.bn, HAS_DOCS=False,
+                        HAS_POS=False, SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec,
+                        FAST=torch_dtype != torch.float32, PACKED=False),
+                 **backward, **variant}  # fmt: skip
     start = time.perf_counter()
-    row = dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=[bm, bn],
-               options=blocks["opts"], variant=variant)  # fmt: skip
+    row = dict(kernel=kernel.__name__, dtype=dtype, head_dim=head_dim, block=[tile.bm, tile.bn],
+               options=options, variant=variant)  # fmt: skip
     try:
         compiled = triton.compile(
             ASTSource(fn=kernel, signature=signature_of(kernel, constants, dtype),
                       constexprs=constants),
             target=GPUTarget("cuda", arch, 32),
-            options=blocks["opts"],
+            options=options,
         )  # fmt: skip
         row.update(num_warps=compiled.metadata.num_warps,
                    num_stages=compiled.metadata.num_stages)  # fmt: skip

@@ -7,6 +7,13 @@
 * :func:`soft_gate` / :func:`soft_gate_grad`: the gate ``log sigmoid(lambda (a - 1/2))`` of an
   affinity ``a = g_i . g_j`` and its derivative in ``a``
   (:func:`~focus_pretrain.focus.pattern.soft_gate`).
+* :func:`gate_weight`: the same gate as a weight, ``sigmoid(x) = exp(log sigmoid(x))`` (and
+  ``1 - sigmoid(x)``, the derivative's factor): the kernels multiply a probability by it instead
+  of adding the log to the score (one transcendental per pair, none with ``FAST`` tanh).
+* :func:`tile_kind`: which rule a whole tile follows, from the positions and documents at its
+  corners: every pair allowed and inside the window (``PLAIN``: no mask, no gate), every pair
+  allowed, beyond the window and not a sink (``GATED``: the gate, no mask), or any other
+  (``MASKED``: the per-pair rules).
 * :func:`pair_masks`: which pairs of a tile are causal and in one document (``allowed``) and
   which are beyond the window and not a sink (``beyond``: gated in soft mode, cut in a
   sliding-window layer) (:func:`~focus_pretrain.focus.pattern.causal_and_local`).
@@ -50,6 +57,72 @@ def soft_gate(affinity, lam):
 def soft_gate_grad(x, lam):
     """``d log sigmoid(lam (a - 1/2)) / d a = lam sigmoid(-x)`` at ``x`` (:func:`soft_gate`)."""
     return lam * tl.sigmoid(-x)
+
+
+MASKED = tl.constexpr(0)
+PLAIN = tl.constexpr(1)
+GATED = tl.constexpr(2)
+
+
+@triton.jit
+def tanh(z, FAST: tl.constexpr):
+    """``tanh(z)``: the GPU's one-instruction ``tanh.approx.f32`` when ``FAST`` (CUDA, half
+    precision inputs: max relative error 2^-11), else ``1 - 2 / (exp(2z) + 1)``."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [z], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def gate_weight(affinity, lam, FAST: tl.constexpr):
+    """``(sigmoid(x), 1 - sigmoid(x))`` with ``x = lam (affinity - 1/2)``: the soft gate as a
+    weight, ``exp(soft_gate) = sigmoid(x)``, and ``1 - sigmoid(x)``, with which
+    ``d soft_gate / d affinity = lam (1 - sigmoid(x))``. ``FAST``: ``(1 +- tanh(x / 2)) / 2``
+    with the GPU's ``tanh``; else from ``exp(-x)``, accurate in relative terms for small
+    weights."""
+    x = lam * (affinity - 0.5)
+    if FAST:
+        th = tanh(0.5 * x, FAST)
+        return 0.5 + 0.5 * th, 0.5 - 0.5 * th
+    e = tl.exp(-x)  # inf for very negative x: weight 0, 1 - weight 1
+    w = 1.0 / (1.0 + e)
+    return w, tl.where(x > 0.0, e * w, 1.0 - w)
+
+
+@triton.jit
+def tile_kind(
+    q_first,
+    q_last,
+    k_first,
+    k_last,
+    dq_first,
+    dq_last,
+    dk_first,
+    dk_last,
+    full,
+    window,
+    sinks,
+    LOCAL: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """:data:`PLAIN`, :data:`GATED` or :data:`MASKED` for the tile of queries at
+    positions ``q_first..q_last`` and keys at ``k_first..k_last`` (each side increasing;
+    ``dq_*``, ``dk_*``: the document starts at the ends when ``HAS_DOCS``; ``full``: every row and
+    column exists). Only :data:`MASKED` tiles need the per-pair rules of :func:`pair_masks`. In a
+    sliding-window layer (``LOCAL``) a tile beyond the window is cut: :data:`MASKED` too."""
+    causal = k_last <= q_first  # every pair causal
+    first_key = k_first  # the first key's position inside its document
+    uniform = full & causal
+    if HAS_DOCS:  # one document
+        uniform = uniform & (dq_first == dq_last) & (dk_first == dk_last) & (dq_first == dk_first)
+        first_key = k_first - dk_first
+    inside = q_last - k_first <= window
+    beyond = (q_first - k_last > window) & (first_key >= sinks)
+    if LOCAL:
+        return tl.where(uniform & inside, PLAIN, MASKED)
+    return tl.where(uniform & inside, PLAIN, tl.where(uniform & beyond, GATED, MASKED))
 
 
 @triton.jit

@@ -37,13 +37,15 @@ import triton
 import triton.language as tl
 
 from focus_pretrain.focus.pattern_triton import (
+    GATED,
+    PLAIN,
+    gate_weight,
     key_range,
     pair_masks,
     query_range,
     soft_cap,
     soft_cap_grad,
-    soft_gate,
-    soft_gate_grad,
+    tile_kind,
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)  # compiled kernels read only constexpr globals
@@ -51,119 +53,54 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _tile(
-    q,
-    k,
-    g_q,
-    g_k,
-    pos_q,
-    pos_k,
-    rows,
-    cols,
-    doc_q,
-    doc_k,
-    scale,
-    lam,
-    window,
-    sinks,
-    cap,
-    HAS_DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LOCAL: tl.constexpr,
-    QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr,
-):
-    """Scores of a ``[BM, BN]`` tile: ``(t, allowed, gated, x, tanh)`` (``t`` natural units,
-    not masked; ``tanh`` is the soft-cap's, for its derivative). ``LOCAL``: a sliding-window
-    layer: pairs beyond the window (sinks excepted) are not allowed, and there is no gate."""
-    raw = tl.dot(q, tl.trans(k), input_precision=QK_PREC) * scale  # [BM, BN] fp32
-    th = raw
+def _scores(q, k, scale, cap, SOFTCAP: tl.constexpr, QK_PREC: tl.constexpr):
+    """``(s, th)``: the ``[BM, BN]`` scores in base 2 (``log2 e`` times the natural ones, capped
+    when ``SOFTCAP``) and the soft-cap's ``tanh`` for its derivative (``s`` itself otherwise)."""
+    raw = tl.dot(q, tl.trans(k), input_precision=QK_PREC)  # [BM, BN] fp32
     if SOFTCAP:
-        raw, th = soft_cap(raw, cap)
-    allowed, beyond = pair_masks(pos_q, pos_k, rows, cols, doc_q, doc_k, window, sinks, HAS_DOCS)
-    if LOCAL:
-        return raw, allowed & ~beyond, beyond, raw, th  # (no gate: beyond and x unused)
-    affinity = tl.dot(g_q, tl.trans(g_k), input_precision=GATE_PREC)  # [BM, BN]
-    gate, x = soft_gate(affinity, lam)
-    return raw + tl.where(beyond, gate, 0.0), allowed, beyond, x, th
+        capped, th = soft_cap(raw * scale, cap)
+        return capped * LOG2E, th
+    return raw * (scale * LOG2E), raw
 
 
 @triton.jit
-def _tile_grads(
-    q,
-    k,
-    v,
-    do,
-    g_q,
-    g_k,
-    pos_q,
-    pos_k,
-    rows,
-    cols,
-    doc_q,
-    doc_k,
-    lse,
-    delta,
-    scale,
-    lam,
-    window,
-    sinks,
-    cap,
-    HAS_DOCS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    LOCAL: tl.constexpr,
-    QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr,
-):
-    """The backward of a ``[BM, BN]`` tile, shared by both backward passes: ``(p, ds,
-    d_aff)``, the probabilities, the gradient of the raw (pre-cap) score and the gradient of the
-    affinity ``g_i . g_j`` (zeros when ``LOCAL``)."""
-    t, allowed, gated, x, th = _tile(
-        q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
-        cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
-    )  # fmt: skip
-    p = tl.where(allowed, tl.exp2(t * LOG2E - lse[:, None] * LOG2E), 0.0)  # [BM, BN]
-    dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
-    ds = p * (dp - delta[:, None])  # gradient of the score t
-    d_aff = tl.zeros_like(ds)
-    if not LOCAL:
-        d_aff = tl.where(gated & allowed, ds * soft_gate_grad(x, lam), 0.0)
-    if SOFTCAP:
-        ds = ds * soft_cap_grad(th)
-    return p, ds, d_aff
+def _corners(POS, DOC, stride_pos_b, bi, first, length, B: tl.constexpr, HAS_POS: tl.constexpr,
+             HAS_DOCS: tl.constexpr):  # fmt: skip
+    """Positions and document starts (int32) of the first and last existing token of the ``B``
+    tokens from ``first`` of sample ``bi``: ``(pos_first, pos_last, doc_first, doc_last)``."""
+    last = tl.minimum(first + B, length) - 1
+    p0 = first
+    p1 = last
+    if HAS_POS:
+        p0 = tl.load(POS + bi * stride_pos_b + first).to(tl.int32)
+        p1 = tl.load(POS + bi * stride_pos_b + last).to(tl.int32)
+    d0 = first * 0
+    d1 = d0
+    if HAS_DOCS:
+        d0 = tl.load(DOC + bi * length + first).to(tl.int32)
+        d1 = tl.load(DOC + bi * length + last).to(tl.int32)
+    return p0, p1, d0, d1
 
 
 @triton.jit
-def _side(
-    G,
-    DOC,
-    POS,
-    stride_pos_b,
-    bi,
-    offs,
-    mask,
-    length,
-    ROWS: tl.constexpr,
-    KP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    LOCAL: tl.constexpr,
-):
-    """One side's per-token data for ``ROWS`` tokens at ``offs`` of sample ``bi``: ``(g [ROWS,
-    KP] fp32 (zeros when LOCAL), positions, document starts)``."""
-    g = tl.zeros([ROWS, KP], dtype=tl.float32)
-    if not LOCAL:
-        offs_g = tl.arange(0, KP)
-        g = tl.load(
-            G + (bi * length + offs)[:, None] * KP + offs_g[None, :], mask=mask[:, None], other=0.0
-        )
+def _rule_side(DOC, POS, stride_pos_b, bi, offs, mask, length, HAS_DOCS: tl.constexpr,
+               HAS_POS: tl.constexpr):  # fmt: skip
+    """Positions and document starts (int32) of the tokens at ``offs`` of sample ``bi``."""
     pos = offs
     if HAS_POS:
-        pos = tl.load(POS + bi * stride_pos_b + offs, mask=mask, other=0)
+        pos = tl.load(POS + bi * stride_pos_b + offs, mask=mask, other=0).to(tl.int32)
     doc = offs
     if HAS_DOCS:
-        doc = tl.load(DOC + bi * length + offs, mask=mask, other=-1)
-    return g, pos, doc
+        doc = tl.load(DOC + bi * length + offs, mask=mask, other=-1).to(tl.int32)
+    return pos, doc
+
+
+@triton.jit
+def _table(T, bi, offs, mask, length, W: tl.constexpr):
+    """Rows ``offs`` of sample ``bi`` of a ``[b, length, W]`` per-token table (0 where masked)."""
+    cols = tl.arange(0, W)
+    return tl.load(T + (bi * length + offs)[:, None] * W + cols[None, :], mask=mask[:, None],
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -174,14 +111,28 @@ def _rows(PTR, bi, offs, h, stride_b, stride_n, stride_h, offs_d, mask):
 
 
 @triton.jit
+def _tile_masks(DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
+                cols, LQ, LK, window, sinks, HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr,
+                LOCAL: tl.constexpr):  # fmt: skip
+    """``(allowed, gated)`` ``[BM, BN]`` of a :data:`MASKED` tile: ``gated`` is beyond the window
+    and not a sink (the gate's pairs); a sliding-window layer (``LOCAL``) cuts those instead."""
+    pos_q, doc_q = _rule_side(DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, HAS_DOCS, HAS_POS)
+    pos_k, doc_k = _rule_side(DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, HAS_DOCS, HAS_POS)
+    allowed, beyond = pair_masks(pos_q, pos_k, rows, cols, doc_q, doc_k, window, sinks, HAS_DOCS)
+    if LOCAL:
+        return allowed & ~beyond, beyond  # (no gate: the second is unused)
+    return allowed, beyond & allowed
+
+
+@triton.jit
 def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time switches
-    Q, K, V, G_Q, G_K, DOC_Q, DOC_K, POS_Q, POS_K, OUT, LSE,
+    Q, K, V, A_Q, A_K, DOC_Q, DOC_K, POS_Q, POS_K, OUT, LSE,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
     stride_vh, stride_ob, stride_on, stride_oh, stride_pqb, stride_pkb,
     LQ, LK, H, GROUP, scale, lam, window, sinks, cap,
-    D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
-    HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
+    D: tl.constexpr, KA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
+    QK_PREC: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BM`` queries of one (sample, head) against the key blocks they may see.
     Grid ``(cdiv(Lq, BM), b * H)``."""
@@ -194,9 +145,12 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
     offs_d = tl.arange(0, D)
     rows = offs_m < LQ
     q = _rows(Q, bi, offs_m, h, stride_qb, stride_qn, stride_qh, offs_d, rows)
-    g_q, pos_q, doc_q = _side(
-        G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
-    )
+    a_q = tl.zeros([BM, KA], dtype=tl.float16)
+    if not LOCAL:
+        a_q = _table(A_Q, bi, offs_m, rows, LQ, KA)
+    qp0, qp1, qd0, qd1 = _corners(POS_Q, DOC_Q, stride_pqb, bi, pid_m * BM, LQ, BM, HAS_POS,
+                                  HAS_DOCS)  # fmt: skip
+    rows_full = pid_m * BM + BM <= LQ
     lo, hi = key_range(
         DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
     )
@@ -208,18 +162,36 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
         cols = offs_n < LK
         k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
         v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
-        g_k, pos_k, doc_k = _side(
-            G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
-        )
-        t, allowed, _, _, _ = _tile(
-            q, k, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, scale, lam, window, sinks,
-            cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
-        )  # fmt: skip
-        t2 = tl.where(allowed, t * LOG2E, float("-inf"))  # [BM, BN] base 2
-        m_new = tl.maximum(m_i, tl.max(t2, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.exp2(t2 - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        s, _ = _scores(q, k, scale, cap, SOFTCAP, QK_PREC)  # [BM, BN] base 2
+        w = s  # the gate's weights (GATED and MASKED tiles; a placeholder when LOCAL)
+        if not LOCAL:
+            a_k = _table(A_K, bi, offs_n, cols, LK, KA)
+            affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN] fp32 (split fp16 tables)
+            w, _ = gate_weight(affinity, lam, FAST)
+        kp0, kp1, kd0, kd1 = _corners(POS_K, DOC_K, stride_pkb, bi, start_n, LK, BN, HAS_POS,
+                                      HAS_DOCS)  # fmt: skip
+        kind = tile_kind(qp0, qp1, kp0, kp1, qd0, qd1, kd0, kd1, rows_full & (start_n + BN <= LK),
+                         window, sinks, LOCAL, HAS_DOCS)  # fmt: skip
+        if kind == PLAIN:  # every pair allowed, inside the window
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = m_new
+            p = tl.exp2(s - m_new[:, None])
+        elif kind == GATED:  # every pair allowed and gated
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # the gate's weight <= 1: s bounds the row
+            m_ref = m_new
+            p = tl.exp2(s - m_new[:, None]) * w
+        else:
+            allowed, gated = _tile_masks(
+                DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
+                cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
+            )  # fmt: skip
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+            p = tl.exp2(s - m_ref[:, None])
+            if not LOCAL:
+                p = tl.where(gated, p * w, p)
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=QK_PREC)
         m_i = m_new
@@ -235,14 +207,56 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
 
 
 @triton.jit
+def _tile_grads(
+    q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb,
+    stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam, window, sinks, cap,
+    HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
+    QK_PREC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """The backward of a ``[BM, BN]`` tile of kind ``kind``, shared by both backward passes:
+    ``(p, ds, d_aff)``, the probabilities, the gradient of the raw (pre-cap) score and the
+    gradient of the affinity ``g_i . g_j`` (a placeholder when ``LOCAL``)."""
+    s, th = _scores(q, k, scale, cap, SOFTCAP, QK_PREC)  # [BM, BN] base 2
+    dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
+    w = s
+    w_rest = s  # 1 - w
+    if not LOCAL:
+        affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN] fp32 (split fp16 tables)
+        w, w_rest = gate_weight(affinity, lam, FAST)
+    if kind == PLAIN:
+        p = tl.exp2(s - lse2[:, None])
+        ds = p * (dp - delta[:, None])  # gradient of the score t
+        d_aff = ds * 0.0
+    elif kind == GATED:
+        p = tl.exp2(s - lse2[:, None]) * w
+        ds = p * (dp - delta[:, None])
+        d_aff = ds * (lam * w_rest)
+    else:
+        allowed, gated = _tile_masks(
+            DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
+            cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
+        )  # fmt: skip
+        p = tl.where(allowed, tl.exp2(s - lse2[:, None]), 0.0)
+        if not LOCAL:
+            p = tl.where(gated, p * w, p)
+        ds = p * (dp - delta[:, None])
+        d_aff = ds * 0.0
+        if not LOCAL:
+            d_aff = tl.where(gated, ds * (lam * w_rest), 0.0)
+    if SOFTCAP:
+        ds = ds * soft_cap_grad(th)
+    return p, ds, d_aff
+
+
+@triton.jit
 def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-time switches
-    Q, K, V, G_Q, G_K, DOC_Q, DOC_K, DOC_END, POS_Q, POS_K, DO, LSE, DELTA, DK, DV, DG_K,
+    Q, K, V, A_Q, A_K, G_Q, DOC_Q, DOC_K, DOC_END, POS_Q, POS_K, DO, LSE, DELTA, DK, DV, DG_K,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
     stride_vh, stride_pqb, stride_pkb,
     LQ, LK, H, HKV, GROUP, scale, lam, window, sinks, cap,
-    D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
-    HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
+    D: tl.constexpr, KA: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
+    QK_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BN`` keys of one (sample, KV head) against the query blocks that may see
     them, for each of the ``GROUP`` query heads: ``dK, dV [b, Lk, Hkv, D]`` (contiguous; ``dO``
@@ -257,9 +271,12 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
     cols = offs_n < LK
     k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
     v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
-    g_k, pos_k, doc_k = _side(
-        G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
-    )
+    a_k = tl.zeros([BN, KA], dtype=tl.float16)
+    if not LOCAL:
+        a_k = _table(A_K, bi, offs_n, cols, LK, KA)
+    kp0, kp1, kd0, kd1 = _corners(POS_K, DOC_K, stride_pkb, bi, pid_n * BN, LK, BN, HAS_POS,
+                                  HAS_DOCS)  # fmt: skip
+    cols_full = pid_n * BN + BN <= LK
     lo, hi = query_range(
         DOC_END, pid_n, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
     )
@@ -275,19 +292,26 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
             q_rows = bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :]
             q = tl.load(Q + q_rows, mask=rows[:, None], other=0.0)
             do = tl.load(DO + q_rows, mask=rows[:, None], other=0.0)
-            g_q, pos_q, doc_q = _side(
-                G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS,
-                LOCAL,
-            )  # fmt: skip
-            lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
+            lse2 = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0) * LOG2E
             delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
+            a_q = a_k  # a placeholder when LOCAL
+            if not LOCAL:
+                a_q = _table(A_Q, bi, offs_m, rows, LQ, KA)
+            qp0, qp1, qd0, qd1 = _corners(POS_Q, DOC_Q, stride_pqb, bi, start_m, LQ, BM, HAS_POS,
+                                          HAS_DOCS)  # fmt: skip
+            full = cols_full & (start_m + BM <= LQ)
+            kind = tile_kind(
+                qp0, qp1, kp0, kp1, qd0, qd1, kd0, kd1, full, window, sinks, LOCAL, HAS_DOCS
+            )
             p, ds, d_aff = _tile_grads(
-                q, k, v, do, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, lse, delta,
-                scale, lam, window, sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+                q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K,
+                stride_pqb, stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam,
+                window, sinks, cap, HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST,
             )  # fmt: skip
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=QK_PREC)
             if not LOCAL:
-                dg_k += tl.dot(tl.trans(d_aff), g_q, input_precision=GATE_PREC)  # [BN, KP]
+                g_q = _table(G_Q, bi, offs_m, rows, LQ, KP)
+                dg_k += tl.dot(tl.trans(d_aff.to(g_q.dtype)), g_q, input_precision=GRAD_PREC)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=QK_PREC)
     kv_rows = ((bi * LK + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, Lk, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
@@ -300,13 +324,13 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
 
 @triton.jit
 def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-time switches
-    Q, K, V, G_Q, G_K, DOC_Q, DOC_K, POS_Q, POS_K, DO, LSE, DELTA, DQ, DG_Q,
+    Q, K, V, A_Q, A_K, G_K, DOC_Q, DOC_K, POS_Q, POS_K, DO, LSE, DELTA, DQ, DG_Q,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
     stride_vh, stride_pqb, stride_pkb,
     LQ, LK, H, GROUP, scale, lam, window, sinks, cap,
-    D: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HAS_DOCS: tl.constexpr,
-    HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr, QK_PREC: tl.constexpr,
-    GATE_PREC: tl.constexpr, PACKED: tl.constexpr,
+    D: tl.constexpr, KA: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
+    QK_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BM`` queries of one (sample, head): ``dQ [b, Lq, H, D]`` (``q``'s
     strides) and the query-side assignment gradient ``dG_q [b, H, Lq, KP]``. Grid
@@ -322,11 +346,14 @@ def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-tim
     q_rows = bi * stride_qb + offs_m[:, None] * stride_qn + h * stride_qh + offs_d[None, :]
     q = tl.load(Q + q_rows, mask=rows[:, None], other=0.0)
     do = tl.load(DO + q_rows, mask=rows[:, None], other=0.0)
-    g_q, pos_q, doc_q = _side(
-        G_Q, DOC_Q, POS_Q, stride_pqb, bi, offs_m, rows, LQ, BM, KP, HAS_DOCS, HAS_POS, LOCAL
-    )
-    lse = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0)
+    a_q = tl.zeros([BM, KA], dtype=tl.float16)
+    if not LOCAL:
+        a_q = _table(A_Q, bi, offs_m, rows, LQ, KA)
+    lse2 = tl.load(LSE + bh * LQ + offs_m, mask=rows, other=0.0) * LOG2E
     delta = tl.load(DELTA + bh * LQ + offs_m, mask=rows, other=0.0)
+    qp0, qp1, qd0, qd1 = _corners(POS_Q, DOC_Q, stride_pqb, bi, pid_m * BM, LQ, BM, HAS_POS,
+                                  HAS_DOCS)  # fmt: skip
+    rows_full = pid_m * BM + BM <= LQ
     lo, hi = key_range(
         DOC_Q, pid_m, bi, LQ, LK, window, sinks, BM, BN, HAS_DOCS, HAS_POS, LOCAL, PACKED
     )
@@ -337,15 +364,21 @@ def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-tim
         cols = offs_n < LK
         k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
         v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
-        g_k, pos_k, doc_k = _side(
-            G_K, DOC_K, POS_K, stride_pkb, bi, offs_n, cols, LK, BN, KP, HAS_DOCS, HAS_POS, LOCAL
-        )
+        a_k = a_q  # a placeholder when LOCAL
+        if not LOCAL:
+            a_k = _table(A_K, bi, offs_n, cols, LK, KA)
+        kp0, kp1, kd0, kd1 = _corners(POS_K, DOC_K, stride_pkb, bi, start_n, LK, BN, HAS_POS,
+                                      HAS_DOCS)  # fmt: skip
+        kind = tile_kind(qp0, qp1, kp0, kp1, qd0, qd1, kd0, kd1, rows_full & (start_n + BN <= LK),
+                         window, sinks, LOCAL, HAS_DOCS)  # fmt: skip
         _, ds, d_aff = _tile_grads(
-            q, k, v, do, g_q, g_k, pos_q, pos_k, rows, cols, doc_q, doc_k, lse, delta, scale,
-            lam, window, sinks, cap, HAS_DOCS, SOFTCAP, LOCAL, QK_PREC, GATE_PREC,
+            q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb,
+            stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam, window, sinks, cap,
+            HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST,
         )  # fmt: skip
         if not LOCAL:
-            dg_q += tl.dot(d_aff, g_k, input_precision=GATE_PREC)  # [BM, KP]
+            g_k = _table(G_K, bi, offs_n, cols, LK, KP)
+            dg_q += tl.dot(d_aff.to(g_k.dtype), g_k, input_precision=GRAD_PREC)  # [BM, KP]
         dq += tl.dot(ds.to(k.dtype), k, input_precision=QK_PREC)
     tl.store(DQ + q_rows, (dq * scale).to(DQ.dtype.element_ty), mask=rows[:, None])
     if not LOCAL:

@@ -68,3 +68,54 @@ def test_triton_rules_equal_the_spec(seed, has_docs):
     assert causal.any() and (~causal).any() and near.any() and (~near).any()  # both sides seen
     assert torch.equal(out[4].bool(), causal)
     assert torch.equal(out[5].bool(), ~near)
+
+
+@triton.jit
+def tile_kind_kernel(POS_Q, POS_K, DOC_Q, DOC_K, OUT, window, sinks, full, BM: tl.constexpr,
+                     BN: tl.constexpr, HAS_DOCS: tl.constexpr, LOCAL: tl.constexpr):  # fmt: skip
+    """:func:`tile_kind` of one tile from its corners."""
+    kind = rules.tile_kind(
+        tl.load(POS_Q), tl.load(POS_Q + BM - 1), tl.load(POS_K), tl.load(POS_K + BN - 1),
+        tl.load(DOC_Q), tl.load(DOC_Q + BM - 1), tl.load(DOC_K), tl.load(DOC_K + BN - 1),
+        full != 0, window, sinks, LOCAL, HAS_DOCS,
+    )  # fmt: skip
+    tl.store(OUT, kind)
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_tile_kind_agrees_with_every_pair(local):
+    """A tile said ``PLAIN`` has every pair allowed and inside the window (or a sink); one said
+    ``GATED`` every pair allowed and gated; the rest are ``MASKED``. On random tiles of sorted
+    positions and documents (a brute force over the tile's pairs), each kind seen."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(7)
+    bm, bn = 16, 16
+    seen = set()
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    for trial in range(120):
+        has_docs, full = trial % 2 == 1, trial % 7 != 0
+        start_q = int(torch.randint(0, 300, (), generator=g))
+        start_k = start_q - int(torch.randint(-20, 260, (), generator=g))
+        pos_q = start_q + torch.arange(bm)
+        pos_k = start_k + torch.arange(bn)
+        period = int(torch.randint(40, 400, (), generator=g))
+        doc_q = (pos_q // period) * period if has_docs else torch.zeros(bm, dtype=torch.int64)
+        doc_k = (pos_k // period) * period if has_docs else torch.zeros(bn, dtype=torch.int64)
+        window, sinks = int(torch.randint(0, 120, (), generator=g)), int(trial % 3 == 0) * 4
+        args = [t.to(device) for t in (pos_q, pos_k, doc_q, doc_k)]
+        tile_kind_kernel[(1,)](*args, out, window, sinks, int(full), BM=bm, BN=bn,
+                               HAS_DOCS=has_docs, LOCAL=local)  # fmt: skip
+        kind = int(out.item())
+        seen.add(kind)
+        allowed, near = pattern.pair_rule(
+            pos_q[:, None], pos_k[None, :], window=window, sinks=sinks,
+            q_doc=doc_q[:, None], k_doc=doc_k[None, :],
+        )  # fmt: skip
+        inside = (pos_q[:, None] - pos_k[None, :]) <= window
+        if kind == rules.PLAIN:
+            assert full and allowed.all() and inside.all(), trial
+        elif kind == rules.GATED:
+            assert full and not local and allowed.all() and not near.any(), trial
+        else:
+            assert kind == rules.MASKED, kind
+    assert seen == ({0, 1} if local else {0, 1, 2})

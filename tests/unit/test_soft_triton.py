@@ -15,12 +15,8 @@ import torch
 
 from focus_pretrain.focus import FocusConfig, Routing, focus_attention
 from focus_pretrain.focus.attention import AttentionRequest, select_backend
-from focus_pretrain.focus.soft_triton import (
-    _document_ends,
-    _strided,
-    runs_on,
-    soft_gated_attention,
-)
+from focus_pretrain.focus.soft_triton import runs_on, soft_gated_attention
+from focus_pretrain.focus.soft_triton_launch import _document_ends, _strided
 from tests.helpers import (
     ON_GPU,
     assert_close,
@@ -286,15 +282,36 @@ def test_ring_step_benchmark_times_the_triton_kernel(tmp_path):
 
 
 def test_tile_override_for_tuning(monkeypatch):
-    from focus_pretrain.focus.soft_triton import HALF_TILES, _blocks
+    from focus_pretrain.focus.triton_tiles import Tile, default_tiles, launch_tiles
 
-    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=128x64, warps=4")
-    blocks = _blocks("cuda", 128)
-    assert blocks["fwd"] == (128, 64) and blocks["opts"]["num_warps"] == 4
-    assert blocks["kv"] == HALF_TILES[128][1]  # the rest keeps its default
-    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=64")
-    with pytest.raises(ValueError, match="FOCUS_TRITON_BLOCKS: bad item 'fwd=64'"):
-        _blocks("cuda", 128)
+    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=128x64, warps=4, q=64x32x8x5")
+    tiles = launch_tiles("half", 128)
+    assert tiles["fwd"] == Tile(128, 64, 4, default_tiles("half", 128, False)["fwd"].stages)
+    assert tiles["q"] == Tile(64, 32, 8, 5)
+    assert (tiles["kv"].bm, tiles["kv"].bn) == (32, 32) and tiles["kv"].warps == 4
+    for bad in ("fwd=64", "fwd=48x64", "kv=64x64x0", "tile=64x64"):
+        monkeypatch.setenv("FOCUS_TRITON_BLOCKS", bad)
+        with pytest.raises(ValueError, match=f"FOCUS_TRITON_BLOCKS: bad item '{bad}'"):
+            launch_tiles("half", 128)
+
+
+def test_measured_tiles_are_read_per_gpu_and_an_unknown_gpu_gets_the_defaults(caplog):
+    """The table's entry for the GPU by name, precision, head dim and layout; another GPU: the
+    defaults, reported once."""
+    from focus_pretrain.focus import triton_tiles
+    from focus_pretrain.focus.triton_tiles import Tile, default_tiles, launch_tiles
+
+    table = triton_tiles.measured_table()
+    for gpu, entry in table.items():  # every entry parses and names its date
+        assert entry["date"] and all(Tile.parse(text) for text in entry["tiles"].values()), gpu
+        for key, text in entry["tiles"].items():
+            precision, size, *rest = key.split("/")
+            tiles = launch_tiles(precision, int(size), rest[0] == "packed", gpu)
+            assert tiles[rest[-1]] == Tile.parse(text)
+    with caplog.at_level("WARNING"):
+        assert launch_tiles("half", 128, False, "No Such GPU") == default_tiles("half", 128, False)
+        launch_tiles("half", 64, False, "No Such GPU")
+    assert sum("No Such GPU" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.fixture
@@ -311,27 +328,23 @@ def test_fp32_tiles_and_products_follow_the_fp32_matmul_precision(fp32_precision
     """fp32 inputs: 3xTF32 products by default, launched only at head dim 64 (above, the
     backward spills: refused with the fixes); with TF32 allowed, TF32 products and their own
     spill-free tiles at every head dim."""
-    from focus_pretrain.focus.soft_triton import (
-        FP32_TILES,
-        TF32_TILES,
-        _blocks,
-        cuda_refusal,
-        fp32_products,
-    )
+    from focus_pretrain.focus.soft_triton import cuda_refusal
+    from focus_pretrain.focus.soft_triton_launch import _blocks, fp32_products
+    from focus_pretrain.focus.triton_tiles import DEFAULTS
 
     fp32_precision.fp32_precision = "ieee"
     assert fp32_products() == "tf32x3"
     refusal = cuda_refusal(torch.float32, head_dim)
     if head_dim == 64:
-        assert refusal is None and _blocks("cuda", 64, torch.float32)["fwd"] == FP32_TILES[64][0]
+        assert refusal is None and _blocks("cuda", 64, torch.float32) == DEFAULTS[("fp32", 64)]
     else:
         assert "spill" in refusal and "fp32_precision = 'tf32'" in refusal and "flex" in refusal
     assert cuda_refusal(torch.bfloat16, head_dim) is None
     fp32_precision.fp32_precision = "tf32"
     assert fp32_products() == "tf32" and cuda_refusal(torch.float32, head_dim) is None
     blocks = _blocks("cuda", head_dim, torch.float32)
-    assert (blocks["fwd"], blocks["kv"], blocks["q"]) == TF32_TILES[head_dim]
-    assert blocks["opts"]["num_stages"] == 1
+    assert blocks == DEFAULTS[("tf32", head_dim)]
+    assert all(tile.stages == 1 for tile in blocks.values())
 
 
 def test_the_backend_names_the_fp32_refusal(fp32_precision):

@@ -1,0 +1,167 @@
+"""Tiles, warps and stages of the ``triton`` backend's kernels: measured per GPU, else defaults.
+
+Each kernel (``fwd``: the forward; ``kv``: the dK/dV pass; ``q``: the dQ pass) launches with a
+:class:`Tile`: ``BM`` queries by ``BN`` keys, its warps and its pipeline stages. Where they come
+from, first match wins:
+
+1. ``FOCUS_TRITON_BLOCKS`` (for tuning), e.g. ``fwd=128x64x8x3,kv=64x128,warps=4``: a kernel's
+   ``BMxBN[xWARPS[xSTAGES]]``, or ``warps=``/``stages=`` for every kernel.
+2. The measured table :data:`TABLE_PATH` (``triton_tiles.json``, written by
+   ``tools/tune_triton.py`` on the GPU: every candidate timed and checked against the reference,
+   the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
+   ``fp32``: 3xTF32 products), the head dim's size class and the layout (``packed``: the
+   group-sorted top-1 path).
+3. :data:`DEFAULTS`: tiles that compile for sm_90 without a register spill (not tuned). A GPU
+   missing from the table is reported once (``logging``), naming the tool that measures it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KERNELS = ("fwd", "kv", "q")
+TABLE_PATH = Path(__file__).with_name("triton_tiles.json")
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One kernel's launch: ``bm`` queries x ``bn`` keys per tile, ``warps``, ``stages``."""
+
+    bm: int
+    bn: int
+    warps: int
+    stages: int
+
+    def text(self) -> str:
+        """``BMxBNxWARPSxSTAGES``, the override's and the table's spelling."""
+        return f"{self.bm}x{self.bn}x{self.warps}x{self.stages}"
+
+    @staticmethod
+    def parse(text: str, base: Tile | None = None) -> Tile:
+        """``BMxBN[xWARPS[xSTAGES]]`` (missing fields from ``base``); ``ValueError`` if bad."""
+        parts = [int(x) for x in text.lower().split("x")]
+        if len(parts) < (2 if base else 4) or len(parts) > 4:
+            raise ValueError(text)
+        if any(x < 16 or x & (x - 1) for x in parts[:2]) or any(x < 1 for x in parts[2:]):
+            raise ValueError(text)
+        fields = parts + [base.warps, base.stages][len(parts) - 2 :] if base else parts
+        return Tile(*fields)
+
+
+def _uniform(fwd: tuple, kv: tuple, q: tuple, warps: int, stages: int) -> dict[str, Tile]:
+    return {key: Tile(*bmn, warps, stages) for key, bmn in zip(KERNELS, (fwd, kv, q), strict=True)}
+
+
+# (precision, head-dim size) -> tiles: compile for sm_90 with no register spill
+# (tools/compile_triton_kernels.py); fp32 with 3xTF32 products only at head dim 64 (above it the
+# backward spills at every tile: soft_triton.cuda_refusal)
+DEFAULTS: dict[tuple[str, int], dict[str, Tile]] = {
+    ("half", 64): _uniform((64, 32), (16, 32), (32, 32), 4, 3),
+    ("half", 128): _uniform((64, 32), (32, 32), (32, 32), 8, 2),
+    ("half", 256): _uniform((32, 64), (16, 32), (16, 64), 8, 2),
+    ("tf32", 64): _uniform((64, 32), (16, 32), (64, 16), 4, 1),
+    ("tf32", 128): _uniform((32, 32), (32, 32), (32, 16), 8, 1),
+    ("tf32", 256): _uniform((32, 32), (16, 32), (16, 32), 8, 1),
+    ("fp32", 64): _uniform((64, 32), (16, 16), (64, 16), 4, 1),
+}
+# the group-sorted layout (packed) at half precision: the dK/dV kernel's loop bounds cost
+# registers; its 32 x 32 tile spilled 4 bytes at head dim 128, 16 x 32 none
+PACKED_DEFAULTS = {("half", 128): {"kv": Tile(16, 32, 8, 2)}}
+
+
+def size_class(head_dim: int) -> int:
+    """The tile table's head-dim class: 64, 128 or 256."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def table_key(precision: str, head_dim: int, kernel: str, packed: bool) -> str:
+    """A measured table's entry name, e.g. ``half/128/fwd`` or ``half/128/packed/kv``."""
+    return "/".join([precision, str(size_class(head_dim)), *(["packed"] if packed else []), kernel])
+
+
+@functools.cache
+def measured_table(path: str = str(TABLE_PATH)) -> dict:
+    """The measured table ``{gpu name: {"tiles": {key: "BMxBNxWxS"}, "date": ..., ...}}``
+    (``{}`` when the file is missing)."""
+    try:
+        return json.loads(Path(path).read_text()).get("gpus", {})
+    except FileNotFoundError:
+        return {}
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _report_untuned(gpu: str) -> None:
+    logger.warning(
+        "triton kernels: no measured tiles for %s in %s; using untuned defaults (measure them "
+        "with tools/tune_triton.py)", gpu, TABLE_PATH.name,
+    )  # fmt: skip
+
+
+def default_tiles(precision: str, head_dim: int, packed: bool) -> dict[str, Tile]:
+    """:data:`DEFAULTS` (and :data:`PACKED_DEFAULTS`) for one launch."""
+    size = size_class(head_dim)
+    tiles = dict(DEFAULTS.get((precision, size), DEFAULTS[("tf32", size)]))
+    if packed:
+        tiles.update(PACKED_DEFAULTS.get((precision, size), {}))
+    return tiles
+
+
+def launch_tiles(
+    precision: str, head_dim: int, packed: bool = False, gpu: str | None = None
+) -> dict[str, Tile]:
+    """Each kernel's :class:`Tile` for a launch on ``gpu`` (``None``: no GPU: the defaults),
+    overridden by ``FOCUS_TRITON_BLOCKS``."""
+    tiles = default_tiles(precision, head_dim, packed)
+    if gpu is not None:
+        entry = measured_table().get(gpu)
+        if entry is None:
+            _report_untuned(gpu)
+        else:
+            for kernel in KERNELS:
+                text = entry["tiles"].get(table_key(precision, head_dim, kernel, packed))
+                if text is not None:
+                    tiles[kernel] = Tile.parse(text)
+    return _override(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
+
+
+def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool) -> dict:
+    """:func:`launch_tiles` for the GPU that holds a tensor."""
+    if not torch.cuda.is_available():  # compiling for a GPU on a host without one
+        return launch_tiles(precision, head_dim, packed)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return launch_tiles(precision, head_dim, packed, _gpu_name(index))
+
+
+def _override(tiles: dict[str, Tile], override: str) -> dict[str, Tile]:
+    """``tiles`` with ``FOCUS_TRITON_BLOCKS``'s items applied."""
+    tiles = dict(tiles)
+    for item in filter(None, (part.strip() for part in override.split(","))):
+        key, _, value = item.partition("=")
+        try:
+            if key in tiles:
+                tiles[key] = Tile.parse(value, tiles[key])
+            elif key in ("warps", "stages"):
+                for kernel, tile in tiles.items():
+                    fields = {"warps": tile.warps, "stages": tile.stages, key: int(value)}
+                    tiles[kernel] = Tile(tile.bm, tile.bn, **fields)
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise ValueError(
+                f"FOCUS_TRITON_BLOCKS: bad item {item!r}; expected fwd|kv|q=BMxBN[xWARPS[xSTAGES]]"
+                " (tile sides powers of two >= 16) or warps|stages=N, comma-separated"
+            ) from None
+    return tiles
