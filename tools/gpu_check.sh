@@ -17,6 +17,10 @@
 #   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
 #   mfu_triton  the ~1B recipe trained through the triton backend (focus.backend=triton)
+#   tune    the triton training kernels: checked against the reference, every candidate tile
+#           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
+#           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
+#           ingredient, non-kernel time, dense beside) and the step per length (tools/tune_triton.py)
 # and writes every log and JSON to $OUT (default runs/gpu-check). Stages are chosen by name:
 #   bash tools/gpu_check.sh                      # all of them
 #   bash tools/gpu_check.sh env tests recipe     # some
@@ -24,7 +28,7 @@
 # recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
 # from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
 # Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, SPARSE_TRAIN_SEQ,
-# RING_ARGS, MFU_ARGS, RECIPE_STEPS.
+# RING_ARGS, MFU_ARGS, RECIPE_STEPS, TUNE_LENGTHS, TUNE_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -145,7 +149,14 @@ stage_mfu_triton() {
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton)
+stage_tune() {
+  cp focus_pretrain/focus/triton_tiles.json "$OUT/triton_tiles.json" 2>/dev/null
+  # shellcheck disable=SC2086
+  $PY tools/tune_triton.py --table "$OUT/triton_tiles.json" --json "$OUT/tune.json" \
+    --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} ${TUNE_ARGS:-}
+}
+
+ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"

@@ -32,10 +32,10 @@ import triton.language as tl
 
 
 @triton.jit
-def soft_cap(raw, cap):
+def soft_cap(raw, cap, FAST: tl.constexpr = False):
     """``(cap * tanh(raw / cap), tanh(raw / cap))``: the capped score and the ``tanh`` its
-    derivative needs (:func:`soft_cap_grad`)."""
-    th = 1.0 - 2.0 / (tl.exp(2.0 * raw / cap) + 1.0)  # tanh(raw / cap), overflow-safe
+    derivative needs (:func:`soft_cap_grad`); ``FAST``: the GPU's ``tanh`` (:func:`tanh`)."""
+    th = tanh(raw / cap, FAST)
     return cap * th, th
 
 

@@ -53,12 +53,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _scores(q, k, scale, cap, SOFTCAP: tl.constexpr, QK_PREC: tl.constexpr):
+def _scores(q, k, scale, cap, SOFTCAP: tl.constexpr, QK_PREC: tl.constexpr, FAST: tl.constexpr):
     """``(s, th)``: the ``[BM, BN]`` scores in base 2 (``log2 e`` times the natural ones, capped
     when ``SOFTCAP``) and the soft-cap's ``tanh`` for its derivative (``s`` itself otherwise)."""
     raw = tl.dot(q, tl.trans(k), input_precision=QK_PREC)  # [BM, BN] fp32
     if SOFTCAP:
-        capped, th = soft_cap(raw * scale, cap)
+        capped, th = soft_cap(raw * scale, cap, FAST)
         return capped * LOG2E, th
     return raw * (scale * LOG2E), raw
 
@@ -162,7 +162,7 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
         cols = offs_n < LK
         k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
         v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
-        s, _ = _scores(q, k, scale, cap, SOFTCAP, QK_PREC)  # [BM, BN] base 2
+        s, _ = _scores(q, k, scale, cap, SOFTCAP, QK_PREC, FAST)  # [BM, BN] base 2
         w = s  # the gate's weights (GATED and MASKED tiles; a placeholder when LOCAL)
         if not LOCAL:
             a_k = _table(A_K, bi, offs_n, cols, LK, KA)
@@ -207,42 +207,62 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
 
 
 @triton.jit
+def _per_query(x, KEYS_FIRST: tl.constexpr):
+    """A per-query ``[BM]`` vector broadcast over the tile's key axis."""
+    if KEYS_FIRST:  # noqa: SIM108
+        y = x[None, :]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
 def _tile_grads(
     q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb,
     stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam, window, sinks, cap,
     HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
-    QK_PREC: tl.constexpr, FAST: tl.constexpr,
+    QK_PREC: tl.constexpr, FAST: tl.constexpr, KEYS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """The backward of a ``[BM, BN]`` tile of kind ``kind``, shared by both backward passes:
-    ``(p, ds, d_aff)``, the probabilities, the gradient of the raw (pre-cap) score and the
-    gradient of the affinity ``g_i . g_j`` (a placeholder when ``LOCAL``)."""
-    s, th = _scores(q, k, scale, cap, SOFTCAP, QK_PREC)  # [BM, BN] base 2
-    dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
+    """The backward of a tile of kind ``kind``, shared by both backward passes: ``(p, ds,
+    d_aff)``, the probabilities, the gradient of the raw (pre-cap) score and the gradient of the
+    affinity ``g_i . g_j`` (a placeholder when ``LOCAL``), each ``[BM, BN]``, or ``[BN, BM]``
+    with ``KEYS_FIRST`` (the dK/dV pass: its products ``p^T dO``, ``dS^T Q`` then take the tiles
+    as they are, with no transpose in registers)."""
+    if KEYS_FIRST:
+        s, th = _scores(k, q, scale, cap, SOFTCAP, QK_PREC, FAST)  # [BN, BM] base 2
+        dp = tl.dot(v, tl.trans(do), input_precision=QK_PREC)  # [BN, BM]
+    else:
+        s, th = _scores(q, k, scale, cap, SOFTCAP, QK_PREC, FAST)  # [BM, BN] base 2
+        dp = tl.dot(do, tl.trans(v), input_precision=QK_PREC)  # [BM, BN]
     w = s
     w_rest = s  # 1 - w
     if not LOCAL:
-        affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN] fp32 (split fp16 tables)
+        if KEYS_FIRST:  # noqa: SIM108
+            affinity = tl.dot(a_k, tl.trans(a_q))  # [BN, BM] fp32 (split fp16 tables)
+        else:
+            affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN]
         w, w_rest = gate_weight(affinity, lam, FAST)
-    if kind == PLAIN:
-        p = tl.exp2(s - lse2[:, None])
-        ds = p * (dp - delta[:, None])  # gradient of the score t
-        d_aff = ds * 0.0
-    elif kind == GATED:
-        p = tl.exp2(s - lse2[:, None]) * w
-        ds = p * (dp - delta[:, None])
-        d_aff = ds * (lam * w_rest)
-    else:
+    lse_safe = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without an allowed key
+    weight = s * 0.0 + 1.0  # PLAIN: every pair allowed and ungated
+    d_gate = s * 0.0  # d t / d affinity
+    if kind == GATED:  # every pair allowed and gated
+        weight = w
+        d_gate = lam * w_rest
+    elif kind != PLAIN:  # (one branch of each kind: Triton 3.6's pipeliner needs it so)
         allowed, gated = _tile_masks(
             DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
             cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
-        )  # fmt: skip
-        p = tl.where(allowed, tl.exp2(s - lse2[:, None]), 0.0)
+        )  # fmt: skip  # [BM, BN]: transposed below (boundary tiles only)
+        if KEYS_FIRST:
+            allowed = tl.trans(allowed)
+            gated = tl.trans(gated)
+        s = tl.where(allowed, s, float("-inf"))
         if not LOCAL:
-            p = tl.where(gated, p * w, p)
-        ds = p * (dp - delta[:, None])
-        d_aff = ds * 0.0
-        if not LOCAL:
-            d_aff = tl.where(gated, ds * (lam * w_rest), 0.0)
+            weight = tl.where(gated, w, 1.0)
+            d_gate = tl.where(gated, lam * w_rest, 0.0)
+    p = tl.exp2(s - _per_query(lse_safe, KEYS_FIRST)) * weight
+    ds = p * (dp - _per_query(delta, KEYS_FIRST))  # gradient of the score t
+    d_aff = ds * d_gate
     if SOFTCAP:
         ds = ds * soft_cap_grad(th)
     return p, ds, d_aff
@@ -306,13 +326,13 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
             p, ds, d_aff = _tile_grads(
                 q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K,
                 stride_pqb, stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam,
-                window, sinks, cap, HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST,
-            )  # fmt: skip
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=QK_PREC)
+                window, sinks, cap, HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST, True,
+            )  # fmt: skip  # [BN, BM] each
+            dv += tl.dot(p.to(do.dtype), do, input_precision=QK_PREC)
             if not LOCAL:
                 g_q = _table(G_Q, bi, offs_m, rows, LQ, KP)
-                dg_k += tl.dot(tl.trans(d_aff.to(g_q.dtype)), g_q, input_precision=GRAD_PREC)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=QK_PREC)
+                dg_k += tl.dot(d_aff.to(g_q.dtype), g_q, input_precision=GRAD_PREC)  # [BN, KP]
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=QK_PREC)
     kv_rows = ((bi * LK + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, Lk, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
     tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=cols[:, None])
@@ -374,7 +394,7 @@ def soft_backward_q_kernel(  # pointers, strides, sizes and scalars, compile-tim
         _, ds, d_aff = _tile_grads(
             q, k, v, do, a_q, a_k, lse2, delta, kind, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb,
             stride_pkb, bi, offs_m, offs_n, rows, cols, LQ, LK, scale, lam, window, sinks, cap,
-            HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST,
+            HAS_DOCS, HAS_POS, SOFTCAP, LOCAL, QK_PREC, FAST, False,
         )  # fmt: skip
         if not LOCAL:
             g_k = _table(G_K, bi, offs_n, cols, LK, KP)

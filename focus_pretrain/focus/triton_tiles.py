@@ -10,7 +10,7 @@ from, first match wins:
    ``tools/tune_triton.py`` on the GPU: every candidate timed and checked against the reference,
    the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
    ``fp32``: 3xTF32 products), the head dim's size class and the layout (``packed``: the
-   group-sorted top-1 path).
+   group-sorted top-1 path; without its own entry, the one-sequence entry).
 3. :data:`DEFAULTS`: tiles that compile for sm_90 without a register spill (not tuned). A GPU
    missing from the table is reported once (``logging``), naming the tool that measures it.
 """
@@ -130,8 +130,10 @@ def launch_tiles(
         if entry is None:
             _report_untuned(gpu)
         else:
-            for kernel in KERNELS:
-                text = entry["tiles"].get(table_key(precision, head_dim, kernel, packed))
+            for kernel in KERNELS:  # packed: its own entry, else the one-sequence entry
+                found = entry["tiles"]
+                text = found.get(table_key(precision, head_dim, kernel, packed))
+                text = text or found.get(table_key(precision, head_dim, kernel, False))
                 if text is not None:
                     tiles[kernel] = Tile.parse(text)
     return _override(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
