@@ -43,7 +43,8 @@ VARIANTS = {  # name: compile-time switches
 }
 KERNELS = {"fwd": "soft_forward_kernel", "kv": "soft_backward_kv_kernel",
            "q": "soft_backward_q_kernel"}  # fmt: skip
-POINTERS = {"A_Q": "fp16", "A_K": "fp16", "LSE": "fp32", "DELTA": "fp32", "DG_Q": "fp32",
+POINTERS = {"A_Q": "fp16", "A_K": "fp16", "DQ_ACC": "fp32", "DG_Q_ACC": "fp32",
+            "LSE": "fp32", "DELTA": "fp32", "DG_Q": "fp32",
             "DG_K": "fp32", "DOC_Q": "i64", "DOC_K": "i64", "DOC_END": "i64", "POS_Q": "i64",
             "POS_K": "i64"}  # fmt: skip
 FLOAT_ARGS = ("scale", "lam", "cap")
@@ -181,6 +182,8 @@ def compile_one(kernel, key: str, dtype: str, head_dim: int, variant: dict, arch
     tile = blocks[key]
     options = dict(num_warps=tile.warps, num_stages=tile.stages)
     backward = dict(KP=16, GRAD_PREC="tf32x3") if key != "fwd" else {}  # as on CUDA, K = 8
+    if key == "kv":
+        backward["ATOMIC_DQ"] = False
     constants = {**dict(D=head_dim, KA=32, BM=tile.bm, BN=tile.bn, HAS_DOCS=False,
                         HAS_POS=False, SOFTCAP=False, LOCAL=False, QK_PREC=qk_prec,
                         FAST=torch_dtype != torch.float32, PACKED=False),

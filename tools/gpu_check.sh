@@ -144,8 +144,11 @@ stage_mfu() {
 }
 
 stage_mfu_triton() {
+  # the tiles a 'tune' stage of this run measured, if any
+  [ -f "$OUT/triton_tiles.json" ] && cp "$OUT/triton_tiles.json" focus_pretrain/focus/triton_tiles.json
   # shellcheck disable=SC2086
-  $PY tools/measure_mfu.py --config configs/1b-8k.yaml --set focus.backend=triton \
+  $PY tools/measure_mfu.py --config configs/1b-8k.yaml ${MFU_TRITON_CONFIGS:-} \
+    --set focus.backend=triton \
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 

@@ -2,12 +2,14 @@
 
 Stages (``--stages``, in this order):
 
-* ``check``   the kernels against the reference (fast and exact gate; soft, and ``hard_gated``
-              top-1 on the group-sorted layout) on a short sequence with documents, sinks and
-              soft-capping: the largest error of the output, log-sum-exp and every gradient;
-* ``tune``    every candidate tile of each kernel (forward, dK/dV, dQ) timed alone and checked
-              against the first; the fastest that agrees is written to the tile table
-              (``--table``, default the package's ``triton_tiles.json``) for this GPU;
+* ``tune``    every candidate tile of each kernel (forward, dK/dV, dQ, and the one-pass backward
+              adding dQ atomically) timed alone and checked against the first; the fastest that
+              agrees is written to the tile table (``--table``, default the package's
+              ``triton_tiles.json``) for this GPU (the one-pass backward only if it wins);
+* ``check``   the kernels with those tiles against the reference (fast and exact gate; soft, and
+              ``hard_gated`` top-1 on the group-sorted layout; both backward forms) on a short
+              sequence with documents, sinks and soft-capping: the largest error of the output,
+              log-sum-exp and every gradient;
 * ``profile`` where the time goes, with the tuned tiles: each kernel and the whole operator per
               variant (each ingredient on in turn; the control is the same kernels computing
               plain causal attention), dense SDPA's forward and backward beside them;
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from focus_pretrain.cli import at_least, tool_parser
 
-STAGES = ("check", "tune", "profile", "lengths")
+STAGES = ("tune", "check", "profile", "lengths")
 
 
 def _parser():
@@ -78,7 +80,7 @@ def _markdown(result: dict) -> str:
             lines.append(f"| {r['kernel']} | {r['tile']} | {ms} | {err[:60]} |")
         lines.append("")
     if "profile" in result:
-        keys = ["fwd", "kv", "q", "bwd", "op_fwd_bwd", "non_kernel", "fwd_bwd"]
+        keys = ["fwd", "kv", "q", "kva", "bwd", "op_fwd_bwd", "non_kernel", "fwd_bwd", "pairs"]
         lines += ["| variant | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
         for r in result["profile"]:
             cells = [f"{r[k]:.3f}" if isinstance(r.get(k), float) else "-" for k in keys]
@@ -121,19 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"case": asdict(case), "device": device}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-    if "check" in args.stages:
-        checked = replace(case, seq=args.check_seq, documents=512, sinks=4, softcap=30.0)
-        cases = {args.dtype: checked}
-        if device == "cuda":  # fp32 inputs (3xTF32 products: launched at head dim 64)
-            cases["fp32 D64"] = replace(checked, dtype="fp32", head_dim=64)
-        result["check"] = {
-            f"{mode} {name}": tk.reference_errors(sized, device, mode)
-            for name, sized in cases.items()
-            for mode in ("soft", "hard_gated")
-        }
-        print(json.dumps({"check": result["check"]}), flush=True)
     if "tune" in args.stages:
-        tiny = {"fwd": ["32x16x4x1"], "kv": ["16x32x4x1"], "q": ["32x16x4x1"]}
+        tiny = {"fwd": ["32x16x4x1"], "kv": ["16x32x4x1"], "q": ["32x16x4x1"],
+                "kva": ["16x16x1x1"]}  # fmt: skip
         pool = tk.candidates(args.head_dim, tiles, tiny if args.tiny else None)
         if device == "cuda":
             jobs = [(case, {**tiles, key: t}) for key, options in pool.items() for t in options]
@@ -148,13 +140,31 @@ def main(argv: list[str] | None = None) -> dict:
             result["tune"]["entry"] = tk.write_table(table, result["gpu"], case, best, False)
         print(json.dumps({"best": best}), flush=True)
     result["tiles"] = {key: tile.text() for key, tile in tiles.items()}
+    if "check" in args.stages:
+        checked = replace(case, seq=args.check_seq, documents=512, sinks=4, softcap=30.0)
+        cases = {args.dtype: checked}
+        if device == "cuda":  # fp32 inputs (3xTF32 products: launched at head dim 64)
+            cases["fp32 D64"] = replace(checked, dtype="fp32", head_dim=64)
+        splits = ["kva=off"] + (["tuned"] if "kva" in tiles else [])  # both backward forms
+        result["check"] = {}
+        for split in splits:
+            blocks = tk.tiles_override(tiles) + (",kva=off" if split == "kva=off" else "")
+            for name, sized in cases.items():
+                tuned = device == "cuda" and sized.dtype == args.dtype  # fp32: its own tiles
+                if split == "tuned" and not tuned:
+                    continue
+                with tk._env(FOCUS_TRITON_BLOCKS=blocks if tuned else None):
+                    for mode in ("soft", "hard_gated"):
+                        key = f"{mode} {name}" + (" atomic dQ" if split == "tuned" else "")
+                        result["check"][key] = tk.reference_errors(sized, device, mode)
+        print(json.dumps({"check": result["check"]}), flush=True)
     if "profile" in args.stages:
         if device == "cuda":
             jobs = [(replace(case, **fields), tiles) for fields in tk.VARIANTS.values()]
             tk.precompile(jobs, device, args.processes)
         result["profile"] = tk.profile_rows(case, device, tiles, measure)
         for row in result["profile"]:
-            row.setdefault("bwd", row.get("kv", 0.0) + row.get("q", 0.0))
+            row.setdefault("bwd", sum(row.get(k, 0.0) for k in ("kv", "q", "kva")))
         print(json.dumps({"profile": result["profile"]}), flush=True)
     if "lengths" in args.stages:
         with tk._env(FOCUS_TRITON_BLOCKS=tk.tiles_override(tiles)):

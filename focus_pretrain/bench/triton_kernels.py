@@ -40,7 +40,7 @@ from focus_pretrain.focus.soft_triton_launch import (
     launch_forward,
     precision_class,
 )
-from focus_pretrain.focus.triton_tiles import KERNELS, Tile, table_key
+from focus_pretrain.focus.triton_tiles import ATOMIC, KERNELS, Tile, table_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNLIMITED = 2**62  # the control's window: every causal pair inside it
@@ -145,34 +145,51 @@ def timer(device: str, warmup_ms: int = 25, rep_ms: int = 100) -> Callable[[Call
     return once
 
 
+def _prepared(case: Case, data: dict, tiles: dict[str, Tile]) -> tuple:
+    """``(run, out, lse, grads)``: a launch of ``case``, its forward with ``tiles["fwd"]`` and
+    the backward's state (atomic dQ when ``tiles`` has ``kva``)."""
+    run = build_launch(case, data)
+    out, lse = launch_forward(run, tiles["fwd"])
+    docs = data["docs"] is not None
+    grads = BackwardState.build(run, data["d_out"], None, out, lse, docs, ATOMIC in tiles)
+    return run, out, lse, grads
+
+
 def kernel_results(case: Case, data: dict, tiles: dict[str, Tile]) -> dict[str, list[Tensor]]:
     """Each kernel's outputs with ``tiles``: ``fwd: [out, lse]``, ``kv: [dk, dv, dg_k]``,
-    ``q: [dq, dg_q]`` (the assignment gradients absent for a sliding-window layer)."""
+    ``q: [dq, dg_q]`` (the assignment gradients absent for a sliding-window layer); with
+    ``kva`` in ``tiles`` (one pass, atomic dQ) ``kva: [dk, dv, dg_k, dq, dg_q]`` instead of
+    ``kv`` and ``q``."""
     with _gate_env(case):
-        run = build_launch(case, data)
-        out, lse = launch_forward(run, tiles["fwd"])
-        grads = BackwardState.build(run, data["d_out"], None, out, lse, data["docs"] is not None)
-        launch_backward_kv(run, grads, tiles["kv"])
-        launch_backward_q(run, grads, tiles["q"])
+        run, out, lse, grads = _prepared(case, data, tiles)
+        if grads.atomic:
+            launch_backward_kv(run, grads, tiles[ATOMIC])
+        else:
+            launch_backward_kv(run, grads, tiles["kv"])
+            launch_backward_q(run, grads, tiles["q"])
     gated = not case.local
-    return {
-        "fwd": [out, lse],
-        "kv": [grads.dk, grads.dv, *([grads.dg_k] if gated else [])],
-        "q": [grads.dq, *([grads.dg_q] if gated else [])],
-    }
+    kv = [grads.dk, grads.dv, *([grads.dg_k] if gated else [])]
+    q = [grads.dq, *([grads.dg_q] if gated else [])]
+    return {"fwd": [out, lse], **({ATOMIC: kv + q} if grads.atomic else {"kv": kv, "q": q})}
 
 
 def kernel_times(case: Case, data: dict, tiles: dict[str, Tile], measure: Callable) -> dict:
-    """Milliseconds of each kernel launched alone with ``tiles`` (inputs prepared outside)."""
+    """Milliseconds of each kernel launched alone with ``tiles`` (inputs prepared outside; the
+    atomic pass with the zeroing and conversion of its accumulators)."""
     with _gate_env(case):
-        run = build_launch(case, data)
-        out, lse = launch_forward(run, tiles["fwd"])
-        grads = BackwardState.build(run, data["d_out"], None, out, lse, data["docs"] is not None)
-        return {
-            "fwd": measure(lambda: launch_forward(run, tiles["fwd"])),
-            "kv": measure(lambda: launch_backward_kv(run, grads, tiles["kv"])),
-            "q": measure(lambda: launch_backward_q(run, grads, tiles["q"])),
-        }
+        run, _, _, grads = _prepared(case, data, tiles)
+        times = {"fwd": measure(lambda: launch_forward(run, tiles["fwd"]))}
+        if grads.atomic:
+
+            def atomic() -> None:
+                grads.dq_acc.zero_()
+                grads.dg_q.zero_()
+                launch_backward_kv(run, grads, tiles[ATOMIC])
+
+            return {**times, ATOMIC: measure(atomic)}
+        times["kv"] = measure(lambda: launch_backward_kv(run, grads, tiles["kv"]))
+        times["q"] = measure(lambda: launch_backward_q(run, grads, tiles["q"]))
+        return times
 
 
 def tiles_override(tiles: dict[str, Tile]) -> str:
@@ -233,8 +250,18 @@ def profile_rows(case: Case, device: str, tiles: dict[str, Tile], measure: Calla
         with _gate_env(variant), _env(FOCUS_TRITON_BLOCKS=tiles_override(tiles)):
             total = measure(op_step(variant, data))
         rest = total - sum(kernels.values())
-        rows.append(dict(variant=name, **kernels, op_fwd_bwd=total, non_kernel=rest))
+        pairs = causal_pair_fraction(data["docs"], variant.seq)
+        rows.append(dict(variant=name, **kernels, op_fwd_bwd=total, non_kernel=rest, pairs=pairs))
     return rows
+
+
+def causal_pair_fraction(docs: Tensor | None, seq: int) -> float:
+    """The fraction of the causal pairs inside documents (1.0 without documents): the work a
+    variant with documents has left, to compare its times per pair."""
+    if docs is None:
+        return 1.0
+    lengths = torch.unique_consecutive(docs[0].cpu(), return_counts=True)[1].double()
+    return float((lengths * (lengths + 1) / 2).sum() / (seq * (seq + 1) / 2))
 
 
 def _agreement(got: list[Tensor], want: list[Tensor]) -> float:
@@ -250,12 +277,14 @@ def _agreement(got: list[Tensor], want: list[Tensor]) -> float:
 def tune_rows(
     case: Case, device: str, candidates: dict[str, list[Tile]], measure: Callable, log=print
 ) -> list[dict]:
-    """Every candidate of every kernel, timed alone and checked against the kernel's first
-    candidate (the others' tiles fixed at their first): rows ``{kernel, tile, ms, error}`` (an
+    """Every candidate of every kernel (``kva``: the one-pass backward with atomic dQ, checked
+    against ``kv`` and ``q``), timed alone and checked against the kernels' first candidates
+    (the other kernels' tiles fixed at their first): rows ``{kernel, tile, ms, error}`` (an
     ``error`` string for a candidate that fails to compile or launch)."""
     data = inputs(case, device)
-    first = {key: tiles[0] for key, tiles in candidates.items()}
+    first = {key: tiles[0] for key, tiles in candidates.items() if key != ATOMIC}
     want = kernel_results(case, data, first)
+    want[ATOMIC] = want["kv"] + want["q"]
     rows = []
     for kernel, tiles in candidates.items():
         for tile in tiles:
@@ -274,15 +303,19 @@ def tune_rows(
 
 def best_tiles(rows: list[dict], tolerance: float) -> dict[str, dict]:
     """Per kernel, the fastest candidate whose error is within ``tolerance``:
-    ``{kernel: {"tile", "ms", "first_ms"}}`` (``first_ms``: the first candidate's time)."""
+    ``{kernel: {"tile", "ms", "first_ms"}}`` (``first_ms``: the first candidate's time);
+    ``kva`` only when its one pass beats the best ``kv`` and ``q`` together."""
     best = {}
-    for kernel in KERNELS:
+    for kernel in (*KERNELS, ATOMIC):
         mine = [r for r in rows if r["kernel"] == kernel]
         good = [r for r in mine if r["ms"] is not None and isinstance(r["error"], float)]
         good = [r for r in good if r["error"] <= tolerance]
         if good:
             fastest = min(good, key=lambda r: r["ms"])
             best[kernel] = dict(tile=fastest["tile"], ms=fastest["ms"], first_ms=mine[0]["ms"])
+    split = [best.get(k, {}).get("ms") for k in ("kv", "q")]
+    if ATOMIC in best and None not in split and best[ATOMIC]["ms"] >= sum(split):
+        del best[ATOMIC]
     return best
 
 
@@ -295,6 +328,7 @@ def write_table(path: Path, gpu: str, case: Case, best: dict[str, dict], packed:
     gpus = table.setdefault("gpus", {})
     entry = gpus.setdefault(gpu, {"tiles": {}})
     precision = precision_class(DTYPES[case.dtype])
+    entry["tiles"].pop(table_key(precision, case.head_dim, ATOMIC, packed), None)  # re-decided
     for kernel, found in best.items():
         entry["tiles"][table_key(precision, case.head_dim, kernel, packed)] = found["tile"]
     entry.update(
@@ -392,6 +426,8 @@ HALF_CANDIDATES = {
            "64x128x8x2", "16x64x4x3", "16x128x8x3", "128x128x8x2", "128x64x8x2", "64x64x4x2"],
     "q": ["64x32x4x3", "64x64x4x3", "64x64x8x3", "128x32x8x3", "128x64x8x3", "128x64x8x2",
           "128x32x4x3", "64x128x8x2", "32x64x4x3", "128x128x8x2"],
+    ATOMIC: ["32x64x4x3", "64x64x8x3", "64x64x4x3", "32x128x8x3", "64x128x8x3", "64x128x8x2",
+             "16x128x8x3", "128x64x8x2"],
 }  # fmt: skip
 
 
@@ -400,9 +436,11 @@ def candidates(head_dim: int, first: dict[str, Tile], extra: dict | None = None)
     :data:`HALF_CANDIDATES` (``extra`` instead when given: e.g. tiny tiles on a CPU)."""
     pool = extra if extra is not None else HALF_CANDIDATES
     result = {}
-    for key in KERNELS:
-        tiles = [first[key]] + [Tile.parse(text) for text in pool.get(key, [])]
-        result[key] = list(dict.fromkeys(tiles))  # first kept first, duplicates dropped
+    for key in (*KERNELS, ATOMIC):
+        tiles = [first[key]] if key in first else []
+        tiles += [Tile.parse(text) for text in pool.get(key, [])]
+        if tiles:
+            result[key] = list(dict.fromkeys(tiles))  # first kept first, duplicates dropped
     return result
 
 

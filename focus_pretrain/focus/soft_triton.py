@@ -188,10 +188,14 @@ def soft_attention_backward(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k,
         (window, gate_lambda, softcap, scale, sinks, packed), backward=True,
     )  # fmt: skip
-    grads = BackwardState.build(run, d_out, d_lse, out, lse, doc_q is not None)
     tiles = run.tiles()
-    launch_backward_kv(run, grads, tiles["kv"])
-    launch_backward_q(run, grads, tiles["q"])
+    atomic = "kva" in tiles and not torch.are_deterministic_algorithms_enabled()
+    grads = BackwardState.build(run, d_out, d_lse, out, lse, doc_q is not None, atomic)
+    if atomic:  # one pass: dQ added atomically (the tile table says it is faster here)
+        launch_backward_kv(run, grads, tiles["kva"])
+    else:
+        launch_backward_kv(run, grads, tiles["kv"])
+        launch_backward_q(run, grads, tiles["q"])
     q, settings = run.q, run.settings
     dq, dk, dv, dg_q, dg_k = grads.dq, grads.dk, grads.dv, grads.dg_q, grads.dg_k
     if settings.local:

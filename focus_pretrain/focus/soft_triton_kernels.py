@@ -269,19 +269,39 @@ def _tile_grads(
 
 
 @triton.jit
+def _add_query_grads(DQ_ACC, DG_Q_ACC, ds, d_aff, k, g_k, bi, bh, h, H, offs_m, rows, offs_d, LQ,
+                     scale, D: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr,
+                     QK_PREC: tl.constexpr, GRAD_PREC: tl.constexpr):  # fmt: skip
+    """A keys-first tile's share of ``dQ = dS K`` and ``dG_q = dA G_k`` (``ds``, ``d_aff``:
+    ``[BN, BM]``), added atomically into the fp32 accumulators."""
+    dq = tl.dot(tl.trans(ds.to(k.dtype)), k, input_precision=QK_PREC) * scale  # [BM, D]
+    dq_rows = ((bi * LQ + offs_m) * H + h)[:, None] * D + offs_d[None, :]  # [b, Lq, H, D]
+    tl.atomic_add(DQ_ACC + dq_rows, dq, mask=rows[:, None], sem="relaxed")
+    if not LOCAL:
+        dg = tl.dot(tl.trans(d_aff.to(g_k.dtype)), g_k, input_precision=GRAD_PREC)  # [BM, KP]
+        offs_g = tl.arange(0, KP)
+        dg_rows = (bh * LQ + offs_m)[:, None] * KP + offs_g[None, :]  # [b, H, Lq, KP]
+        tl.atomic_add(DG_Q_ACC + dg_rows, dg, mask=rows[:, None], sem="relaxed")
+
+
+@triton.jit
 def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-time switches
-    Q, K, V, A_Q, A_K, G_Q, DOC_Q, DOC_K, DOC_END, POS_Q, POS_K, DO, LSE, DELTA, DK, DV, DG_K,
+    Q, K, V, A_Q, A_K, G_Q, G_K, DOC_Q, DOC_K, DOC_END, POS_Q, POS_K, DO, LSE, DELTA, DK, DV,
+    DG_K, DQ_ACC, DG_Q_ACC,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
     stride_vh, stride_pqb, stride_pkb,
     LQ, LK, H, HKV, GROUP, scale, lam, window, sinks, cap,
     D: tl.constexpr, KA: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr, SOFTCAP: tl.constexpr, LOCAL: tl.constexpr,
     QK_PREC: tl.constexpr, GRAD_PREC: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):  # fmt: skip
     """One program: ``BN`` keys of one (sample, KV head) against the query blocks that may see
     them, for each of the ``GROUP`` query heads: ``dK, dV [b, Lk, Hkv, D]`` (contiguous; ``dO``
     has ``q``'s strides) and the key-side assignment gradient ``dG_k [b, Hkv, Lk, KP]``. Grid
-    ``(cdiv(Lk, BN), b * Hkv)``."""
+    ``(cdiv(Lk, BN), b * Hkv)``. ``ATOMIC_DQ`` (FlashAttention-2's backward): also each tile's
+    share of ``dQ`` and ``dG_q``, added atomically into ``DQ_ACC [b, Lq, H, D]`` and ``DG_Q_ACC
+    [b, H, Lq, KP]`` (fp32, zeroed): no dQ pass, at the price of atomics (not deterministic)."""
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     bi = bhk // HKV
@@ -294,6 +314,9 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
     a_k = tl.zeros([BN, KA], dtype=tl.float16)
     if not LOCAL:
         a_k = _table(A_K, bi, offs_n, cols, LK, KA)
+    g_k = a_k  # a placeholder unless ATOMIC_DQ
+    if ATOMIC_DQ and not LOCAL:
+        g_k = _table(G_K, bi, offs_n, cols, LK, KP)
     kp0, kp1, kd0, kd1 = _corners(POS_K, DOC_K, stride_pkb, bi, pid_n * BN, LK, BN, HAS_POS,
                                   HAS_DOCS)  # fmt: skip
     cols_full = pid_n * BN + BN <= LK
@@ -333,6 +356,9 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
                 g_q = _table(G_Q, bi, offs_m, rows, LQ, KP)
                 dg_k += tl.dot(d_aff.to(g_q.dtype), g_q, input_precision=GRAD_PREC)  # [BN, KP]
             dk += tl.dot(ds.to(q.dtype), q, input_precision=QK_PREC)
+            if ATOMIC_DQ:
+                _add_query_grads(DQ_ACC, DG_Q_ACC, ds, d_aff, k, g_k, bi, bh, h, H, offs_m, rows,
+                                 offs_d, LQ, scale, D, KP, LOCAL, QK_PREC, GRAD_PREC)  # fmt: skip
     kv_rows = ((bi * LK + offs_n) * HKV + hk)[:, None] * D + offs_d[None, :]  # [b, Lk, Hkv, D]
     tl.store(DK + kv_rows, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None])
     tl.store(DV + kv_rows, dv.to(DV.dtype.element_ty), mask=cols[:, None])

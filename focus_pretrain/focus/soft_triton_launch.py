@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from focus_pretrain.focus.triton_tiles import KERNELS, Tile, cuda_tiles
+from focus_pretrain.focus.triton_tiles import KERNELS, Tile, cuda_tiles, override_tiles
 
 
 @torch.compiler.assume_constant_result
@@ -47,9 +47,10 @@ def _blocks(
     (:func:`~focus_pretrain.focus.triton_tiles.launch_tiles`); in the interpreter small square
     tiles (``FOCUS_TRITON_TEST_BLOCK``, default 16: many blocks on small tests)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda":  # (kva=BMxBN in FOCUS_TRITON_BLOCKS: the atomic dQ path)
         block = int(os.environ.get("FOCUS_TRITON_TEST_BLOCK", "16"))
-        return {key: Tile(block, block, 1, 1) for key in KERNELS}
+        tiles = {key: Tile(block, block, 1, 1) for key in KERNELS}
+        return override_tiles(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
     return cuda_tiles(device, precision_class(dtype), head_dim, packed)
 
 
@@ -250,7 +251,8 @@ class BackwardState:
     """The backward kernels' other inputs (``dO`` with ``q``'s strides, ``lse``, ``delta``, the
     document ends) and their outputs (``dq``, ``dk``, ``dv`` and the per-head assignment
     gradients ``dg_q [b, H, Lq, KP]``, ``dg_k [b, Hkv, Lk, KP]`` fp32; ``q`` placeholders for a
-    sliding-window layer)."""
+    sliding-window layer). ``atomic``: the dK/dV kernel adds ``dQ`` into ``dq_acc [b, Lq, H,
+    D]`` fp32 and ``dG_q`` into ``dg_q`` (both zeroed), and there is no dQ pass."""
 
     d_out: Tensor
     lse: Tensor
@@ -261,32 +263,43 @@ class BackwardState:
     dv: Tensor
     dg_q: Tensor
     dg_k: Tensor
+    dq_acc: Tensor
+    atomic: bool
 
     @staticmethod
     def build(
-        run: Launch, d_out: Tensor, d_lse: Tensor | None, out: Tensor, lse: Tensor, docs: bool
+        run: Launch,
+        d_out: Tensor,
+        d_lse: Tensor | None,
+        out: Tensor,
+        lse: Tensor,
+        docs: bool,
+        atomic: bool = False,
     ) -> BackwardState:
         """From the gradients of ``out [b, Lq, H, D]`` and ``lse [b, H, Lq]`` (``None``:
         unused) and the forward's outputs; ``docs``: the call has document starts."""
         q, k, settings = run.q, run.k, run.settings
-        b, lq, h, _ = q.shape
+        b, lq, h, d = q.shape
         lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
         if d_out.stride() != q.stride():  # the kernels read dO (and write dQ) with q's strides
             d_out = torch.empty_like(q).copy_(d_out)
         delta = (d_out.float() * out.float()).sum(-1).transpose(1, 2)  # [b, Lq, H] -> [b, H, Lq]
         if d_lse is not None:  # lse_i = log sum_j exp(t_ij): dt_ij gets p_ij d_lse_i
             delta = delta - d_lse.float()
+        new = torch.zeros if atomic else torch.empty
         dg_q = dg_k = q  # not written by a LOCAL kernel
         if not settings.local:
-            dg_q = torch.empty(b, h, lq, kp, device=q.device, dtype=torch.float32)
+            dg_q = new(b, h, lq, kp, device=q.device, dtype=torch.float32)
             dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
         doc_end = q
         if docs and (settings.packed or not settings.positions):
             doc_end = _document_ends(run.doc_q)
         dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, run.v))
+        dq_acc = torch.zeros(b, lq, h, d, device=q.device, dtype=torch.float32) if atomic else q
         return BackwardState(
-            d_out, lse, delta.contiguous(), doc_end, torch.empty_like(q), dk, dv, dg_q, dg_k
-        )  # dq: q's strides (_strided); dk, dv dense
+            d_out, lse, delta.contiguous(), doc_end, torch.empty_like(q), dk, dv, dg_q, dg_k,
+            dq_acc, atomic,
+        )  # fmt: skip  # dq: q's strides (_strided); dk, dv dense
 
 
 def _strides(run: Launch) -> tuple:
@@ -312,18 +325,22 @@ def launch_forward(run: Launch, tile: Tile) -> tuple[Tensor, Tensor]:
 
 
 def launch_backward_kv(run: Launch, grads: BackwardState, tile: Tile) -> None:
-    """The dK/dV kernel: fills ``grads.dk``, ``grads.dv`` and ``grads.dg_k``."""
+    """The dK/dV kernel: fills ``grads.dk``, ``grads.dv`` and ``grads.dg_k``; with
+    ``grads.atomic`` also ``grads.dq`` and ``grads.dg_q`` (no dQ pass follows)."""
     from focus_pretrain.focus import soft_triton_kernels as kernels
 
     q, k = run.q, run.k
     b, lq, h, _ = q.shape
     lk, hkv = k.shape[1], k.shape[2]
     kernels.soft_backward_kv_kernel[(_cdiv(lk, tile.bn), b * hkv)](
-        q, k, run.v, run.a_q, run.a_k, run.g_q, run.doc_q, run.doc_k, grads.doc_end, run.pos_q,
-        run.pos_k, grads.d_out, grads.lse, grads.delta, grads.dk, grads.dv, grads.dg_k,
-        *_strides(run), *run.pos_strides, lq, lk, h, hkv, h // hkv, *run.settings.scalars(),
+        q, k, run.v, run.a_q, run.a_k, run.g_q, run.g_k, run.doc_q, run.doc_k, grads.doc_end,
+        run.pos_q, run.pos_k, grads.d_out, grads.lse, grads.delta, grads.dk, grads.dv,
+        grads.dg_k, grads.dq_acc, grads.dg_q, *_strides(run), *run.pos_strides, lq, lk, h, hkv,
+        h // hkv, *run.settings.scalars(), ATOMIC_DQ=grads.atomic,
         **run.settings.constants(q, "kv", tile),
     )  # fmt: skip
+    if grads.atomic:
+        grads.dq.copy_(grads.dq_acc)  # [b, Lq, H, D] fp32 -> q's dtype and strides
 
 
 def launch_backward_q(run: Launch, grads: BackwardState, tile: Tile) -> None:

@@ -5,7 +5,8 @@ Each kernel (``fwd``: the forward; ``kv``: the dK/dV pass; ``q``: the dQ pass) l
 from, first match wins:
 
 1. ``FOCUS_TRITON_BLOCKS`` (for tuning), e.g. ``fwd=128x64x8x3,kv=64x128,warps=4``: a kernel's
-   ``BMxBN[xWARPS[xSTAGES]]``, or ``warps=``/``stages=`` for every kernel.
+   ``BMxBN[xWARPS[xSTAGES]]``, or ``warps=``/``stages=`` for every kernel. ``kva=...`` launches
+   the backward as one dK/dV pass adding dQ atomically (:data:`ATOMIC`; ``kva=off``: not).
 2. The measured table :data:`TABLE_PATH` (``triton_tiles.json``, written by
    ``tools/tune_triton.py`` on the GPU: every candidate timed and checked against the reference,
    the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 KERNELS = ("fwd", "kv", "q")
+ATOMIC = "kva"  # the dK/dV kernel adding dQ atomically: used (no dQ pass) when the table has it
 TABLE_PATH = Path(__file__).with_name("triton_tiles.json")
 logger = logging.getLogger(__name__)
 
@@ -130,13 +132,13 @@ def launch_tiles(
         if entry is None:
             _report_untuned(gpu)
         else:
-            for kernel in KERNELS:  # packed: its own entry, else the one-sequence entry
+            for kernel in (*KERNELS, ATOMIC):  # packed: its own entry, else the one-sequence one
                 found = entry["tiles"]
                 text = found.get(table_key(precision, head_dim, kernel, packed))
                 text = text or found.get(table_key(precision, head_dim, kernel, False))
                 if text is not None:
                     tiles[kernel] = Tile.parse(text)
-    return _override(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
+    return override_tiles(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
 
 
 def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool) -> dict:
@@ -147,14 +149,16 @@ def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool
     return launch_tiles(precision, head_dim, packed, _gpu_name(index))
 
 
-def _override(tiles: dict[str, Tile], override: str) -> dict[str, Tile]:
+def override_tiles(tiles: dict[str, Tile], override: str) -> dict[str, Tile]:
     """``tiles`` with ``FOCUS_TRITON_BLOCKS``'s items applied."""
     tiles = dict(tiles)
     for item in filter(None, (part.strip() for part in override.split(","))):
         key, _, value = item.partition("=")
         try:
-            if key in tiles:
-                tiles[key] = Tile.parse(value, tiles[key])
+            if key == ATOMIC and value == "off":
+                tiles.pop(ATOMIC, None)
+            elif key in tiles or key == ATOMIC:
+                tiles[key] = Tile.parse(value, tiles.get(key, tiles["kv"]))
             elif key in ("warps", "stages"):
                 for kernel, tile in tiles.items():
                     fields = {"warps": tile.warps, "stages": tile.stages, key: int(value)}
@@ -163,7 +167,8 @@ def _override(tiles: dict[str, Tile], override: str) -> dict[str, Tile]:
                 raise ValueError(key)
         except ValueError:
             raise ValueError(
-                f"FOCUS_TRITON_BLOCKS: bad item {item!r}; expected fwd|kv|q=BMxBN[xWARPS[xSTAGES]]"
-                " (tile sides powers of two >= 16) or warps|stages=N, comma-separated"
+                f"FOCUS_TRITON_BLOCKS: bad item {item!r}; expected fwd|kv|q|kva=BMxBN[xWARPS"
+                "[xSTAGES]] (tile sides powers of two >= 16; kva=off: no atomic dQ) or "
+                "warps|stages=N, comma-separated"
             ) from None
     return tiles

@@ -412,3 +412,15 @@ def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
     failed = [(r["kernel"], r["dtype"], r["variant"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed
     assert all(0 < r["shared_bytes"] <= r["shared_limit"] for r in rows)
+
+
+@pytest.mark.parametrize("p", [CASES[0], CASES[2], CASES[6]], ids=_case_id)
+def test_one_pass_backward_with_atomic_dq_equals_reference(monkeypatch, p):
+    """The backward as one dK/dV pass adding dQ and the query-side assignment gradient
+    atomically (``kva`` in the tile table), GQA, sinks, documents and a sliding-window layer."""
+    from focus_pretrain.focus.soft_triton_launch import _blocks
+
+    monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "kva=16x16")
+    assert "kva" in _blocks("cpu", p["d"])  # the one-pass form is launched
+    got, want = run_both({**p, "seed": 31})
+    assert_close(got, want, 2e-5)
