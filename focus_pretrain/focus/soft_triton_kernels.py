@@ -315,8 +315,9 @@ def soft_backward_kv_kernel(  # pointers, strides, sizes and scalars, compile-ti
     if not LOCAL:
         a_k = _table(A_K, bi, offs_n, cols, LK, KA)
     g_k = a_k  # a placeholder unless ATOMIC_DQ
-    if ATOMIC_DQ and not LOCAL:
-        g_k = _table(G_K, bi, offs_n, cols, LK, KP)
+    if ATOMIC_DQ:  # noqa: SIM102 (compile-time ifs: nested, not `and`)
+        if not LOCAL:
+            g_k = _table(G_K, bi, offs_n, cols, LK, KP)
     kp0, kp1, kd0, kd1 = _corners(POS_K, DOC_K, stride_pkb, bi, pid_n * BN, LK, BN, HAS_POS,
                                   HAS_DOCS)  # fmt: skip
     cols_full = pid_n * BN + BN <= LK
