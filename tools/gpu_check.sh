@@ -148,7 +148,7 @@ stage_mfu_triton() {
   [ -f "$OUT/triton_tiles.json" ] && cp "$OUT/triton_tiles.json" focus_pretrain/focus/triton_tiles.json
   # shellcheck disable=SC2086
   $PY tools/measure_mfu.py --config configs/1b-8k.yaml ${MFU_TRITON_CONFIGS:-} \
-    --set focus.backend=triton \
+    --set model.focus.backend=triton \
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 

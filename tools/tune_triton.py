@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from focus_pretrain.bench import triton_kernels as tk
     from focus_pretrain.focus.soft_triton_launch import _blocks
-    from focus_pretrain.focus.triton_tiles import TABLE_PATH, Tile
+    from focus_pretrain.focus.triton_tiles import Tile, table_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     case = tk.Case(
@@ -135,9 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
         best = tk.best_tiles(rows, args.tolerance)
         result["tune"] = {"rows": rows, "best": best}
         tiles = {**tiles, **{key: Tile.parse(found["tile"]) for key, found in best.items()}}
-        if device == "cuda":
-            table = args.table or TABLE_PATH
-            result["tune"]["entry"] = tk.write_table(table, result["gpu"], case, best, False)
+        if device == "cuda" or args.table:  # on a CPU only into a table named explicitly
+            gpu = result.get("gpu", "Triton interpreter (CPU)")
+            table = args.table or table_path()
+            result["tune"]["entry"] = tk.write_table(table, gpu, case, best, False)
         print(json.dumps({"best": best}), flush=True)
     result["tiles"] = {key: tile.text() for key, tile in tiles.items()}
     if "check" in args.stages:

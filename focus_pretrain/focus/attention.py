@@ -69,7 +69,9 @@ from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.segments import segments_attention
 from focus_pretrain.focus.soft_triton import cuda_refusal, runs_on, supports
+from focus_pretrain.focus.soft_triton_launch import precision_class
 from focus_pretrain.focus.sorted_triton import triton_attention
+from focus_pretrain.focus.triton_tiles import triton_fastest_here
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 __all__ = [
@@ -339,7 +341,12 @@ def _segments_priority(r: AttentionRequest) -> int | None:
 def _triton_priority(r: AttentionRequest) -> int | None:
     if not runs_on(r.device, r.dtype) or not supports(r.head_dim) or _triton_unavailable(r):
         return None
-    return -30  # by name only, never ``auto`` (yet)
+    # ``auto`` trains the soft gate on it where the tile table measured it fastest for this
+    # GPU (focus/triton_tiles.json, tools/tune_triton.py); elsewhere by name only
+    fastest = r.kind == "soft" and r.needs_grad and r.device == "cuda"
+    if fastest and triton_fastest_here(precision_class(r.dtype), r.head_dim, "soft"):
+        return 40
+    return -30
 
 
 def _triton_unavailable(r: AttentionRequest) -> str | None:

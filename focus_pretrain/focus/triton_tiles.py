@@ -7,9 +7,9 @@ from, first match wins:
 1. ``FOCUS_TRITON_BLOCKS`` (for tuning), e.g. ``fwd=128x64x8x3,kv=64x128,warps=4``: a kernel's
    ``BMxBN[xWARPS[xSTAGES]]``, or ``warps=``/``stages=`` for every kernel. ``kva=...`` launches
    the backward as one dK/dV pass adding dQ atomically (:data:`ATOMIC`; ``kva=off``: not).
-2. The measured table :data:`TABLE_PATH` (``triton_tiles.json``, written by
-   ``tools/tune_triton.py`` on the GPU: every candidate timed and checked against the reference,
-   the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
+2. The measured table (``FOCUS_TRITON_TILES``, else the package's ``triton_tiles.json``,
+   :data:`TABLE_PATH`; written by ``tools/tune_triton.py`` on the GPU: every candidate timed and
+   checked against the first, the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
    ``fp32``: 3xTF32 products), the head dim's size class and the layout (``packed``: the
    group-sorted top-1 path; without its own entry, the one-sequence entry).
 3. :data:`DEFAULTS`: tiles that compile for sm_90 without a register spill (not tuned). A GPU
@@ -62,21 +62,24 @@ def _uniform(fwd: tuple, kv: tuple, q: tuple, warps: int, stages: int) -> dict[s
     return {key: Tile(*bmn, warps, stages) for key, bmn in zip(KERNELS, (fwd, kv, q), strict=True)}
 
 
-# (precision, head-dim size) -> tiles: compile for sm_90 with no register spill
-# (tools/compile_triton_kernels.py); fp32 with 3xTF32 products only at head dim 64 (above it the
-# backward spills at every tile: soft_triton.cuda_refusal)
+# (precision, head-dim size) -> tiles. Half precision at head dim 128: the H200's measured tiles
+# (2026-11-27, triton_tiles.json: 2-8x faster than the spill-free ones that were the default
+# before; the H100 has the same sm_90 shared memory); the rest compile for sm_90 with no register
+# spill (tools/compile_triton_kernels.py), not tuned. fp32 with 3xTF32 products only at head dim
+# 64 (above it the backward spills at every tile: soft_triton.cuda_refusal)
 DEFAULTS: dict[tuple[str, int], dict[str, Tile]] = {
     ("half", 64): _uniform((64, 32), (16, 32), (32, 32), 4, 3),
-    ("half", 128): _uniform((64, 32), (32, 32), (32, 32), 8, 2),
+    ("half", 128): {
+        "fwd": Tile(64, 64, 4, 2),
+        "kv": Tile(32, 128, 8, 3),
+        "q": Tile(128, 64, 8, 3),
+    },
     ("half", 256): _uniform((32, 64), (16, 32), (16, 64), 8, 2),
     ("tf32", 64): _uniform((64, 32), (16, 32), (64, 16), 4, 1),
     ("tf32", 128): _uniform((32, 32), (32, 32), (32, 16), 8, 1),
     ("tf32", 256): _uniform((32, 32), (16, 32), (16, 32), 8, 1),
     ("fp32", 64): _uniform((64, 32), (16, 16), (64, 16), 4, 1),
 }
-# the group-sorted layout (packed) at half precision: the dK/dV kernel's loop bounds cost
-# registers; its 32 x 32 tile spilled 4 bytes at head dim 128, 16 x 32 none
-PACKED_DEFAULTS = {("half", 128): {"kv": Tile(16, 32, 8, 2)}}
 
 
 def size_class(head_dim: int) -> int:
@@ -89,10 +92,20 @@ def table_key(precision: str, head_dim: int, kernel: str, packed: bool) -> str:
     return "/".join([precision, str(size_class(head_dim)), *(["packed"] if packed else []), kernel])
 
 
+def table_path() -> Path:
+    """The measured table in use: ``FOCUS_TRITON_TILES`` (a table of your own GPUs, written by
+    ``tools/tune_triton.py --table``), else the package's :data:`TABLE_PATH`."""
+    return Path(os.environ.get("FOCUS_TRITON_TILES") or TABLE_PATH)
+
+
+def measured_table() -> dict:
+    """The measured table ``{gpu name: {"tiles": {key: "BMxBNxWxS"}, "date": ..., ...}}`` of
+    :func:`table_path` (``{}`` when the file is missing)."""
+    return _read_table(str(table_path()))
+
+
 @functools.cache
-def measured_table(path: str = str(TABLE_PATH)) -> dict:
-    """The measured table ``{gpu name: {"tiles": {key: "BMxBNxWxS"}, "date": ..., ...}}``
-    (``{}`` when the file is missing)."""
+def _read_table(path: str) -> dict:
     try:
         return json.loads(Path(path).read_text()).get("gpus", {})
     except FileNotFoundError:
@@ -112,13 +125,10 @@ def _report_untuned(gpu: str) -> None:
     )  # fmt: skip
 
 
-def default_tiles(precision: str, head_dim: int, packed: bool) -> dict[str, Tile]:
-    """:data:`DEFAULTS` (and :data:`PACKED_DEFAULTS`) for one launch."""
+def default_tiles(precision: str, head_dim: int, packed: bool = False) -> dict[str, Tile]:
+    """:data:`DEFAULTS` for one launch (the group-sorted layout, ``packed``, takes the same)."""
     size = size_class(head_dim)
-    tiles = dict(DEFAULTS.get((precision, size), DEFAULTS[("tf32", size)]))
-    if packed:
-        tiles.update(PACKED_DEFAULTS.get((precision, size), {}))
-    return tiles
+    return dict(DEFAULTS.get((precision, size), DEFAULTS[("tf32", size)]))
 
 
 def launch_tiles(
@@ -139,6 +149,26 @@ def launch_tiles(
                 if text is not None:
                     tiles[kernel] = Tile.parse(text)
     return override_tiles(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
+
+
+def fastest_training_backend(gpu: str, precision: str, head_dim: int, mode: str) -> str | None:
+    """The backend the table measured fastest for a training step (forward + backward) of
+    ``mode`` on ``gpu`` at this precision and head dim (``None``: nothing measured there): the
+    ``training`` record of the GPU's entry, ``{"half/128/soft": {"triton": 0.40, "flex": 0.01}}``
+    (speedups over dense attention)."""
+    entry = measured_table().get(gpu, {})
+    speeds = entry.get("training", {}).get(f"{precision}/{size_class(head_dim)}/{mode}")
+    return max(speeds, key=speeds.get) if speeds else None
+
+
+@torch.compiler.assume_constant_result
+def triton_fastest_here(precision: str, head_dim: int, mode: str) -> bool:
+    """Whether the table says ``triton`` trains ``mode`` fastest on this process's GPU (a
+    constant while tracing: ``auto`` dispatches inside compiled graphs)."""
+    if not torch.cuda.is_available():
+        return False
+    gpu = _gpu_name(torch.cuda.current_device())
+    return fastest_training_backend(gpu, precision, head_dim, mode) == "triton"
 
 
 def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool) -> dict:

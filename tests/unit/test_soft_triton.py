@@ -286,9 +286,10 @@ def test_tile_override_for_tuning(monkeypatch):
 
     monkeypatch.setenv("FOCUS_TRITON_BLOCKS", "fwd=128x64, warps=4, q=64x32x8x5")
     tiles = launch_tiles("half", 128)
-    assert tiles["fwd"] == Tile(128, 64, 4, default_tiles("half", 128, False)["fwd"].stages)
+    default = default_tiles("half", 128)
+    assert tiles["fwd"] == Tile(128, 64, 4, default["fwd"].stages)
     assert tiles["q"] == Tile(64, 32, 8, 5)
-    assert (tiles["kv"].bm, tiles["kv"].bn) == (32, 32) and tiles["kv"].warps == 4
+    assert tiles["kv"] == Tile(default["kv"].bm, default["kv"].bn, 4, default["kv"].stages)
     for bad in ("fwd=64", "fwd=48x64", "kv=64x64x0", "tile=64x64"):
         monkeypatch.setenv("FOCUS_TRITON_BLOCKS", bad)
         with pytest.raises(ValueError, match=f"FOCUS_TRITON_BLOCKS: bad item '{bad}'"):
