@@ -32,8 +32,9 @@ one for the request (:func:`select_backend`). Backends:
   sliding-window layers as fused Triton kernels, forward and backward, with no atomics, and
   hard / hard_gated top-1 (sparse training) through the same kernels on the group-sorted layout
   (:mod:`~focus_pretrain.focus.sorted_triton`); CUDA, or CPU under Triton's interpreter.
-  Selected by name only until its GPU speed is tuned (``auto`` never picks it: 14x dense's
-  time for the soft gate at 8K on an H200, untuned tiles, docs/benchmarks.md).
+  ``auto`` trains the soft gate on it on a GPU whose measured tile table says it is the
+  fastest there (:func:`~focus_pretrain.focus.triton_tiles.fastest_training_backend`; H200:
+  2.5x dense's time at 8K, ``flex`` 99x, docs/benchmarks.md); otherwise by name only.
 
 ``auto`` on CUDA: ``decomposed`` for hard top-1 fp16/bf16 when a FlashAttention varlen kernel
 is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measured faster than

@@ -81,7 +81,8 @@ class FocusConfig:
             sliding-window twin a Focus model is compared against; same other weights).
         backend: attention backend of the training pattern: ``"auto"`` (an exact one for each
             call, by fixed rules), ``"reference"``, ``"flex"`` or ``"triton"`` (fused Triton
-            kernels; by name only until measured on a GPU); one that computes
+            kernels; ``auto`` picks it for the soft gate where its tile table measured it
+            fastest, docs/benchmarks.md); one that computes
             ``training_mode``'s pattern with gradients.
         inference_backend: backend of the ``eval()`` pattern: ``"auto"``, ``"reference"``,
             ``"flex"``, ``"decomposed"`` (hard top-1 only) or ``"triton"`` (soft only).

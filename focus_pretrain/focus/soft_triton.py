@@ -16,9 +16,10 @@ model configured with ``focus.backend: triton`` runs every layer on them.
 Runs on CUDA (fp16/bf16; fp32 at head dim <= 64, or at any head dim with TF32 allowed:
 :func:`fp32_products`, :func:`cuda_refusal`) wherever Triton is installed, and on CPU tensors
 under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported: the CPU tests
-do this), where it is exact and slow. ``auto`` does not pick it yet: it is selected with
-``backend="triton"`` (model config ``focus.backend: triton``) until its GPU speed is measured
-(docs/benchmarks.md).
+do this), where it is exact and slow. ``auto`` picks it for soft training on a GPU whose tile
+table (:mod:`~focus_pretrain.focus.triton_tiles`) measured it fastest; elsewhere it is selected
+with ``backend="triton"`` (model config ``focus.backend: triton``). The kernels' tiles come
+from that table (``tools/tune_triton.py`` measures a GPU; docs/benchmarks.md).
 Layout: ``[batch, seq, heads, head_dim]``.
 
 The launches are operators (``torch.ops.focus_pretrain.soft_attention_forward`` and

@@ -9,11 +9,14 @@ from, first match wins:
    the backward as one dK/dV pass adding dQ atomically (:data:`ATOMIC`; ``kva=off``: not).
 2. The measured table (``FOCUS_TRITON_TILES``, else the package's ``triton_tiles.json``,
    :data:`TABLE_PATH`; written by ``tools/tune_triton.py`` on the GPU: every candidate timed and
-   checked against the first, the fastest kept), for the GPU by name, the input precision (``half``: fp16/bf16; ``tf32``;
-   ``fp32``: 3xTF32 products), the head dim's size class and the layout (``packed``: the
-   group-sorted top-1 path; without its own entry, the one-sequence entry).
-3. :data:`DEFAULTS`: tiles that compile for sm_90 without a register spill (not tuned). A GPU
-   missing from the table is reported once (``logging``), naming the tool that measures it.
+   checked against the first, the fastest kept), for the GPU by name, the input precision
+   (``half``: fp16/bf16; ``tf32``; ``fp32``: 3xTF32 products), the head dim's size class and the
+   layout (``packed``: the group-sorted top-1 path; without its own entry, the one-sequence
+   entry). The table also records the training speed of each backend measured there, which
+   ``auto`` ranks by (:func:`fastest_training_backend`).
+3. :data:`DEFAULTS`: at half precision and head dim 128 an H200's measured tiles, elsewhere tiles
+   that compile for sm_90 without a register spill (not tuned). A GPU missing from the table is
+   reported once (``logging``), naming the tool that measures it.
 """
 
 from __future__ import annotations

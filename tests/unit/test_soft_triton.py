@@ -149,7 +149,7 @@ def _request(**overrides) -> AttentionRequest:
 def test_triton_backend_selection_and_refusals():
     assert runs_on(_request().device, torch.float32)
     assert select_backend("triton", _request()).name == "triton"
-    assert select_backend("auto", _request()).name != "triton"  # by name only until measured
+    assert select_backend("auto", _request()).name != "triton"  # CPU: by name only
     for mode in ("hard", "hard_gated"):  # top-1 on the group-sorted layout (sorted_triton)
         assert select_backend("triton", _request(mode=mode)).name == "triton"
         assert select_backend("auto", _request(mode=mode)).name != "triton"
