@@ -383,12 +383,35 @@ def test_strided_views_are_read_in_place_and_give_the_same_gradients():
     torch.testing.assert_close(got[3], want[3], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.slow  # about 20 s: Triton's compiler and ptxas, 15 kernels
+def _measured_tile_runs() -> list[tuple[list[str], str]]:
+    """``(compile tool arguments, FOCUS_TRITON_BLOCKS)`` for each entry of the measured tile
+    table that differs from the defaults (those are compiled anyway): its plain variant."""
+    from focus_pretrain.focus.triton_tiles import KERNELS, default_tiles, measured_table
+
+    runs = []
+    for entry in measured_table().values():
+        groups: dict[tuple, dict] = {}
+        for key, text in entry["tiles"].items():
+            precision, size, *rest = key.split("/")
+            groups.setdefault((precision, int(size), rest[0] == "packed"), {})[rest[-1]] = text
+        for (precision, size, packed), tiles in groups.items():
+            defaults = default_tiles(precision, size, packed)
+            if all(tiles.get(k, defaults[k].text()) == defaults[k].text() for k in KERNELS):
+                continue
+            dtype = {"half": "bf16"}.get(precision, precision)
+            blocks = ",".join(f"{k}={v}" for k, v in tiles.items() if k in KERNELS)
+            runs.append((["--dtype", dtype, "--head-dim", str(size), "--variants", "plain"],
+                         blocks))  # fmt: skip
+    return runs
+
+
+@pytest.mark.slow  # about 40 s: Triton's compiler and ptxas, 15 kernels (+3 per table entry)
 def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
     """The interpreter runs the kernels as Python; Triton's real compiler (``tools/
     compile_triton_kernels.py``, no GPU needed) must also accept them for sm_90, for the
     compile-time variants and dtypes the backend launches, with the tiles it launches them
-    with fitting the H100's shared memory."""
+    with (the defaults, and every entry of the measured tile table) fitting the H100's shared
+    memory."""
     import json
     import os
     import pathlib
@@ -399,17 +422,19 @@ def test_kernels_compile_for_hopper_within_its_shared_memory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     report = tmp_path / "compile.json"
-    runs = [["--dtype", "bf16", "--head-dim", "128"], ["--dtype", "fp32", "--head-dim", "64",
-            "--variants", "plain"]]  # fmt: skip
+    runs = [(["--dtype", "bf16", "--head-dim", "128"], ""), (["--dtype", "fp32", "--head-dim",
+            "64", "--variants", "plain"], "")]  # fmt: skip
+    runs += _measured_tile_runs()
     rows = []
-    for args in runs:
+    for args, blocks in runs:
         done = subprocess.run(
             [sys.executable, str(tool), *args, "--json", str(report)],
-            env=env, capture_output=True, text=True, timeout=900,
+            env={**env, "FOCUS_TRITON_BLOCKS": blocks}, capture_output=True, text=True,
+            timeout=900,
         )  # fmt: skip
         assert report.exists(), done.stderr[-3000:]
         rows += json.loads(report.read_text())["rows"]
-    assert len(rows) == 15  # bf16: 4 variants x 3 kernels; fp32 plain: 3
+    assert len(rows) == 15 + 3 * (len(runs) - 2)  # bf16: 4 variants x 3 kernels; fp32 plain: 3
     failed = [(r["kernel"], r["dtype"], r["variant"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed
     assert all(0 < r["shared_bytes"] <= r["shared_limit"] for r in rows)
