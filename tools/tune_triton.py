@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from focus_pretrain.bench import triton_kernels as tk
+    from focus_pretrain.environment import environment
     from focus_pretrain.focus.soft_triton_launch import _blocks
-    from focus_pretrain.focus.triton_tiles import Tile, table_path
+    from focus_pretrain.focus.triton_tiles import Tile, override_text, table_path
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     case = tk.Case(
@@ -149,12 +150,12 @@ def main(argv: list[str] | None = None) -> dict:
         splits = ["kva=off"] + (["tuned"] if "kva" in tiles else [])  # both backward forms
         result["check"] = {}
         for split in splits:
-            blocks = tk.tiles_override(tiles) + (",kva=off" if split == "kva=off" else "")
+            blocks = override_text(tiles) + (",kva=off" if split == "kva=off" else "")
             for name, sized in cases.items():
                 tuned = device == "cuda" and sized.dtype == args.dtype  # fp32: its own tiles
                 if split == "tuned" and not tuned:
                     continue
-                with tk._env(FOCUS_TRITON_BLOCKS=blocks if tuned else None):
+                with environment({"FOCUS_TRITON_BLOCKS": blocks if tuned else None}):
                     for mode in ("soft", "hard_gated"):
                         key = f"{mode} {name}" + (" atomic dQ" if split == "tuned" else "")
                         result["check"][key] = tk.reference_errors(sized, device, mode)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
             row.setdefault("bwd", sum(row.get(k, 0.0) for k in ("kv", "q", "kva")))
         print(json.dumps({"profile": result["profile"]}), flush=True)
     if "lengths" in args.stages:
-        with tk._env(FOCUS_TRITON_BLOCKS=tk.tiles_override(tiles)):
+        with environment({"FOCUS_TRITON_BLOCKS": override_text(tiles)}):
             result["lengths"] = tk.length_rows(case, args.lengths, device, measure)
     print(_markdown(result), flush=True)
     if args.json:

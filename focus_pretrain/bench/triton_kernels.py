@@ -22,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from focus_pretrain.environment import environment
 from focus_pretrain.focus.pattern import document_starts
 from focus_pretrain.focus.soft_triton_launch import (
     BackwardState,
@@ -40,7 +40,7 @@ from focus_pretrain.focus.soft_triton_launch import (
     launch_forward,
     precision_class,
 )
-from focus_pretrain.focus.triton_tiles import ATOMIC, KERNELS, Tile, table_key
+from focus_pretrain.focus.triton_tiles import ATOMIC, KERNELS, Tile, override_text, table_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 UNLIMITED = 2**62  # the control's window: every causal pair inside it
@@ -101,21 +101,8 @@ def inputs(case: Case, device: str, seed: int = 0) -> dict:
     )  # fmt: skip
 
 
-@contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    """Environment variables set (``None``: removed) within."""
-    before = {key: os.environ.get(key) for key in values}
-    for key, value in values.items():
-        os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
-
-
 def _gate_env(case: Case) -> contextlib.AbstractContextManager:
-    return _env(FOCUS_TRITON_EXACT_GATE="1" if case.exact_gate else None)
+    return environment({"FOCUS_TRITON_EXACT_GATE": "1" if case.exact_gate else None})
 
 
 def build_launch(case: Case, data: dict) -> Launch:
@@ -150,8 +137,7 @@ def _prepared(case: Case, data: dict, tiles: dict[str, Tile]) -> tuple:
     the backward's state (atomic dQ when ``tiles`` has ``kva``)."""
     run = build_launch(case, data)
     out, lse = launch_forward(run, tiles["fwd"])
-    docs = data["docs"] is not None
-    grads = BackwardState.build(run, data["d_out"], None, out, lse, docs, ATOMIC in tiles)
+    grads = BackwardState.build(run, data["d_out"], None, out, lse, ATOMIC in tiles)
     return run, out, lse, grads
 
 
@@ -190,11 +176,6 @@ def kernel_times(case: Case, data: dict, tiles: dict[str, Tile], measure: Callab
         times["kv"] = measure(lambda: launch_backward_kv(run, grads, tiles["kv"]))
         times["q"] = measure(lambda: launch_backward_q(run, grads, tiles["q"]))
         return times
-
-
-def tiles_override(tiles: dict[str, Tile]) -> str:
-    """``FOCUS_TRITON_BLOCKS`` naming every kernel's tile."""
-    return ",".join(f"{key}={tile.text()}" for key, tile in tiles.items())
 
 
 def op_step(case: Case, data: dict) -> Callable[[], None]:
@@ -247,7 +228,7 @@ def profile_rows(case: Case, device: str, tiles: dict[str, Tile], measure: Calla
         variant = replace(case, **fields)
         data = inputs(variant, device)
         kernels = kernel_times(variant, data, tiles, measure)
-        with _gate_env(variant), _env(FOCUS_TRITON_BLOCKS=tiles_override(tiles)):
+        with _gate_env(variant), environment({"FOCUS_TRITON_BLOCKS": override_text(tiles)}):
             total = measure(op_step(variant, data))
         rest = total - sum(kernels.values())
         pairs = causal_pair_fraction(data["docs"], variant.seq)
@@ -380,7 +361,7 @@ def reference_errors(case: Case, device: str, mode: str = "soft") -> dict:
     names = ["out", "lse", "dq", "dk", "dv", "dprobs"][: len(want)]
     result = {}
     for exact in (False, True):
-        with _env(FOCUS_TRITON_EXACT_GATE="1" if exact else None):
+        with environment({"FOCUS_TRITON_EXACT_GATE": "1" if exact else None}):
             got = _api_step(case, rounded, "triton", mode)()
         errors = {n: _agreement([g], [w]) for n, g, w in zip(names, got, want, strict=True)}
         result["exact_gate" if exact else "fast_gate"] = errors

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from focus_pretrain.convert.export_dir import export_tokenizer, read_export
+from focus_pretrain.environment import environment
 from focus_pretrain.errors import InputError
 
 DEFAULT_TASKS = ("niah_single_1", "niah_multikey_2")
@@ -142,16 +143,8 @@ def _offline_hub() -> Iterator[None]:
     stay offline for the rest of its process; from Python, where ``transformers`` may be
     imported already, set them before importing it (the skipped tasks are what keeps a run
     from downloading)."""
-    saved = {name: os.environ.get(name) for name in _OFFLINE_VARIABLES}
-    os.environ.update({name: "1" for name in _OFFLINE_VARIABLES})
-    try:
+    with environment(dict.fromkeys(_OFFLINE_VARIABLES, "1")):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager

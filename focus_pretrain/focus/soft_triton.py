@@ -191,7 +191,7 @@ def soft_attention_backward(
     )  # fmt: skip
     tiles = run.tiles()
     atomic = "kva" in tiles and not torch.are_deterministic_algorithms_enabled()
-    grads = BackwardState.build(run, d_out, d_lse, out, lse, doc_q is not None, atomic)
+    grads = BackwardState.build(run, d_out, d_lse, out, lse, atomic)
     if atomic:  # one pass: dQ added atomically (the tile table says it is faster here)
         launch_backward_kv(run, grads, tiles["kva"])
     else:

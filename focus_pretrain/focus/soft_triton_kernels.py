@@ -125,6 +125,38 @@ def _tile_masks(DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, 
 
 
 @triton.jit
+def _tile_rule(
+    s, w, w_rest, kind, lam, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m,
+    offs_n, rows, cols, LQ, LK, window, sinks, HAS_DOCS: tl.constexpr, HAS_POS: tl.constexpr,
+    LOCAL: tl.constexpr, KEYS_FIRST: tl.constexpr,
+):  # fmt: skip
+    """The pattern's rule on a tile of kind ``kind``, shared by the three kernels: ``(s,
+    weight, d_gate)``, the scores with disallowed pairs at ``-inf``, each pair's gate weight
+    (``w`` where gated, else 1) and ``d t / d affinity`` (``lam (1 - w)`` where gated, else 0);
+    ``[BM, BN]``, or ``[BN, BM]`` with ``KEYS_FIRST``. Only a :data:`MASKED` tile reads the
+    per-pair rules (one branch per kind: Triton 3.6's pipeliner failed a dQ kernel that had the
+    backward's code in each branch)."""
+    weight = s * 0.0 + 1.0  # PLAIN: every pair allowed and ungated
+    d_gate = s * 0.0
+    if kind == GATED:  # every pair allowed and gated
+        weight = w
+        d_gate = lam * w_rest
+    elif kind != PLAIN:
+        allowed, gated = _tile_masks(
+            DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
+            cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
+        )  # fmt: skip  # [BM, BN]: transposed below (boundary tiles only)
+        if KEYS_FIRST:
+            allowed = tl.trans(allowed)
+            gated = tl.trans(gated)
+        s = tl.where(allowed, s, float("-inf"))
+        if not LOCAL:
+            weight = tl.where(gated, w, 1.0)
+            d_gate = tl.where(gated, lam * w_rest, 0.0)
+    return s, weight, d_gate
+
+
+@triton.jit
 def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time switches
     Q, K, V, A_Q, A_K, DOC_Q, DOC_K, POS_Q, POS_K, OUT, LSE,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
@@ -163,7 +195,7 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
         k = _rows(K, bi, offs_n, hk, stride_kb, stride_kn, stride_kh, offs_d, cols)
         v = _rows(V, bi, offs_n, hk, stride_vb, stride_vn, stride_vh, offs_d, cols)
         s, _ = _scores(q, k, scale, cap, SOFTCAP, QK_PREC, FAST)  # [BM, BN] base 2
-        w = s  # the gate's weights (GATED and MASKED tiles; a placeholder when LOCAL)
+        w = s  # the gate's weights (a placeholder when LOCAL)
         if not LOCAL:
             a_k = _table(A_K, bi, offs_n, cols, LK, KA)
             affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN] fp32 (split fp16 tables)
@@ -172,25 +204,13 @@ def soft_forward_kernel(  # pointers, strides, sizes and scalars, compile-time s
                                       HAS_DOCS)  # fmt: skip
         kind = tile_kind(qp0, qp1, kp0, kp1, qd0, qd1, kd0, kd1, rows_full & (start_n + BN <= LK),
                          window, sinks, LOCAL, HAS_DOCS)  # fmt: skip
-        if kind == PLAIN:  # every pair allowed, inside the window
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = m_new
-            p = tl.exp2(s - m_new[:, None])
-        elif kind == GATED:  # every pair allowed and gated
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # the gate's weight <= 1: s bounds the row
-            m_ref = m_new
-            p = tl.exp2(s - m_new[:, None]) * w
-        else:
-            allowed, gated = _tile_masks(
-                DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
-                cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
-            )  # fmt: skip
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-            p = tl.exp2(s - m_ref[:, None])
-            if not LOCAL:
-                p = tl.where(gated, p * w, p)
+        s, weight, _ = _tile_rule(
+            s, w, w, kind, lam, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m,
+            offs_n, rows, cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL, False,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # the gate's weight <= 1: s bounds the row
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_ref[:, None]) * weight
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=QK_PREC)
@@ -242,24 +262,11 @@ def _tile_grads(
         else:
             affinity = tl.dot(a_q, tl.trans(a_k))  # [BM, BN]
         w, w_rest = gate_weight(affinity, lam, FAST)
+    s, weight, d_gate = _tile_rule(
+        s, w, w_rest, kind, lam, DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m,
+        offs_n, rows, cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL, KEYS_FIRST,
+    )  # fmt: skip
     lse_safe = tl.where(lse2 == float("-inf"), 0.0, lse2)  # rows without an allowed key
-    weight = s * 0.0 + 1.0  # PLAIN: every pair allowed and ungated
-    d_gate = s * 0.0  # d t / d affinity
-    if kind == GATED:  # every pair allowed and gated
-        weight = w
-        d_gate = lam * w_rest
-    elif kind != PLAIN:  # (one branch of each kind: Triton 3.6's pipeliner needs it so)
-        allowed, gated = _tile_masks(
-            DOC_Q, DOC_K, POS_Q, POS_K, stride_pqb, stride_pkb, bi, offs_m, offs_n, rows,
-            cols, LQ, LK, window, sinks, HAS_DOCS, HAS_POS, LOCAL,
-        )  # fmt: skip  # [BM, BN]: transposed below (boundary tiles only)
-        if KEYS_FIRST:
-            allowed = tl.trans(allowed)
-            gated = tl.trans(gated)
-        s = tl.where(allowed, s, float("-inf"))
-        if not LOCAL:
-            weight = tl.where(gated, w, 1.0)
-            d_gate = tl.where(gated, lam * w_rest, 0.0)
     p = tl.exp2(s - _per_query(lse_safe, KEYS_FIRST)) * weight
     ds = p * (dp - _per_query(delta, KEYS_FIRST))  # gradient of the score t
     d_aff = ds * d_gate

@@ -273,11 +273,10 @@ class BackwardState:
         d_lse: Tensor | None,
         out: Tensor,
         lse: Tensor,
-        docs: bool,
         atomic: bool = False,
     ) -> BackwardState:
         """From the gradients of ``out [b, Lq, H, D]`` and ``lse [b, H, Lq]`` (``None``:
-        unused) and the forward's outputs; ``docs``: the call has document starts."""
+        unused) and the forward's outputs."""
         q, k, settings = run.q, run.k, run.settings
         b, lq, h, d = q.shape
         lk, hkv, kp = k.shape[1], k.shape[2], settings.kp
@@ -292,7 +291,7 @@ class BackwardState:
             dg_q = new(b, h, lq, kp, device=q.device, dtype=torch.float32)
             dg_k = torch.empty(b, hkv, lk, kp, device=q.device, dtype=torch.float32)
         doc_end = q
-        if docs and (settings.packed or not settings.positions):
+        if settings.documents and (settings.packed or not settings.positions):
             doc_end = _document_ends(run.doc_q)
         dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, run.v))
         dq_acc = torch.zeros(b, lq, h, d, device=q.device, dtype=torch.float32) if atomic else q

@@ -138,20 +138,30 @@ def launch_tiles(
     precision: str, head_dim: int, packed: bool = False, gpu: str | None = None
 ) -> dict[str, Tile]:
     """Each kernel's :class:`Tile` for a launch on ``gpu`` (``None``: no GPU: the defaults),
-    overridden by ``FOCUS_TRITON_BLOCKS``."""
-    tiles = default_tiles(precision, head_dim, packed)
+    overridden by ``FOCUS_TRITON_BLOCKS``. Resolved once per setting (each call launches
+    kernels: the table is not parsed again)."""
+    override = os.environ.get("FOCUS_TRITON_BLOCKS", "")
+    size = size_class(head_dim)
+    return dict(_resolved_tiles(precision, size, packed, gpu, str(table_path()), override))
+
+
+@functools.cache
+def _resolved_tiles(
+    precision: str, size: int, packed: bool, gpu: str | None, table: str, override: str
+) -> dict[str, Tile]:
+    tiles = default_tiles(precision, size, packed)
     if gpu is not None:
-        entry = measured_table().get(gpu)
+        entry = _read_table(table).get(gpu)
         if entry is None:
             _report_untuned(gpu)
         else:
             for kernel in (*KERNELS, ATOMIC):  # packed: its own entry, else the one-sequence one
                 found = entry["tiles"]
-                text = found.get(table_key(precision, head_dim, kernel, packed))
-                text = text or found.get(table_key(precision, head_dim, kernel, False))
+                text = found.get(table_key(precision, size, kernel, packed))
+                text = text or found.get(table_key(precision, size, kernel, False))
                 if text is not None:
                     tiles[kernel] = Tile.parse(text)
-    return override_tiles(tiles, os.environ.get("FOCUS_TRITON_BLOCKS", ""))
+    return override_tiles(tiles, override)
 
 
 def fastest_training_backend(gpu: str, precision: str, head_dim: int, mode: str) -> str | None:
@@ -180,6 +190,12 @@ def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool
         return launch_tiles(precision, head_dim, packed)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return launch_tiles(precision, head_dim, packed, _gpu_name(index))
+
+
+def override_text(tiles: dict[str, Tile]) -> str:
+    """The ``FOCUS_TRITON_BLOCKS`` text naming every kernel's tile (:func:`override_tiles`
+    reads it back)."""
+    return ",".join(f"{key}={tile.text()}" for key, tile in tiles.items())
 
 
 def override_tiles(tiles: dict[str, Tile], override: str) -> dict[str, Tile]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from focus_pretrain.environment import environment
 from focus_pretrain.errors import InputError
 
 TRUST_ENV = "FOCUS_TRUST_CHECKPOINTS"
@@ -129,20 +130,13 @@ def weights_only_loading(source: str | os.PathLike | None = None) -> Iterator[No
     if trusted():
         yield
         return
-    saved = {name: os.environ.get(name) for name in (FORCE_ENV, _NO_FORCE_ENV)}
-    os.environ.pop(_NO_FORCE_ENV, None)
-    os.environ[FORCE_ENV] = "1"  # torch 2.11 compares the exact text: "1", not "true"
-    try:
-        with _allowlist():
-            yield
-    except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(_refusal(err, _file_of(err) or source)) from err
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    # torch 2.11 compares the exact text: "1", not "true"
+    with environment({_NO_FORCE_ENV: None, FORCE_ENV: "1"}):
+        try:
+            with _allowlist():
+                yield
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(_refusal(err, _file_of(err) or source)) from err
 
 
 def install_in_worker() -> None:
