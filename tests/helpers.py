@@ -41,6 +41,7 @@ def brute_force_focus(
     local_only: bool = False,
     sinks: int = 0,
     documents: list[list[int]] | None = None,
+    gate_form: str = "sigmoid",
 ) -> Tensor:
     """Focus attention as a scalar double loop over (i, j), written from the spec alone.
 
@@ -48,6 +49,8 @@ def brute_force_focus(
     ``probs [b, s, K]``; ``sinks``: keys ``j < sinks`` are treated like keys in the window.
     ``documents``: per sample, each token's document id (a change of id starts a document):
     keys of other documents are skipped and the sinks count from each document's start.
+    ``gate_form="dot"``: no sigmoid gate; ``gate_lambda * g_i . g_j`` is added to every allowed
+    pair's score before soft-capping, and the soft pattern is every causal pair.
     Returns ``[b, s, H, D]`` float64.
     """
     b, s, h, d = q.shape
@@ -74,20 +77,25 @@ def brute_force_focus(
                     if start[j] != start[i]:
                         continue
                     local = i - j <= window or j - start[j] < sinks
-                    bias = 0.0
+                    bias = dot = 0.0
+                    if gate_form == "dot" and not local_only:
+                        dot = gate_lambda * sum(p[i][c] * p[j][c] for c in range(n_groups))
+                        local = local or mode == "soft"  # soft: every causal pair, ungated
                     if local_only:
                         if not local:
                             continue
                     elif mode in ("hard", "hard_gated"):
                         if not local and not (sets[i] & sets[j]):
                             continue
-                        if mode == "hard_gated" and not local:  # kept, and gated
+                        gated = mode == "hard_gated" and gate_form != "dot"
+                        if gated and not local:  # kept, and gated
                             affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
                             bias = log_sigmoid(gate_lambda * (affinity - 0.5))
                     elif not local:
                         affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
                         bias = log_sigmoid(gate_lambda * (affinity - 0.5))
                     score = scale * sum(qs[bi][i][hi][c] * ks[bi][j][kv][c] for c in range(d))
+                    score += dot
                     if softcap is not None:
                         score = softcap * math.tanh(score / softcap)
                     logits.append(score + bias)

@@ -65,6 +65,7 @@ from focus_pretrain.focus.decomposed import (
     torch_varlen_installed,
 )
 from focus_pretrain.focus.flex import flex_focus_attention
+from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_call
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
@@ -105,6 +106,7 @@ def focus_attention(
     check_finite: bool = True,
     sinks: int = 0,
     documents: Tensor | None = None,
+    gate_form: str = "sigmoid",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal Focus attention.
 
@@ -132,6 +134,9 @@ def focus_attention(
             of their own document, and the sinks are the first ``S`` tokens of each document.
             Start positions (:func:`~focus_pretrain.focus.pattern.document_starts`) are valid
             ids. ``None``: one document per sequence.
+        gate_form: ``"sigmoid"`` (the paper's gate, beyond the window) or ``"dot"``
+            (``gate_lambda * g_i . g_j`` on every allowed pair, as extra head-dim channels:
+            :mod:`~focus_pretrain.focus.gate_forms`); no effect with ``local_only``.
 
     Returns:
         ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
@@ -149,6 +154,19 @@ def focus_attention(
         softcap=softcap, scale=scale, local_only=local_only, check_finite=check_finite,
     )  # fmt: skip
     check_int("sinks", sinks, low=0)
+    check_choice("gate_form", gate_form, GATE_FORMS)
+    if gate_form == "dot" and not local_only:
+        call = dot_gate_call(
+            q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda, scale=scale
+        )
+        out, lse = focus_attention(
+            call.q, call.k, call.v, call.probs, window=call.window, mode=call.mode,
+            top_k=top_k, backend=backend, gate_lambda=gate_lambda, softcap=softcap,
+            scale=call.scale, local_only=call.local_only, return_lse=True, check_finite=False,
+            sinks=sinks, documents=documents,
+        )  # fmt: skip  # [b, s, H, D + P]
+        out = out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]
+        return (out, lse) if return_lse else out
     if documents is not None:
         check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64

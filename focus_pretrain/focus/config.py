@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from focus_pretrain.focus.gate_forms import GATE_FORMS
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
@@ -67,7 +68,12 @@ class FocusConfig:
             soft gate first (the routers learn groups on every pair, then training turns
             sparse); ``0`` (default): sparse from the first step.
         gate_lambda: sharpness ``lambda`` of the soft gate on pairs beyond the window
-            (:func:`~focus_pretrain.focus.pattern.soft_gate`).
+            (:func:`~focus_pretrain.focus.pattern.soft_gate`), or of the ``dot`` form.
+        gate_form: ``"sigmoid"`` (default: the paper's ``log sigmoid(lambda (g_i . g_j -
+            1/2))`` on pairs beyond the window) or ``"dot"`` (``lambda g_i . g_j`` on every
+            allowed pair, computed as ``K`` extra head-dim channels of q and k, so any attention
+            kernel trains it: :mod:`~focus_pretrain.focus.gate_forms`; experiment E6 in
+            docs/experiments.md). Training and inference use the same form.
         normalize: route by cosine similarity (unit ``W_g h`` and unit centroids, so logits
             lie in ``[-1/tau, 1/tau]``); ``False`` uses the plain dot product. **Decision**: cosine
             by default; with plain dot products 10 Sinkhorn iterations at ``tau = 0.1`` leave
@@ -106,6 +112,7 @@ class FocusConfig:
     training_mode: str = "soft"
     soft_warmup_steps: int = 0
     gate_lambda: float = 10.0
+    gate_form: str = "sigmoid"
     normalize: bool = True
     check_finite: bool = False
     window_only: bool = False
@@ -126,6 +133,7 @@ class FocusConfig:
         if self.balance_rate > 1:
             raise ValueError(f"focus.balance_rate must be in (0, 1], got {self.balance_rate}")
         check_choice("focus.balance", self.balance, BALANCE_MODES)
+        check_choice("focus.gate_form", self.gate_form, GATE_FORMS)
         check_choice("focus.inference_mode", self.inference_mode, ATTENTION_MODES)
         check_choice("focus.training_mode", self.training_mode, TRAINING_MODES)
         check_int("focus.soft_warmup_steps", self.soft_warmup_steps, low=0)
@@ -155,7 +163,11 @@ class FocusConfig:
         """The named training backend computes ``training_mode``'s pattern."""
         registry = _backends()
         name, mode = self.backend, self.training_pattern
-        if name == "auto" or registry.get_backend(name).capabilities.computes(mode, self.top_k):
+        if self.gate_form == "dot":  # soft: plain causal attention; sparse: the hard pattern
+            mode = "hard" if mode == "hard_gated" else "local"
+        if name == "auto" or mode == "local":
+            return
+        if registry.get_backend(name).capabilities.computes(mode, self.top_k):
             return
         others = [
             other

@@ -162,6 +162,7 @@ class FocusCoreAttention(MegatronModule):
             top_k=self.focus.top_k,
             gate_lambda=self.focus.gate_lambda,
             softcap=self.softcap,
+            **({"gate_form": self.focus.gate_form} if self.focus.gate_form != "sigmoid" else {}),
             scale=self.softmax_scale,
             local_only=local_only,
             check_finite=self.focus.check_finite,

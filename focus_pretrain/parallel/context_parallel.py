@@ -40,6 +40,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.backends import get_backend, ring_backend_names
+from focus_pretrain.focus.gate_forms import dot_gate_call
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.parallel.config import check_cp_heads, check_cp_seq_length
 from focus_pretrain.parallel.ring import RingStats, check_document_starts, ring_focus_attention
@@ -160,6 +161,11 @@ def context_parallel_attention(
     Returns:
         ``[b, s_loc, H, D]``.
     """
+    if attention_kwargs.pop("gate_form", "sigmoid") == "dot" and probs is not None:
+        return _dot_gate_attention(
+            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, documents=documents,
+            **attention_kwargs,
+        )  # fmt: skip
     cp_size = dist.get_world_size(group)
     check_cp_seq_length(q.shape[1] * cp_size, cp_size)
     check_cp_heads(q.shape[2], 1, cp_size, cp_mode)  # q holds this TP rank's heads
@@ -181,6 +187,21 @@ def context_parallel_attention(
     return ring_focus_attention(
         q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
     )
+
+
+def _dot_gate_attention(q: Tensor, k: Tensor, v: Tensor, probs: Tensor, **kwargs) -> Tensor:
+    """:func:`context_parallel_attention` with the ``dot`` gate form: its channels appended to
+    this rank's tokens (they are per token), then the rewritten call
+    (:func:`~focus_pretrain.focus.gate_forms.dot_gate_call`). ``[b, s_loc, H, D]`` out."""
+    if kwargs.get("local_only"):
+        return context_parallel_attention(q, k, v, probs, **kwargs)
+    call = dot_gate_call(
+        q, k, v, probs, mode=kwargs.get("mode", "soft"), window=kwargs.get("window", 128),
+        gate_lambda=kwargs.get("gate_lambda", 10.0), scale=kwargs.get("scale"),
+    )  # fmt: skip
+    kwargs.update(mode=call.mode, window=call.window, local_only=call.local_only, scale=call.scale)
+    out = context_parallel_attention(call.q, call.k, call.v, call.probs, **kwargs)
+    return out[..., : call.head_dim]  # [b, s_loc, H, D + P] -> [b, s_loc, H, D]
 
 
 def ring_block_kernel(backend: str) -> str:
