@@ -13,7 +13,7 @@ PROMPT = 20
 NEW_TOKENS = 24  # PROMPT + NEW_TOKENS stays within the configs' 64 positions
 
 # export name -> (HF_CONFIGS model, Focus settings): every family, top-1 and top-2, sinks,
-# Llama-3 RoPE scaling, Gemma's soft-capping and sliding-window layers
+# Llama-3 RoPE scaling, Gemma's soft-capping and sliding-window layers, the dot gate form
 CASES = {
     "llama": ("llama", dict(num_groups=4, window=3, top_k=1)),
     "gemma2-sinks": ("gemma2", dict(num_groups=4, window=3, top_k=2, sinks=2)),
@@ -24,6 +24,7 @@ CASES = {
     "qwen3": ("qwen3", dict(num_groups=4, window=3, top_k=1, sinks=3)),
     "olmo2": ("olmo2", dict(num_groups=4, window=3, top_k=1)),
     "gemma3": ("gemma3", dict(num_groups=4, window=3, top_k=1)),
+    "llama-dot-gate": ("llama", dict(num_groups=4, window=3, top_k=2, gate_form="dot")),
 }
 
 

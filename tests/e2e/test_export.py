@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from focus_pretrain.convert import export_hf
+from focus_pretrain.convert.hf_modeling.configuration_focus import FOCUS_DEFAULTS
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 from tests.distributed import run_workers
 from tests.e2e.runs import launch, overrides
@@ -99,11 +100,15 @@ def test_exported_model_matches_ours(exported, monkeypatch):
     assert greedy.tolist() == ours["greedy"].tolist()
 
 
-def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch):
-    """Attention sinks (``model.focus.sinks``, a setting without weights: the trained checkpoint
-    with sinks set in its config.yaml) go into the export's and the router adapter's focus
-    section; the export gives our logits in both patterns, and its greedy tokens (sparse
-    KV-cache steps that read the sinks) are ours by full recomputation."""
+@pytest.mark.parametrize(
+    "edit", [dict(sinks=3), dict(sinks=2, gate_form="dot")], ids=["sinks", "dot-gate-sinks"]
+)
+def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch, edit):
+    """Attention sinks and the gate form (``model.focus.sinks``, ``model.focus.gate_form``:
+    settings without weights: the trained checkpoint with them set in its config.yaml) go into
+    the export's and the router adapter's focus section; the export gives our logits in both
+    patterns, and its greedy tokens (sparse KV-cache steps that read the sinks) are ours by full
+    recomputation."""
     import shutil
 
     import yaml
@@ -115,23 +120,27 @@ def test_export_with_sinks_matches_ours(exported, tmp_path, monkeypatch):
     ckpt = tmp_path / "step_00000004"
     shutil.copytree(root / "run" / "checkpoints" / "step_00000004", ckpt)
     config = yaml.safe_load((ckpt / "config.yaml").read_text())
-    config["model"]["focus"]["sinks"] = 3
+    config["model"]["focus"].update(edit)
     (ckpt / "config.yaml").write_text(yaml.safe_dump(config))
     out = export_hf(ckpt, tmp_path / "hf")
-    assert json.loads((out / "config.json").read_text())["focus"]["sinks"] == 3
+    exported_focus = json.loads((out / "config.json").read_text())["focus"]
     adapter = export_router_adapter(ckpt, tmp_path / "adapter")
-    assert json.loads((adapter / "focus_adapter.json").read_text())["focus"]["sinks"] == 3
+    adapter_focus = json.loads((adapter / "focus_adapter.json").read_text())["focus"]
+    assert {key: exported_focus[key] for key in edit} == edit
+    assert {key: adapter_focus[key] for key in edit} == edit
     tokens = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(2))
     (ours,) = run_workers("tests.e2e.workers_train:checkpoint_logits", 1, str(ckpt), tokens, 12)
     model, hard, soft, greedy = _export_outputs(out, tokens, 12)
-    model.config.focus["sinks"] = 0
-    with torch.no_grad():
-        plain = model(tokens).logits
     vocab = hard.shape[-1]
     torch.testing.assert_close(hard, ours["hard"][..., :vocab], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(soft, ours["soft"][..., :vocab], rtol=1e-4, atol=1e-4)
     assert greedy.tolist() == ours["greedy"].tolist()
-    assert (plain - hard).abs().max() > 1e-3  # the sinks matter here
+    for key in edit:  # each setting matters here
+        model.config.focus[key] = FOCUS_DEFAULTS[key]
+        with torch.no_grad():
+            plain = model(tokens).logits
+        model.config.focus[key] = edit[key]
+        assert (plain - hard).abs().max() > 1e-3, key
 
 
 def test_sparse_decode_of_the_trained_export_equals_full_recomputation(exported, monkeypatch):

@@ -198,6 +198,10 @@ MODEL_CASES = {  # id: (model, focus, cp_mode, CP size)
     "gemma3-ring-sinks": (GEMMA3, dict(FOCUS, sinks=3), "ring", 2),  # sinks > 0 changes logits
     # focus.backend triton: every ring step (and CP = 1) on the fused kernels (interpreter)
     "llama-ring-triton": (LLAMA, dict(FOCUS, backend="triton"), "ring", 2),
+    # the dot gate form: its channels appended on each rank's tokens (soft: plain causal
+    # attention over the whole sequence; sparse training: the hard pattern)
+    "llama-a2a-dot": (LLAMA, dict(FOCUS, gate_form="dot"), "a2a", 2),
+    "llama-ring-dot-sparse": (LLAMA, dict(FOCUS, gate_form="dot", training_mode="hard"), "ring", 2),
 }
 
 

@@ -224,9 +224,14 @@ def test_sparse_decode_reads_exactly_the_kept_keys(sinks):
         assert expected < (steps - 1) * 2 * out.shape[1] * 0.8  # a real saving on these lengths
 
 
-@pytest.mark.parametrize("top_k, sinks", [(1, 0), (1, 3), (2, 5)])
-def test_sparse_decode_equals_the_dense_step_and_the_standalone_path(monkeypatch, top_k, sinks):
-    model = focus_model(top_k=top_k, window=2, num_groups=4, sinks=sinks)
+@pytest.mark.parametrize(
+    "top_k, sinks, gate_form", [(1, 0, "sigmoid"), (1, 3, "sigmoid"), (2, 5, "sigmoid"),
+                                (2, 2, "dot")],
+)  # fmt: skip
+def test_sparse_decode_equals_the_dense_step_and_the_standalone_path(
+    monkeypatch, top_k, sinks, gate_form
+):
+    model = focus_model(top_k=top_k, window=2, num_groups=4, sinks=sinks, gate_form=gate_form)
     (prompt,) = sequences(40, seed=5)
     with torch.no_grad():
         sparse = greedy(model, prompt[None], 40, output_logits=True, return_dict_in_generate=True)
@@ -257,3 +262,34 @@ def test_a_static_cache_generates_like_the_dynamic_one():
         static = greedy(model, prompt, 3, cache_implementation="static")
         dynamic = greedy(model, prompt, 3)
     assert torch.equal(static, dynamic)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Gemma2"])  # Gemma-2: the term before soft-capping
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_the_dot_gate_form_runs_alike_on_every_path(monkeypatch, family, mode):
+    """``gate_form: dot`` (lambda g_i . g_j on every allowed pair): the package's backends, the
+    dense path and the standalone path (no focus_pretrain) give each padded row its own logits,
+    alike; the form changes the logits."""
+    seqs = sequences(7, 20, 13, seed=6)
+    logits = {}
+    for path in ("auto", "dense", "standalone"):
+        model = focus_model(
+            family, inference_mode=mode, gate_form="dot", sinks=1,
+            inference_backend="dense" if path == "dense" else "auto",
+        )  # fmt: skip
+        with monkeypatch.context() as patch:
+            if path == "standalone":
+                patch.setattr(modeling, "_package_focus_attention", None)
+            with torch.no_grad():
+                alone = [model(s[None]).logits[0] for s in seqs]
+                ids, mask = padded(seqs, "left")
+                out = model(ids, attention_mask=mask).logits
+        for i in range(len(seqs)):
+            torch.testing.assert_close(out[i][mask[i].bool()], alone[i], rtol=1e-5, atol=1e-5)
+        logits[path] = torch.cat(alone)
+    torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["standalone"], logits["dense"], rtol=1e-5, atol=1e-5)
+    model.config.focus["gate_form"] = "sigmoid"
+    with torch.no_grad():
+        sigmoid = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (sigmoid - logits["dense"]).abs().max() > 1e-3

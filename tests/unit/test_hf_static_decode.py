@@ -91,6 +91,8 @@ CASES = {
     "window-only-sinks": dict(window_only=True, sinks=2),
     "qwen3-top2": dict(family="Qwen3", top_k=2, sinks=1),
     "gpt2-top1-sinks": dict(family="GPT2", top_k=1, sinks=4),
+    "dot-hard-top2-sinks": dict(top_k=2, sinks=2, gate_form="dot"),
+    "dot-soft": dict(top_k=1, inference_mode="soft", gate_form="dot"),
 }
 
 

@@ -97,3 +97,19 @@ def test_hf_rules_file_is_standalone():
         for alias in node.names
     }
     assert imported <= {"__future__", "torch"}, imported
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hf_dot_gate_equals_the_package_channels(dtype):
+    """The HF copy's dot-gate term equals what the package's extra channels add to the scores
+    (``focus/gate_forms.py``)."""
+    from focus_pretrain.focus.gate_forms import dot_gate_channels
+
+    g = _generator(11)
+    b, s, heads, d, groups, lam, scale = 2, 9, 2, 6, 5, 7.5, 0.3
+    q, k, v = (torch.randn(b, s, heads, d, generator=g, dtype=dtype) for _ in range(3))
+    probs = torch.softmax(torch.randn(b, s, groups, generator=g, dtype=dtype), dim=-1)
+    q2, k2, _ = dot_gate_channels(q, k, v, probs, gate_lambda=lam, scale=scale)
+    added = (torch.einsum("bqhd,bkhd->bhqk", q2, k2) - torch.einsum("bqhd,bkhd->bhqk", q, k))
+    want = focus_rules.dot_gate(probs, probs, lam)  # [b, q, kv]
+    torch.testing.assert_close(added * scale, want[:, None].expand_as(added))

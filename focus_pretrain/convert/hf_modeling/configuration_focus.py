@@ -68,6 +68,7 @@ FOCUS_DEFAULTS = {
     "top_k": 1,
     "inference_mode": "hard",
     "gate_lambda": 10.0,
+    "gate_form": "sigmoid",
     "normalize": True,
     "backend": "auto",
     "inference_backend": "auto",
@@ -88,6 +89,7 @@ FOCUS_POSITIVE = ("tau", "gate_lambda")
 FOCUS_FLAGS = ("enabled", "window_only", "normalize")
 FOCUS_CHOICES = {
     "inference_mode": ("hard", "soft"),
+    "gate_form": ("sigmoid", "dot"),
     # FocusConfig's names plus "dense": this code's own masked dense path (forced)
     "backend": ("auto", "reference", "flex", "triton", "dense"),
     "inference_backend": ("auto", "reference", "decomposed", "flex", "triton", "dense"),

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .focus_rules import soft_cap
+from .focus_rules import dot_gate, soft_cap
 
 
 class GroupPositions:
@@ -310,13 +310,15 @@ def sparse_decode(
     scale: float,
     softcap: float | None,
     sinks: int = 0,
+    dot_lambda: float | None = None,
 ) -> tuple[Tensor, int]:
     """One decode step over the keys the hard pattern keeps.
 
     ``query [b, H, 1, d]``, ``key/value [b, G, n, d]`` (the whole cache, this step's token last)
     -> ``([b, 1, H, d], keys read)``. Key ``j`` is read when it is real (not padding) and
     ``n - 1 - j <= window``, or when it shares one of the query's groups, or when it is one of
-    the row's first ``sinks`` real tokens; each key at most once.
+    the row's first ``sinks`` real tokens; each key at most once. ``dot_lambda``: the dot gate
+    form's ``lambda`` (its term ``lambda g_q . g_j`` on every key read, before soft-capping).
     """
     b, heads, _, d = query.shape
     groups, n = key.shape[1], key.shape[2]
@@ -350,6 +352,10 @@ def sparse_decode(
         k, v = (t.to(dtype) for t in layer.token_rows(r, positions))  # [G, m, d]
         q = query[r, :, 0].to(dtype).reshape(groups, heads // groups, d)  # [H, d] -> [G, H/G, d]
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [G, H/G, m]
+        if dot_lambda is not None:
+            probs = layer.focus_probs[r]  # [n, K]
+            term = dot_gate(probs[None, -1:], probs[None, positions], dot_lambda)  # [1, 1, m]
+            scores = scores + term[0].to(dtype)  # broadcast over [G, H/G]
         scores = soft_cap(scores, softcap)
         mixed = torch.matmul(torch.softmax(scores, dim=-1), v)  # [G, H/G, d]
         out[r, 0] = mixed.reshape(heads, d).to(query.dtype)  # [G, H/G, d] -> [H, d]

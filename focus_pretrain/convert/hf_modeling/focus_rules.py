@@ -2,7 +2,7 @@
 
 An exported model runs without ``focus_pretrain`` installed (only torch and transformers), so the
 rules of its pattern are copied here from the package's spec, ``focus_pretrain/focus/
-pattern.py``: the soft gate, logit soft-capping, group intersection and the pair rule (causal,
+pattern.py`` and ``gate_forms.py``: the soft gate (both forms), logit soft-capping, group intersection and the pair rule (causal,
 one document, window, sinks). ``tests/unit/test_hf_rules.py`` checks every function here against
 the spec on random inputs; ``modeling_focus.py`` and ``focus_cache.py`` use only these.
 """
@@ -18,6 +18,14 @@ def soft_gate(affinity: Tensor, gate_lambda: float) -> Tensor:
     soft co-membership), elementwise, at least fp32."""
     affinity = affinity.to(torch.promote_types(affinity.dtype, torch.float32))
     return torch.nn.functional.logsigmoid(gate_lambda * (affinity - 0.5))
+
+
+def dot_gate(probs_q: Tensor, probs_k: Tensor, gate_lambda: float) -> Tensor:
+    """The ``dot`` gate form's logit term ``lambda * g_i . g_j`` of every pair, added to the score
+    before soft-capping: ``probs_q [b, q, K]``, ``probs_k [b, kv, K]`` -> ``[b, q, kv]``, at
+    least fp32."""
+    dtype = torch.promote_types(probs_q.dtype, torch.float32)
+    return gate_lambda * torch.einsum("bqc,bkc->bqk", probs_q.to(dtype), probs_k.to(dtype))
 
 
 def soft_cap(scores: Tensor, cap: float | None) -> Tensor:

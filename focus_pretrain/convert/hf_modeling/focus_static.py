@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import StaticLayer
 
-from .focus_rules import groups_intersect, soft_cap, soft_gate
+from .focus_rules import dot_gate, groups_intersect, soft_cap, soft_gate
 
 try:  # is the running code being traced by dynamo (then no static-address marks)?
     from torch.compiler import is_compiling as _is_compiling
@@ -168,16 +168,20 @@ def static_attention(
     *,
     scale: float,
     softcap: float | None,
+    term: Tensor | None = None,
 ) -> Tensor:
     """Masked attention over the whole static length: ``query [b, H, q, d]``, ``key/value
     [b, G, L, d]``, ``bias [b, q, L]`` (0 / gate where attended, ``-inf`` elsewhere) ->
-    ``[b, q, H, d]``; a query with no key outputs zeros. GQA without repeating the keys."""
+    ``[b, q, H, d]``; a query with no key outputs zeros. GQA without repeating the keys.
+    ``term [b, q, L]``: the dot gate form's logit term, added before soft-capping."""
     b, heads, q_len, d = query.shape
     groups = key.shape[1]
     dtype = torch.promote_types(query.dtype, torch.float32)
     q = query.to(dtype).reshape(b, groups, heads // groups * q_len, d)  # [b, G, H/G*q, d]
     scores = torch.matmul(q, key.to(dtype).transpose(2, 3)) * scale  # [b, G, H/G*q, L]
     scores = scores.reshape(b, heads, q_len, -1)  # [b, G, H/G*q, L] -> [b, H, q, L]
+    if term is not None:
+        scores = scores + term[:, None].to(dtype)
     scores = soft_cap(scores, softcap) + bias[:, None].to(dtype)
     weights = torch.softmax(scores, dim=-1)
     attends = bias.amax(dim=-1, keepdim=True) > float("-inf")  # [b, q, 1]: some key allowed
@@ -227,14 +231,18 @@ def static_focus_forward(
         slots, length, allowed, valid, window=window, sinks=sinks, sliding_window=sliding_window
     )
     neg_inf = torch.tensor(float("-inf"), device=query.device)
+    term = None  # the dot gate form's logit term [b, q, L]
+    if routing is not None and focus["gate_form"] == "dot":
+        term = dot_gate(probs, layer.focus_probs, focus["gate_lambda"])  # [b, q, L]
+        local = causal if mode == "soft" else local  # soft: every causal pair, ungated
     if routing is None:
         keep = local if focus_window is not None else causal
         bias = torch.where(keep, 0.0, neg_inf)  # [b, q, L]
-    elif mode == "hard":
+    elif mode == "hard" or term is not None:
         shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b,q,L]
         bias = torch.where(local | (causal & shares), 0.0, neg_inf)
     else:
         affinity = torch.einsum("bqk,bjk->bqj", probs, layer.focus_probs.to(probs.dtype))
         gate = soft_gate(affinity, focus["gate_lambda"])  # [b, q, L]
         bias = torch.where(local, 0.0, torch.where(causal, gate, neg_inf))
-    return static_attention(query, key, value, bias, scale=scale, softcap=softcap)
+    return static_attention(query, key, value, bias, scale=scale, softcap=softcap, term=term)

@@ -58,12 +58,14 @@ except ImportError:  # standalone: the dense path below
 
 from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
-from .focus_rules import groups_intersect, pair_rule, soft_cap, soft_gate
+from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
 from .focus_static import static_focus_forward, static_focus_layer
 
-_PACKAGE_DOCUMENTS = _package_focus_attention is not None and (
-    "documents" in inspect.signature(_package_focus_attention).parameters
-)  # an older focus_pretrain without packed documents: the dense path runs them
+_PACKAGE_PARAMETERS = (
+    () if _package_focus_attention is None else inspect.signature(_package_focus_attention).parameters
+)  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
+_PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
+_PACKAGE_GATE_FORMS = "gate_form" in _PACKAGE_PARAMETERS
 
 
 class FocusRouter(nn.Module):
@@ -282,6 +284,7 @@ def focus_attention_forward(
                 scale=scale,
                 softcap=softcap,
                 sinks=_sinks(module),
+                dot_lambda=focus["gate_lambda"] if focus["gate_form"] == "dot" else None,
             )
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
             return out, None
@@ -352,6 +355,7 @@ def _dense(
     causal, _ = pair_rule(q_pos, k_pos, window=0, **documents)  # [q, kv] or [b, q, kv]
     neg_inf = torch.tensor(float("-inf"), device=device)
     sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device, docs)
+    term = None  # the dot gate form's logit term [b, q, kv], before soft-capping
     if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
         keep = causal
         if sliding_window is not None:
@@ -368,12 +372,15 @@ def _dense(
         local = causal & pair_rule(q_pos, k_pos, window=focus["window"])[1]
         if sink is not None:  # sinks: like keys in the window (no gate)
             local = local | (causal & sink[:, None, :])  # [b, q, kv]
-        if mode == "hard":
+        probs_q = probs_k[:, kv_len - q_len :]
+        if focus["gate_form"] == "dot":  # on every pair; the soft pattern: every causal pair
+            term = dot_gate(probs_q, probs_k, focus["gate_lambda"])  # [b, q, kv]
+            local = causal if mode == "soft" else local
+        if mode == "hard" or term is not None:
             member_q = member_k[:, kv_len - q_len :]
             shares = groups_intersect(member_q[:, :, None], member_k[:, None, :])  # [b, q, kv]
             bias = torch.where(causal & (local | shares), 0.0, neg_inf)
         else:
-            probs_q = probs_k[:, kv_len - q_len :]
             affinity = torch.einsum("bqk,bjk->bqj", probs_q, probs_k)  # [b, q, kv]
             gate = soft_gate(affinity, focus["gate_lambda"])
             bias = torch.where(causal & ~local, gate, 0.0)
@@ -385,6 +392,8 @@ def _dense(
     k = key.to(dtype).repeat_interleave(repeat, dim=1)  # [b, H, kv, d]
     v = value.to(dtype).repeat_interleave(repeat, dim=1)
     scores = torch.matmul(query.to(dtype), k.transpose(2, 3)) * scale  # [b, H, q, kv]
+    if term is not None:
+        scores = scores + term[:, None].to(dtype)
     scores = soft_cap(scores, softcap) + bias[:, None].to(dtype)
     weights = torch.softmax(scores, dim=-1)
     attends = bias.amax(dim=-1, keepdim=True) > float("-inf")  # [b, q, 1]: some key allowed
@@ -415,6 +424,10 @@ def _fast_path(
         probs = routing[0]  # [b, s, K]
         kwargs.update(window=focus["window"], mode=mode, top_k=focus["top_k"])
         kwargs.update(gate_lambda=focus["gate_lambda"])
+        if focus["gate_form"] != "sigmoid":
+            if not _PACKAGE_GATE_FORMS:
+                return None
+            kwargs.update(gate_form=focus["gate_form"])
     elif sliding_window is not None:  # HF's window counts the token itself
         kwargs.update(window=sliding_window - 1, local_only=True)
     elif focus_window is not None:
