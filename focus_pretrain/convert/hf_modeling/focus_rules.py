@@ -1,10 +1,11 @@
 """The Focus pattern's rules: the standalone copy shipped with every export.
 
 An exported model runs without ``focus_pretrain`` installed (only torch and transformers), so the
-rules of its pattern are copied here from the package's spec, ``focus_pretrain/focus/
-pattern.py`` and ``gate_forms.py``: the soft gate (both forms), logit soft-capping, group intersection and the pair rule (causal,
-one document, window, sinks). ``tests/unit/test_hf_rules.py`` checks every function here against
-the spec on random inputs; ``modeling_focus.py`` and ``focus_cache.py`` use only these.
+rules of its pattern are copied here from the package's spec (``focus_pretrain/focus/
+pattern.py``, ``gate_forms.py``): the soft gate in both forms, logit soft-capping, group
+intersection and the pair rule (causal, one document, window, sinks).
+``tests/unit/test_pattern_copies.py`` checks every function here against the spec on random
+inputs; ``modeling_focus.py``, ``focus_cache.py`` and ``focus_static.py`` use only these.
 """
 
 from __future__ import annotations

@@ -62,7 +62,9 @@ from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_g
 from .focus_static import static_focus_forward, static_focus_layer
 
 _PACKAGE_PARAMETERS = (
-    () if _package_focus_attention is None else inspect.signature(_package_focus_attention).parameters
+    ()
+    if _package_focus_attention is None
+    else inspect.signature(_package_focus_attention).parameters
 )  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
 _PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
 _PACKAGE_GATE_FORMS = "gate_form" in _PACKAGE_PARAMETERS
