@@ -110,6 +110,6 @@ def test_hf_dot_gate_equals_the_package_channels(dtype):
     q, k, v = (torch.randn(b, s, heads, d, generator=g, dtype=dtype) for _ in range(3))
     probs = torch.softmax(torch.randn(b, s, groups, generator=g, dtype=dtype), dim=-1)
     q2, k2, _ = dot_gate_channels(q, k, v, probs, gate_lambda=lam, scale=scale)
-    added = (torch.einsum("bqhd,bkhd->bhqk", q2, k2) - torch.einsum("bqhd,bkhd->bhqk", q, k))
+    added = torch.einsum("bqhd,bkhd->bhqk", q2, k2) - torch.einsum("bqhd,bkhd->bhqk", q, k)
     want = focus_rules.dot_gate(probs, probs, lam)  # [b, q, kv]
     torch.testing.assert_close(added * scale, want[:, None].expand_as(added))
