@@ -69,6 +69,7 @@ from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_call
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
+from focus_pretrain.focus.sdpa import sdpa_attention, sdpa_priority, sdpa_refusal
 from focus_pretrain.focus.segments import segments_attention
 from focus_pretrain.focus.soft_triton import cuda_refusal, runs_on, supports
 from focus_pretrain.focus.soft_triton_launch import precision_class
@@ -159,14 +160,15 @@ def focus_attention(
         call = dot_gate_call(
             q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda, scale=scale
         )
-        out, lse = focus_attention(
+        out = focus_attention(
             call.q, call.k, call.v, call.probs, window=call.window, mode=call.mode,
             top_k=top_k, backend=backend, gate_lambda=gate_lambda, softcap=softcap,
-            scale=call.scale, local_only=call.local_only, return_lse=True, check_finite=False,
-            sinks=sinks, documents=documents,
+            scale=call.scale, local_only=call.local_only, return_lse=return_lse,
+            check_finite=False, sinks=sinks, documents=documents,
         )  # fmt: skip  # [b, s, H, D + P]
-        out = out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]
-        return (out, lse) if return_lse else out
+        if return_lse:
+            return out[0][..., : call.head_dim], out[1]  # [b, s, H, D + P] -> [b, s, H, D]
+        return out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]
     if documents is not None:
         check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64
@@ -185,13 +187,13 @@ def focus_attention(
         probs=probs, member=member, documents=documents,
         groups=0 if local_only else routing_groups, top_k=top_k,
     )  # fmt: skip
-    chosen = select_backend(backend, _request(q, k, v, pattern, top_k))
+    chosen = select_backend(backend, _request(q, k, v, pattern, top_k, return_lse))
     out, lse = chosen.fn(q, k, v, pattern)
     return (out, lse) if return_lse else out
 
 
 def _request(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, top_k: int
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, top_k: int, return_lse: bool
 ) -> AttentionRequest:
     """What the call asks of a backend (shapes ``[b, s, H|Hkv, D]``, device, dtype, pattern)."""
     return AttentionRequest(
@@ -211,6 +213,7 @@ def _request(
         and any(t is not None and t.requires_grad for t in (q, k, v, pattern.probs)),
         sinks=pattern.sinks,
         documents=pattern.documents is not None,
+        needs_lse=return_lse,
     )
 
 
@@ -404,6 +407,16 @@ register_backend(
         segments_attention,
         Capabilities(frozenset({"hard", "hard_gated"}), max_top_k=1),
         _segments_priority,
+    )
+)
+register_backend(  # plain causal attention (the dense twin, the dot gate's soft pattern)
+    Backend(
+        "sdpa",
+        sdpa_attention,
+        Capabilities(frozenset({"local"}), documents=False, softcap=False),
+        sdpa_priority,
+        None,
+        sdpa_refusal,
     )
 )
 register_backend(

@@ -110,6 +110,8 @@ class AttentionRequest:
         needs_grad: whether autograd will differentiate through the call.
         sinks: attention sinks (every built-in backend is exact for any number).
         documents: whether the sequences are packed documents (``documents=`` given).
+        needs_lse: whether the caller wants the log-sum-exp back (``return_lse``; unknown:
+            ``True``).
     """
 
     device: str
@@ -127,6 +129,7 @@ class AttentionRequest:
     needs_grad: bool
     sinks: int = 0
     documents: bool = False
+    needs_lse: bool = True
 
     @property
     def kind(self) -> str:
