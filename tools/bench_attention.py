@@ -55,6 +55,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the --train rows: the soft gate, sparse training (hard_gated) per --top-k",
     )
     parser.add_argument(
+        "--gate-forms",
+        nargs="+",
+        choices=["sigmoid", "dot"],
+        default=defaults.gate_forms,
+        help="the --train rows' gate forms (dot: the soft pattern as plain causal attention on "
+        "q, k widened by the gate's channels; name sdpa in --backends for PyTorch's SDPA)",
+    )
+    parser.add_argument(
         "--graphs",
         action="store_true",
         help="time calls captured whole (torch.compile reduce-overhead: CUDA graphs), dense too",
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         repeats=args.repeats,
         train=args.train,
         train_modes=args.train_modes,
+        gate_forms=args.gate_forms,
         device=args.device,
         seed=args.seed,
         profile=args.profile,

@@ -17,6 +17,9 @@
 #   ring    one ring step, fused (flex, triton) vs blockwise (tools/bench_ring_step.py)
 #   mfu     the ~1B recipe and its dense twin (tools/measure_mfu.py)
 #   mfu_triton  the ~1B recipe trained through the triton backend (focus.backend=triton)
+#   dot     the dot gate form's training step vs dense at 8K-64K: its soft pattern (plain causal
+#           attention on q, k widened by K channels: sdpa, flex) and sparse training (the hard
+#           pattern, top-1: triton, flex), each checked against the reference (experiment E6)
 #   tune    the triton training kernels: checked against the reference, every candidate tile
 #           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
 #           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
@@ -28,7 +31,7 @@
 # recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
 # from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
 # Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, SPARSE_TRAIN_SEQ,
-# RING_ARGS, MFU_ARGS, RECIPE_STEPS, TUNE_LENGTHS, TUNE_ARGS.
+# RING_ARGS, MFU_ARGS, RECIPE_STEPS, TUNE_LENGTHS, TUNE_ARGS, DOT_SEQ, DOT_BACKENDS, DOT_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -152,6 +155,14 @@ stage_mfu_triton() {
     --json "$OUT/mfu_triton.json" --markdown "$LOGS/mfu_triton.md" ${MFU_ARGS:-}
 }
 
+stage_dot() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${DOT_SEQ:-8192 16384 32768 65536} --groups 8 --top-k 1 \
+    --no-hard --heads 16 --head-dim 128 --dtype bf16 --train --gate-forms dot \
+    --backends ${DOT_BACKENDS:-sdpa flex triton} --warmup 2 --repeats 5 \
+    --json "$OUT/bench_dot.json" --markdown "$LOGS/bench_dot.md" ${DOT_ARGS:-}
+}
+
 stage_tune() {
   cp focus_pretrain/focus/triton_tiles.json "$OUT/triton_tiles.json" 2>/dev/null
   # shellcheck disable=SC2086
@@ -159,7 +170,7 @@ stage_tune() {
     --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} ${TUNE_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune)
+ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=("${ALL[@]}")
 printf 'stage\texit\tseconds\n' > "$OUT/summary.tsv"

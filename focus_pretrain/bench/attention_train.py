@@ -1,7 +1,9 @@
 """Training rows of the attention benchmark: one training step (forward + backward) of the
 Focus backends against dense causal SDPA's, with the soft gate (every causal pair) and, per
 ``top_k``, on the sparse training pattern (``hard_gated``: only the hard pattern's pairs, gated;
-``focus.training_mode: hard``), with the pair-count ideal ``1 / density`` next to each speedup.
+``focus.training_mode: hard``), with the pair-count ideal ``1 / density`` next to each speedup;
+each row once per gate form of ``cfg.gate_forms`` (``dot``: the soft pattern is plain causal
+attention on ``q, k`` widened by the gate's channels, e.g. through ``sdpa``).
 
 A backend is timed for a mode when the registry says it differentiates that mode on this device
 (on CPU: ``reference`` for both, ``segments`` for sparse top-1, ``triton`` in its interpreter
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from focus_pretrain.focus.attention import _request, focus_attention
 from focus_pretrain.focus.backends import AttentionPattern, get_backend
+from focus_pretrain.focus.gate_forms import dot_gate_call
 from focus_pretrain.focus.pattern import pattern_density
 from focus_pretrain.focus.router import Routing
 
@@ -39,27 +42,48 @@ def train_rows(
     dense = measure(functools.partial(_dense_step, leaves, grad, cfg.head_dim**-0.5))
     soft = [("soft", 1)] if "soft" in cfg.train_modes else []
     sparse = [("hard_gated", t) for t in cfg.top_k] if "hard" in cfg.train_modes else []
-    for mode, top_k in soft + sparse:
-        if top_k > probs.shape[-1]:
-            continue
-        names = [name for name in cfg.backends if _trains(name, leaves, mode, top_k, cfg, log)]
-        if names:
-            yield _row(cfg, leaves, grad, mode, top_k, dense, measure, names, log)
+    for gate_form in cfg.gate_forms:
+        for mode, top_k in soft + sparse:
+            if top_k > probs.shape[-1]:
+                continue
+            case = (mode, top_k, gate_form)
+            names = [name for name in cfg.backends if _trains(name, leaves, case, cfg, log)]
+            if names:
+                yield _row(cfg, leaves, grad, case, dense, measure, names, log)
 
 
-def _trains(name: str, leaves: list[Tensor], mode: str, top_k: int, cfg, log) -> bool:
-    """Whether ``name`` differentiates ``mode`` at ``top_k`` here (else logs why not)."""
+def _trains(name: str, leaves: list[Tensor], case: tuple, cfg, log) -> bool:
+    """Whether ``name`` differentiates ``case`` (mode, top_k, gate form) here (else logs why
+    not): for the ``dot`` form, the call its rewrite makes."""
+    mode, top_k, gate_form = case
     try:
         backend = get_backend(name)
     except ValueError:
         return False
+    q, k, v, probs = leaves
+    local_only, window, scale = False, cfg.window, cfg.head_dim**-0.5
+    if gate_form == "dot":
+        call = dot_gate_call(
+            q, k, v, probs, mode=mode, window=window, gate_lambda=10.0, scale=scale
+        )
+        q, k, v, mode, local_only, window = (
+            call.q,
+            call.k,
+            call.v,
+            call.mode,
+            call.local_only,
+            call.window,
+        )
     pattern = AttentionPattern(
-        window=cfg.window, mode=mode, local_only=False, gate_lambda=10.0, softcap=None,
-        scale=cfg.head_dim**-0.5, probs=leaves[3], groups=leaves[3].shape[-1], top_k=top_k,
+        window=window, mode=mode, local_only=local_only, gate_lambda=10.0, softcap=None,
+        scale=scale, probs=probs, groups=probs.shape[-1], top_k=top_k,
     )  # fmt: skip
-    reason = backend.refusal(_request(*leaves[:3], pattern, top_k))
+    reason = backend.refusal(_request(q, k, v, pattern, top_k, return_lse=False))
     if reason is not None:
-        log(f"{name} {mode} top_k={top_k} training step skipped: it does not take {reason}")
+        form = "" if gate_form == "sigmoid" else f" {gate_form}"
+        log(
+            f"{name} {case[0]} top_k={top_k}{form} training step skipped: it does not take {reason}"
+        )
     return reason is None
 
 
@@ -78,49 +102,53 @@ def _dense_step(leaves: list[Tensor], grad: Tensor, scale: float) -> None:
     out.backward(grad.transpose(1, 2))
 
 
-def _step(name: str, leaves: list[Tensor], mode: str, top_k: int, window: int, grad: Tensor):
-    """One forward + backward through ``name``: ``[out, dq, dk, dv, dprobs]``."""
+def _step(name: str, leaves: list[Tensor], case: tuple, window: int, grad: Tensor):
+    """One forward + backward through ``name`` of ``case`` (mode, top_k, gate form):
+    ``[out, dq, dk, dv, dprobs]``."""
+    mode, top_k, gate_form = case
     for t in leaves:
         t.grad = None
     out = focus_attention(
         *leaves[:3], Routing(leaves[3]), window=window, mode=mode, top_k=top_k, backend=name,
-        check_finite=False,
+        check_finite=False, gate_form=gate_form,
     )  # fmt: skip
     out.backward(grad)
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _check(name: str, leaves: list[Tensor], mode: str, top_k: int, window: int, grad) -> float:
+def _check(name: str, leaves: list[Tensor], case: tuple, window: int, grad) -> float:
     """Largest error of the output and every gradient against the reference on a prefix,
     relative to each tensor's largest magnitude."""
     n = min(leaves[0].shape[1], CHECK_TOKENS)
     prefix = [t.detach()[:, :n].clone().requires_grad_(True) for t in leaves]
-    want = _step("reference", prefix, mode, top_k, window, grad[:, :n])
-    got = _step(name, prefix, mode, top_k, window, grad[:, :n])
+    want = _step("reference", prefix, case, window, grad[:, :n])
+    got = _step(name, prefix, case, window, grad[:, :n])
     return max(
         float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
         for a, b in zip(got, want, strict=True)
     )
 
 
-def _row(cfg, leaves, grad, mode, top_k, dense, measure, names, log) -> dict:
-    """The training row of ``mode`` at ``top_k``: each backend's time and speedup over dense,
-    with the seconds its check and its first (compiling) call took, logged as they end (a run
-    stopped by a time limit still says where the time went)."""
+def _row(cfg, leaves, grad, case, dense, measure, names, log) -> dict:
+    """The training row of ``case`` (mode, top_k, gate form): each backend's time and speedup
+    over dense, with the seconds its check and its first (compiling) call took, logged as they
+    end (a run stopped by a time limit still says where the time went)."""
+    mode, top_k, gate_form = case
     density = 1.0
     if mode == "hard_gated":
         member = Routing(leaves[3].detach()).membership(top_k).cpu()
         density = float(pattern_density(member, cfg.window).mean())
     backends = {}
     for name in names:
-        step = functools.partial(_step, name, leaves, mode, top_k, cfg.window, grad)
+        step = functools.partial(_step, name, leaves, case, cfg.window, grad)
         started = time.perf_counter()
-        error = _check(name, leaves, mode, top_k, cfg.window, grad)
+        error = _check(name, leaves, case, cfg.window, grad)
         checked = time.perf_counter()
         _synchronized(step, leaves[0].device)
         first = time.perf_counter()
         log(
-            f"  {name} {mode} top_k={top_k} seq={leaves[0].shape[1]}: checked in "
+            f"  {name} {mode} top_k={top_k}{'' if gate_form == 'sigmoid' else ' ' + gate_form} "
+            f"seq={leaves[0].shape[1]}: checked in "
             f"{checked - started:.1f} s, first full-size call {first - checked:.1f} s"
         )
         total = measure(step)
@@ -134,7 +162,9 @@ def _row(cfg, leaves, grad, mode, top_k, dense, measure, names, log) -> dict:
         groups=leaves[3].shape[-1],
         top_k=None if mode == "soft" else top_k,
         window=cfg.window,
-        mode="soft-train" if mode == "soft" else "hard-train",
+        mode=("soft-train" if mode == "soft" else "hard-train")
+        + ("" if gate_form == "sigmoid" else f" ({gate_form})"),
+        gate_form=gate_form,
         dense_ms={"sdpa": dense},
         baseline="sdpa",
         ideal_speedup=1.0 / density,

@@ -127,26 +127,39 @@ def test_bench_attention_smoke_on_cpu(tmp_path):
 def test_bench_attention_times_soft_and_sparse_training(tmp_path):
     """``--train``: one soft row, then one sparse (hard_gated) row per top-k, each backend that
     trains it here checked against the reference (output and gradients) and timed against
-    dense SDPA forward + backward, next to the pair-count ideal."""
+    dense SDPA forward + backward, next to the pair-count ideal; then the same rows with the
+    ``dot`` gate form (its soft pattern through ``sdpa`` too)."""
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--seq", "600", "--groups", "4", "--top-k", "1", "2", "--train"]
     args += ["--no-hard", "--heads", "4", "--heads-kv", "2", "--head-dim", "16", "--dtype"]
     args += ["fp32", "--window", "32", "--warmup", "0", "--repeats", "1", "--json", str(out)]
-    args += ["--backends", "reference", "segments", "flex"]
+    args += [
+        "--backends",
+        "reference",
+        "segments",
+        "flex",
+        "sdpa",
+        "--gate-forms",
+        "sigmoid",
+        "dot",
+    ]
     tool = str(ROOT / "tools" / "bench_attention.py")
     done = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True,
                           check=True, timeout=600)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["top_k"]) for r in rows] == [
-        ("soft-train", None), ("hard-train", 1), ("hard-train", 2)
+        ("soft-train", None), ("hard-train", 1), ("hard-train", 2),
+        ("soft-train (dot)", None), ("hard-train (dot)", 1), ("hard-train (dot)", 2),
     ]  # fmt: skip
     assert [set(r["backends"]) for r in rows] == [
-        {"reference"}, {"reference", "segments"}, {"reference"}
+        {"reference"}, {"reference", "segments"}, {"reference"},
+        {"reference", "sdpa"}, {"reference", "segments"}, {"reference"},
     ]  # fmt: skip
     assert "flex hard_gated top_k=1 training step skipped" in done.stdout  # no CPU backward
     assert (
         rows[0]["ideal_speedup"] == 1.0 and rows[1]["ideal_speedup"] > rows[2]["ideal_speedup"] > 1
     )
+    assert rows[4]["ideal_speedup"] == rows[1]["ideal_speedup"]  # the same hard pattern
     for row in rows:
         for b in row["backends"].values():
             assert b["max_abs_error_vs_reference"] < 1e-4 and b["ms"] > 0
