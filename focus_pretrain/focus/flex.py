@@ -41,7 +41,6 @@ Layout: ``[batch, seq, heads, head_dim]`` at this module's boundary; FlexAttenti
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import warnings
@@ -97,10 +96,12 @@ def _static_mask(key: tuple, mask_mod, build) -> BlockMask:
 
 
 def _with_mask_mod(mask: BlockMask, mask_mod) -> BlockMask:
-    """``mask``'s blocks (shared, not copied) with another ``mask_mod``."""
-    out = copy.copy(mask)
-    out.mask_mod = mask_mod
-    return out
+    """``mask``'s blocks (shared, not copied) with another ``mask_mod``: a new ``BlockMask``
+    from the same fields (every torch version's own list of them). Not ``copy.copy``: torch
+    2.11's dynamo refuses it inside a captured graph (issue 42), later versions trace it."""
+    fields = {name: getattr(mask, name) for name in (*mask._TENSOR_ATTRS, *mask._CONTEXT_ATTRS)}
+    fields["mask_mod"] = mask_mod
+    return type(mask)(**fields)
 
 
 _TRITON_FOUND = importlib.util.find_spec("triton") is not None  # at import: not in a graph
