@@ -165,9 +165,7 @@ class FocusConfig:
         name, mode = self.backend, self.training_pattern
         if self.gate_form == "dot":  # soft: plain causal attention; sparse: the hard pattern
             mode = "hard" if mode == "hard_gated" else "local"
-        if name == "auto" or mode == "local":
-            return
-        if registry.get_backend(name).capabilities.computes(mode, self.top_k):
+        if name == "auto" or registry.get_backend(name).capabilities.computes(mode, self.top_k):
             return
         others = [
             other
@@ -175,10 +173,11 @@ class FocusConfig:
             if registry.get_backend(other).capabilities.computes(mode, self.top_k)
         ]
         computes = registry.get_backend(name).capabilities.describe()
+        form = f" and focus.gate_form={self.gate_form!r}" if self.gate_form != "sigmoid" else ""
         raise ValueError(
             f"focus.backend {name!r} does not train with focus.training_mode="
-            f"{self.training_mode!r} (it computes {computes}); use 'auto' or one of {others}, "
-            "or focus.training_mode='soft'"
+            f"{self.training_mode!r}{form} (it computes {computes}); use 'auto' or one of "
+            f"{others}, or focus.training_mode='soft'"
         )
 
     def _check_inference_backend(self) -> None:

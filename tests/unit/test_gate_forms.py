@@ -120,5 +120,9 @@ def test_gate_form_is_validated():
     q, k, v = random_qkv(1, 4, 1, 1, 4, seed=1)
     with pytest.raises(ValueError, match="gate_form"):
         focus_attention(q, k, v, random_probs(1, 4, 2, seed=2), gate_form="cosine")
-    # the dot form's soft pattern is plain causal attention: any backend computes it
+    # the dot form's soft pattern is plain causal attention, its sparse training the hard
+    # pattern: a named backend must compute those
     assert FocusConfig(gate_form="dot", backend="reference").gate_form == "dot"
+    assert FocusConfig(gate_form="dot", backend="segments", training_mode="hard").backend
+    with pytest.raises(ValueError, match="gate_form='dot'"):
+        FocusConfig(gate_form="dot", backend="segments")  # soft: segments has no causal layer
