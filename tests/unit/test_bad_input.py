@@ -49,8 +49,8 @@ def test_shape_errors(inputs, change, message):
         (dict(sinks=1.5), r"sinks must be an integer, got 1.5"),
         (
             dict(backend="triton-magic"),
-            r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference', 'segments', "
-            r"'triton'\]",
+            r"backend must be 'auto' or one of \['decomposed', 'flex', 'reference', 'sdpa', "
+            r"'segments', 'triton'\]",
         ),
     ],
 )
