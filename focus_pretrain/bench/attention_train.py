@@ -80,11 +80,14 @@ def _trains(name: str, leaves: list[Tensor], case: tuple, cfg, log) -> bool:
     )  # fmt: skip
     reason = backend.refusal(_request(q, k, v, pattern, top_k, return_lse=False))
     if reason is not None:
-        form = "" if gate_form == "sigmoid" else f" {gate_form}"
-        log(
-            f"{name} {case[0]} top_k={top_k}{form} training step skipped: it does not take {reason}"
-        )
+        log(f"{name} {_label(case)} training step skipped: it does not take {reason}")
     return reason is None
+
+
+def _label(case: tuple) -> str:
+    """``case`` (mode, top_k, gate form) in the log's words: ``soft top_k=1`` (``... dot``)."""
+    mode, top_k, gate_form = case
+    return f"{mode} top_k={top_k}" + ("" if gate_form == "sigmoid" else f" {gate_form}")
 
 
 def _synchronized(fn: Callable, device: torch.device) -> None:
@@ -147,8 +150,7 @@ def _row(cfg, leaves, grad, case, dense, measure, names, log) -> dict:
         _synchronized(step, leaves[0].device)
         first = time.perf_counter()
         log(
-            f"  {name} {mode} top_k={top_k}{'' if gate_form == 'sigmoid' else ' ' + gate_form} "
-            f"seq={leaves[0].shape[1]}: checked in "
+            f"  {name} {_label(case)} seq={leaves[0].shape[1]}: checked in "
             f"{checked - started:.1f} s, first full-size call {first - checked:.1f} s"
         )
         total = measure(step)

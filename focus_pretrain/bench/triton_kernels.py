@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from focus_pretrain.environment import environment
-from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.pattern import UNLIMITED_WINDOW, document_starts
 from focus_pretrain.focus.soft_triton_launch import (
     BackwardState,
     Launch,
@@ -43,7 +43,6 @@ from focus_pretrain.focus.soft_triton_launch import (
 from focus_pretrain.focus.triton_tiles import ATOMIC, KERNELS, Tile, override_text, table_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-UNLIMITED = 2**62  # the control's window: every causal pair inside it
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class Case:
 
 # the profile's variants: ingredients switched on from the plain soft call, and off to the control
 VARIANTS = {
-    "control: causal, no gate, no pattern": dict(local=True, window=UNLIMITED),
+    "control: causal, no gate, no pattern": dict(local=True, window=UNLIMITED_WINDOW),
     "sliding window only (no gate)": dict(local=True),
     "soft gate + window": {},
     "+ documents": dict(documents=2048),

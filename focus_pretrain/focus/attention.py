@@ -65,7 +65,7 @@ from focus_pretrain.focus.decomposed import (
     torch_varlen_installed,
 )
 from focus_pretrain.focus.flex import flex_focus_attention
-from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_call
+from focus_pretrain.focus.gate_forms import GATE_FORMS, attend_with_dot_gate
 from focus_pretrain.focus.pattern import compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
@@ -157,18 +157,11 @@ def focus_attention(
     check_int("sinks", sinks, low=0)
     check_choice("gate_form", gate_form, GATE_FORMS)
     if gate_form == "dot" and not local_only:
-        call = dot_gate_call(
-            q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda, scale=scale
-        )
-        out = focus_attention(
-            call.q, call.k, call.v, call.probs, window=call.window, mode=call.mode,
-            top_k=top_k, backend=backend, gate_lambda=gate_lambda, softcap=softcap,
-            scale=call.scale, local_only=call.local_only, return_lse=return_lse,
+        return attend_with_dot_gate(
+            focus_attention, q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda,
+            scale=scale, return_lse=return_lse, top_k=top_k, backend=backend, softcap=softcap,
             check_finite=False, sinks=sinks, documents=documents,
-        )  # fmt: skip  # [b, s, H, D + P]
-        if return_lse:
-            return out[0][..., : call.head_dim], out[1]  # [b, s, H, D + P] -> [b, s, H, D]
-        return out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]
+        )  # fmt: skip
     if documents is not None:
         check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64

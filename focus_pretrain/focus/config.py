@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from focus_pretrain.focus.gate_forms import GATE_FORMS
+from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_pattern
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 BALANCE_MODES = ("causal", "sinkhorn", "none")
@@ -164,7 +164,7 @@ class FocusConfig:
         registry = _backends()
         name, mode = self.backend, self.training_pattern
         if self.gate_form == "dot":  # soft: plain causal attention; sparse: the hard pattern
-            mode = "hard" if mode == "hard_gated" else "local"
+            mode = dot_gate_pattern(mode)
         if name == "auto" or registry.get_backend(name).capabilities.computes(mode, self.top_k):
             return
         others = [

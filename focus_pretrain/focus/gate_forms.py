@@ -19,20 +19,23 @@ logit soft-capping (what such a kernel computes). With it:
   the term on every kept pair: training and inference compute the same function.
 
 :func:`dot_gate_call` rewrites one call of ``focus_attention`` into the call that computes the
-``dot`` form; :func:`focus_pretrain.focus.focus_attention` and context parallelism
-(:mod:`focus_pretrain.parallel.context_parallel`) use it, so the rule is written once.
+``dot`` form and :func:`attend_with_dot_gate` makes it; :func:`focus_pretrain.focus.
+focus_attention` and context parallelism (:mod:`focus_pretrain.parallel.context_parallel`) use
+it, so the rule is written once.
 Experiment E6 (docs/experiments.md) compares the two forms.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus.pattern import UNLIMITED_WINDOW
+
 GATE_FORMS = ("sigmoid", "dot")
-UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: every causal pair is local
 CHANNEL_MULTIPLE = 8  # the extra channels are padded to a multiple of 8 (flash kernels' rule)
 
 
@@ -59,6 +62,12 @@ class DotGateCall:
     local_only: bool
     scale: float
     head_dim: int
+
+
+def dot_gate_pattern(mode: str) -> str:
+    """The pattern the ``dot`` form computes for the call mode ``mode``: ``"local"`` (the soft
+    pattern: plain causal attention) or ``"hard"`` (``"hard"`` and ``"hard_gated"``)."""
+    return "local" if mode == "soft" else "hard"
 
 
 def dot_gate_channels(
@@ -108,6 +117,39 @@ def dot_gate_call(
     head_dim = q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
     q, k, v = dot_gate_channels(q, k, v, probs, gate_lambda=gate_lambda, scale=scale)
-    if mode == "soft":
+    if dot_gate_pattern(mode) == "local":
         return DotGateCall(q, k, v, None, "soft", UNLIMITED_WINDOW, True, scale, head_dim)
     return DotGateCall(q, k, v, probs, "hard", window, False, scale, head_dim)
+
+
+def attend_with_dot_gate(
+    attend: Callable,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    *,
+    mode: str,
+    window: int,
+    gate_lambda: float,
+    scale: float | None,
+    return_lse: bool = False,
+    **kwargs,
+):
+    """``attend(q, k, v, probs, **options)`` (``focus_attention``'s signature) computing the
+    ``dot`` form of a call of ``mode``: the rewritten call of :func:`dot_gate_call`, its output
+    cut back to ``D`` channels. ``[b, s, H, D]`` out (and the log-sum-exp with ``return_lse``);
+    ``kwargs`` go to ``attend`` unchanged (backend, top_k, softcap, sinks, documents, ...)."""
+    call = dot_gate_call(
+        q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda, scale=scale
+    )
+    kwargs.pop("local_only", None)  # a routed call's (False): the rewritten call sets its own
+    if return_lse:
+        kwargs["return_lse"] = True
+    out = attend(
+        call.q, call.k, call.v, call.probs, mode=call.mode, window=call.window,
+        local_only=call.local_only, scale=call.scale, gate_lambda=gate_lambda, **kwargs,
+    )  # fmt: skip  # [b, s, H, D + P]
+    if return_lse:
+        return out[0][..., : call.head_dim], out[1]  # [b, s, H, D + P] -> [b, s, H, D]
+    return out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: every causal pair is local (dense)
+
 
 def membership_bitmask(top_groups: Tensor) -> Tensor:
     """Pack group indices into one int64 bitmask per token.

@@ -34,10 +34,9 @@ from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
 from focus_pretrain.focus.pair_count import kept_pairs
+from focus_pretrain.focus.pattern import UNLIMITED_WINDOW
 from focus_pretrain.model.packing import DocumentParams, rope_for_positions
 from focus_pretrain.model.rope import RopeScaling, set_rope_frequencies
-
-UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: dense causal attention
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -162,7 +161,7 @@ class FocusCoreAttention(MegatronModule):
             top_k=self.focus.top_k,
             gate_lambda=self.focus.gate_lambda,
             softcap=self.softcap,
-            **({"gate_form": self.focus.gate_form} if self.focus.gate_form != "sigmoid" else {}),
+            gate_form=self.focus.gate_form,
             scale=self.softmax_scale,
             local_only=local_only,
             check_finite=self.focus.check_finite,

@@ -31,6 +31,7 @@ Layout: ``[batch, seq_local, heads, head_dim]`` in and out.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.backends import get_backend, ring_backend_names
-from focus_pretrain.focus.gate_forms import dot_gate_call
+from focus_pretrain.focus.gate_forms import attend_with_dot_gate
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.parallel.config import check_cp_heads, check_cp_seq_length
 from focus_pretrain.parallel.ring import RingStats, check_document_starts, ring_focus_attention
@@ -154,6 +155,8 @@ def context_parallel_attention(
             sequence. The ring checks them against its positions
             (:func:`~focus_pretrain.parallel.ring.check_document_starts`).
         attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
+            gate_form (``"dot"``: the channels appended to this rank's tokens before the
+            exchange; then ``mode``, ``window``, ``gate_lambda`` and ``scale`` must be given),
             softcap, scale, local_only, check_finite, sinks, backend; the ring computes every block
             with the exact per-block attention, so it takes only the backends
             :func:`~focus_pretrain.focus.backends.ring_backend_names`).
@@ -161,9 +164,11 @@ def context_parallel_attention(
     Returns:
         ``[b, s_loc, H, D]``.
     """
-    if attention_kwargs.pop("gate_form", "sigmoid") == "dot" and probs is not None:
-        return _dot_gate_attention(
-            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, documents=documents,
+    dot = attention_kwargs.pop("gate_form", "sigmoid") == "dot"
+    if dot and not attention_kwargs.get("local_only"):  # mode, window, gate_lambda, scale given
+        options = dict(group=group, cp_mode=cp_mode, stats=stats, documents=documents)
+        return attend_with_dot_gate(
+            functools.partial(context_parallel_attention, **options), q, k, v, probs,
             **attention_kwargs,
         )  # fmt: skip
     cp_size = dist.get_world_size(group)
@@ -187,21 +192,6 @@ def context_parallel_attention(
     return ring_focus_attention(
         q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
     )
-
-
-def _dot_gate_attention(q: Tensor, k: Tensor, v: Tensor, probs: Tensor, **kwargs) -> Tensor:
-    """:func:`context_parallel_attention` with the ``dot`` gate form: its channels appended to
-    this rank's tokens (they are per token), then the rewritten call
-    (:func:`~focus_pretrain.focus.gate_forms.dot_gate_call`). ``[b, s_loc, H, D]`` out."""
-    if kwargs.get("local_only"):
-        return context_parallel_attention(q, k, v, probs, **kwargs)
-    call = dot_gate_call(
-        q, k, v, probs, mode=kwargs.get("mode", "soft"), window=kwargs.get("window", 128),
-        gate_lambda=kwargs.get("gate_lambda", 10.0), scale=kwargs.get("scale"),
-    )  # fmt: skip
-    kwargs.update(mode=call.mode, window=call.window, local_only=call.local_only, scale=call.scale)
-    out = context_parallel_attention(call.q, call.k, call.v, call.probs, **kwargs)
-    return out[..., : call.head_dim]  # [b, s_loc, H, D + P] -> [b, s_loc, H, D]
 
 
 def ring_block_kernel(backend: str) -> str:
