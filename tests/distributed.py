@@ -3,14 +3,19 @@
 A worker is a module-level function ``fn(rank, world_size, *args) -> object`` (picklable by
 name); its return value is saved with ``torch.save`` and handed back in rank order. The
 processes meet through a file in a temporary directory, not a TCP port, so concurrent test runs
-on one machine cannot collide.
+on one machine cannot collide. A run that outlives its deadline has every rank's Python stacks
+taken (faulthandler, SIGUSR1) before it is killed and put in the error, so a hang fails in
+minutes and says where.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import signal
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +31,8 @@ def _entry(
     rank: int, world_size: int, target: str, args: tuple, out_dir: str, backend: str = "gloo"
 ):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    stacks = open(Path(out_dir) / f"stacks{rank}.txt", "w")  # noqa: SIM115 (open till exit)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for the deadline
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -41,12 +48,13 @@ def _entry(
 
 
 def run_workers(
-    target: str, world_size: int, *args: object, timeout: float = 300, backend: str = "gloo"
+    target: str, world_size: int, *args: object, timeout: float = 900, backend: str = "gloo"
 ) -> list:
     """Run ``target`` (``"package.module:function"``) in ``world_size`` processes (``gloo``;
     ``backend="nccl"`` for the GPU tests: one GPU per rank).
 
-    Returns the workers' return values in rank order; a worker's exception fails the call.
+    Returns the workers' return values in rank order; a worker's exception fails the call, and
+    so does a run still going after ``timeout`` seconds (the error holds every rank's stacks).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
@@ -56,8 +64,30 @@ def run_workers(
             join=False,
             start_method="spawn",
         )
-        while not context.join(timeout=timeout):
-            pass
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(0.0, min(30.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                _dump_and_kill(context.processes)
+                stacks = "".join(
+                    f"\n--- rank {r} ---\n" + (Path(out_dir) / f"stacks{r}.txt").read_text()
+                    for r in range(world_size)
+                )
+                raise TimeoutError(
+                    f"{target} on {world_size} processes did not finish in {timeout:.0f} s; "
+                    f"where each rank was:{stacks}"
+                )
         return [
             torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
         ]
+
+
+def _dump_and_kill(processes: list) -> None:
+    """Ask every live worker for its stacks (SIGUSR1: faulthandler), then kill them all."""
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(3)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(10)

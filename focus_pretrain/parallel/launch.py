@@ -71,6 +71,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def load_deepspeed_ops_in_turn(*builder_names: str) -> None:
+    """Load DeepSpeed's ops ``builder_names`` (e.g. ``"CPUAdamBuilder"``; JIT-compiled on first
+    use, then cached in ``TORCH_EXTENSIONS_DIR``) in three turns separated by barriers: global
+    rank 0, then the first rank of every other node (whose cache may be another disk), then the
+    rest, who find them built. Ranks compiling one extension at the same time race on torch's
+    build lock, which can stall a job at start-up (DeepSpeed's CI hung on it: PR #2844). Each
+    process keeps what it loaded, so DeepSpeed's own later load is a lookup. Ops this machine's
+    accelerator lacks are skipped, as DeepSpeed skips them."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builders = [get_accelerator().create_op_builder(name) for name in builder_names]
+    builders = [
+        b for b in builders if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME)
+    ]
+    if not builders:
+        return
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        for builder in builders:
+            builder.load()
+        return
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    for my_turn in (rank == 0, rank != 0 and local_rank == 0, local_rank != 0):
+        if my_turn:
+            for builder in builders:
+                builder.load()
+        dist.barrier()
+
+
 def init_distributed(timeout_minutes: float = 30.0) -> None:
     """Start ``torch.distributed`` (NCCL with CUDA, else gloo) and DeepSpeed's communication
     layer, with ranks from :func:`launch_environment` and a collective timeout of
@@ -86,9 +116,13 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
             dist.init_process_group(
                 backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
+        else:  # env:// (MASTER_ADDR/PORT, RANK, WORLD_SIZE), as DeepSpeed would
+            dist.init_process_group(backend, timeout=timeout)
     chatter = io.StringIO()
     try:
-        with contextlib.redirect_stdout(chatter):  # joins an existing group
+        with contextlib.redirect_stdout(chatter):  # joins the group
+            # DeepSpeed's comm layer JIT-builds its CPU shared-memory op in every rank
+            load_deepspeed_ops_in_turn("ShareMemCommBuilder")
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     finally:  # what it printed, but its CPU build notice ("... built successfully")
         for line in chatter.getvalue().splitlines():

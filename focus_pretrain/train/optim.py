@@ -11,6 +11,7 @@ from torch import nn
 
 from focus_pretrain.config import Config, TrainConfig
 from focus_pretrain.parallel.deepspeed_overrides import merge_deepspeed_config
+from focus_pretrain.parallel.launch import load_deepspeed_ops_in_turn
 
 
 def is_router_parameter(name: str) -> bool:
@@ -83,6 +84,7 @@ def build_optimizer(groups: list[dict], config: TrainConfig, cpu_offload: bool):
     if cpu_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        load_deepspeed_ops_in_turn("CPUAdamBuilder")  # compiled by one rank, not all at once
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
     if use_fused_adamw(groups, cpu_offload):
         kwargs["fused"] = True

@@ -55,13 +55,20 @@ def layout_run(tmp_path_factory, cache) -> Callable[[str], tuple[list[dict], pat
     """``layout_run(name)``: every rank's result and the run directory of the small recipe
     trained 3 steps in layout ``name`` of :data:`LAYOUTS` (trained on first request)."""
     done: dict[str, tuple[list[dict], pathlib.Path]] = {}
+    failed: dict[str, Exception] = {}  # a layout that failed is not run again (a hang: twice)
 
     def get(name: str) -> tuple[list[dict], pathlib.Path]:
+        if name in failed:
+            raise RuntimeError(f"layout {name} failed earlier in this session") from failed[name]
         if name not in done:
             processes, extra = LAYOUTS[name]
             out = tmp_path_factory.mktemp(name) / "run"
             sets = overrides(out, cache, "train.steps=3", *extra)
-            done[name] = (run_workers("tests.e2e.workers_train:train", processes, sets), out)
+            try:
+                done[name] = (run_workers("tests.e2e.workers_train:train", processes, sets), out)
+            except Exception as error:
+                failed[name] = error
+                raise
         return done[name]
 
     return get
