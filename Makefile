@@ -18,6 +18,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 COMPAT_ARGS ?=
+TORCH_COMPAT_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -28,7 +29,7 @@ XDIST := $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist load
 # only a torch build pins (its Triton and CUDA wheels), which stay the GPU user's choice
 UNLOCKED := ^(focus-pretrain|torch|triton|pytorch-triton[a-z0-9-]*|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)==
 
-.PHONY: setup demo test test-fast test-compat lint format lock clean
+.PHONY: setup demo test test-fast test-compat test-torch lint format lock clean
 
 setup: $(STAMP)
 
@@ -58,10 +59,17 @@ lint: setup
 test: lint
 	FOCUS_LOCK="$(LOCK)" $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	$(MAKE) test-compat
+	$(MAKE) test-torch
 
 test-compat: setup
 	$(PY) tools/hf_compat.py --torch "$(TORCH_SPEC)" --lock "$(LOCK)" \
 		--pytest-args="-q $(XDIST)" $(COMPAT_ARGS)
+
+# The tests marked `torch` (captures, dispatch counts, backends vs the reference) and the shipped
+# HF modeling tests again under the lowest torch pyproject.toml allows (the GPU image's), laid over
+# the locked environment (tools/torch_compat.py: build/torch-compat/overlay-torch-<version>).
+test-torch: setup
+	$(PY) tools/torch_compat.py --pytest-args="-q $(XDIST)" $(TORCH_COMPAT_ARGS)
 
 # The unit tier only (no multi-process or end-to-end tests).
 test-fast: setup

@@ -50,20 +50,20 @@ ROOT = Path(__file__).resolve().parents[1]
 HF_MARKER = "hf and not e2e"
 
 
-def declared_range(pyproject: Path = ROOT / "pyproject.toml") -> str:
-    """The ``transformers`` specifier pyproject.toml declares, e.g. ``">=5.0,<5.25"``."""
+def declared_range(pyproject: Path = ROOT / "pyproject.toml", name: str = "transformers") -> str:
+    """The specifier pyproject.toml declares for ``name``, e.g. ``">=5.0,<5.25"``."""
     for dep in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
         requirement = Requirement(dep)
-        if requirement.name == "transformers":
+        if requirement.name == name:
             return str(requirement.specifier)
-    raise ValueError(f"{pyproject} declares no transformers dependency")
+    raise ValueError(f"{pyproject} declares no {name} dependency")
 
 
 def lowest_version(specifier: str) -> str:
     """The lower bound of ``specifier`` (its ``>=`` clause): the lowest supported release."""
     bounds = [s.version for s in Requirement(f"x{specifier}").specifier if s.operator == ">="]
     if len(bounds) != 1:
-        raise ValueError(f"transformers{specifier} has no single '>=' lower bound to test")
+        raise ValueError(f"{specifier!r} has no single '>=' lower bound to test")
     return bounds[0]
 
 
@@ -96,16 +96,19 @@ def named_versions(python: str, specifier: str) -> dict[str, str]:
     }
 
 
-def overlay(python: str, version: str, work: Path) -> Path:
-    """A directory holding ``transformers==version`` and the dependencies it needs at versions
-    other than the installed ones (what pip would change), to put first on ``PYTHONPATH``."""
-    target = work / f"overlay-{version}"
+def overlay(python: str, requirement: str, work: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """A directory holding ``requirement`` (e.g. ``transformers==5.0.0``, ``torch==2.11.0``)
+    and the dependencies it needs at versions other than the installed ones (what pip would
+    change, less the packages named in ``leave_out``), to put first on ``PYTHONPATH``: the
+    environment itself is not touched. pip's whole plan is kept in ``<dir>/.plan.json``."""
+    target = work / f"overlay-{requirement.replace('==', '-')}"
     if not (target / ".complete").is_file():
         shutil.rmtree(target, ignore_errors=True)
-        plan = pip_plan(python, f"transformers=={version}")
-        pins = [f"{name}=={pinned}" for name, pinned in plan.items()]
+        plan = pip_plan(python, requirement)
+        pins = [f"{name}=={pinned}" for name, pinned in plan.items() if name not in leave_out]
         pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
         subprocess.run([*pip, *pins], check=True)
+        (target / ".plan.json").write_text(json.dumps(plan, indent=1))
         (target / ".complete").write_text("\n".join(pins) + "\n")
     return target
 
@@ -146,7 +149,7 @@ def with_package(
     python: str, version: str, work: Path, pytest_args: list[str], marker: str = HF_MARKER
 ) -> dict:
     """The ``marker`` tests in the locked environment with ``transformers==version`` over it."""
-    target = overlay(python, version, work)
+    target = overlay(python, f"transformers=={version}", work)
     path = os.pathsep.join(p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "FOCUS_COMPAT_TRANSFORMERS": version, "FOCUS_COMPAT_PACKAGE": "1"}
     junit = work / f"with-package-{version}.xml"

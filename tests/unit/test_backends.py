@@ -30,7 +30,10 @@ from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 from tests.helpers import random_probs, random_qkv
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager CPU FlexAttention notice
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # eager CPU FlexAttention notice
+]
 
 
 def skewed_probs(b: int, n: int, k: int, *, seed: int, skew: float) -> torch.Tensor:

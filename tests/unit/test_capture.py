@@ -29,7 +29,7 @@ from focus_pretrain.focus.sorted_layout import GroupSortedLayout, layout_tensors
 from tests.distributed import run_workers
 from tests.helpers import random_probs, random_qkv
 
-pytestmark = pytest.mark.capture
+pytestmark = [pytest.mark.capture, pytest.mark.torch]
 
 B, N, H, HKV, D, GROUPS, WINDOW = 2, 256, 4, 2, 16, 5, 24
 

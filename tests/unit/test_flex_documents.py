@@ -23,7 +23,10 @@ from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 from tests.helpers import packed_documents, random_probs, random_qkv
 from tests.unit.test_backends import assert_flex_gradients_equal_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # eager CPU FlexAttention notice
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # eager CPU FlexAttention notice
+]
 
 DOCS = [5, 1, 17, 2, 40, 8, 3]  # shorter and longer than the window, one of a single token
 

@@ -13,6 +13,8 @@ from focus_pretrain.focus import FocusConfig, focus_attention
 from focus_pretrain.focus.gate_forms import dot_gate_channels
 from tests.helpers import assert_close, brute_force_focus, random_probs, random_qkv
 
+pytestmark = pytest.mark.torch  # also under the lowest supported torch
+
 
 def _ids(documents: list[list[int]] | None):
     return None if documents is None else torch.tensor(documents)

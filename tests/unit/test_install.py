@@ -103,3 +103,17 @@ def test_the_declared_transformers_range_is_the_exports_tested_range():
     tested = _shipped_configuration().TESTED_TRANSFORMERS
     assert _requirements()["transformers"].specifier == SpecifierSet(tested)
     assert SpecifierSet(tested).contains(metadata.version("transformers"))
+
+
+@pytest.mark.torch
+def test_the_torch_imported_is_a_supported_one():
+    """The torch the tests import is inside pyproject's range, and under tools/torch_compat.py
+    it is the overlay's version (FOCUS_EXPECT_TORCH), not the locked one shadowing it."""
+    import torch
+    from packaging.version import Version
+
+    imported = Version(torch.__version__).base_version
+    assert _requirements()["torch"].specifier.contains(imported), imported
+    expected = os.environ.get("FOCUS_EXPECT_TORCH")
+    if expected:
+        assert Version(imported) == Version(expected), (imported, expected)

@@ -14,6 +14,8 @@ from focus_pretrain.focus import Routing, focus_attention
 from tests.helpers import brute_force_focus, random_probs, random_qkv
 from tests.helpers import reference_call as reference_attention
 
+pytestmark = pytest.mark.torch  # also under the lowest supported torch
+
 
 @st.composite
 def problems(draw):

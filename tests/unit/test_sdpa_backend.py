@@ -10,6 +10,8 @@ from focus_pretrain.focus import focus_attention
 from focus_pretrain.focus.backends import AttentionRequest, select_backend
 from tests.helpers import assert_close, random_probs, random_qkv
 
+pytestmark = pytest.mark.torch  # also under the lowest supported torch
+
 UNLIMITED = 2**62  # the dense model's window
 
 

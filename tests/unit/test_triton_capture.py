@@ -28,7 +28,7 @@ from tests.helpers import (
     random_qkv,
 )
 
-pytestmark = [pytest.mark.capture, needs_triton]
+pytestmark = [pytest.mark.capture, pytest.mark.torch, needs_triton]
 
 B, N, H, HKV, D, GROUPS, WINDOW, SINKS = 2, 96, 4, 2, 16, 4, 16, 3
 FORWARD = torch.ops.focus_pretrain.soft_attention_forward

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -155,7 +156,12 @@ _VALID_FOCUS: set[tuple] = set()  # settings already validated (checked again on
 def checked_focus(focus: dict) -> dict:
     """``focus`` after :func:`validate_focus`, run once per distinct content: the model checks
     its settings at each call, so an edit after loading (``model.config.focus["top_k"] = 0``)
-    is refused instead of silently running another pattern."""
+    is refused instead of silently running another pattern. Under ``torch.compile`` the
+    settings are validated as traced (the graph's guards retrace on any change), without the
+    cache, whose hashing some torch versions' dynamo does not trace (2.11)."""
+    if torch.compiler.is_compiling():
+        validate_focus(focus)
+        return focus
     try:
         snapshot = tuple(sorted(focus.items(), key=lambda item: str(item[0])))
         hash(snapshot)
