@@ -62,8 +62,9 @@ def _attend(backend: str, mode: str, top_k: int, packed: bool):
     return attend
 
 
-CASES = [  # (backend, mode, top_k)
+CASES = [  # (backend, mode, top_k); triton's: tests/unit/test_triton_capture.py
     ("decomposed", "hard", 1),
+    ("flex", "hard", 1),
     ("flex", "hard", 2),
     ("flex", "hard", 3),
     ("flex", "soft", 1),

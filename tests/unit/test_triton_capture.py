@@ -91,6 +91,39 @@ def test_triton_compiles_whole_forward_and_backward(local):
     assert_close(got, want, 2e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents+sinks"])
+@pytest.mark.parametrize("mode", ["hard", "hard_gated"])
+def test_triton_hard_top1_compiles_whole_forward_and_backward(mode, packed):
+    """The hard top-1 path (the group-sorted layout and its kernels: hard inference, and sparse
+    training with the gate's gradient) compiles with ``fullgraph=True`` and equals the eager
+    reference, output and every gradient."""
+    (q, k, v, probs), documents, _ = _inputs(seed=11 + packed)
+
+    def attend(backend):
+        def call(q, k, v, probs):
+            return focus_attention(
+                q, k, v, probs, window=WINDOW, mode=mode, top_k=1, backend=backend,
+                check_finite=False, sinks=SINKS if packed else 0,
+                documents=documents if packed else None,
+            )  # fmt: skip
+
+        return call
+
+    gen = torch.Generator().manual_seed(5)
+    upstream = torch.randn(B, N, H, D, generator=gen)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, probs)]
+        out = fn(*leaves)
+        wrt = leaves if mode == "hard_gated" else leaves[:3]  # hard: no gradient to the gate
+        return [out.detach(), *torch.autograd.grad((out * upstream).sum(), wrt)]
+
+    compiled = torch.compile(attend("triton"), fullgraph=True, dynamic=False, backend="aot_eager")
+    got, want = run(compiled), run(attend("reference"))
+    assert want[0].abs().max() > 0.1
+    assert_close(got, want, 2e-5)
+
+
 def _recording_backend(graphs: dict[str, list[str]]):
     """``aot_eager`` that also keeps the code of the forward and backward graphs it runs."""
     from functorch.compile import make_boxed_func
