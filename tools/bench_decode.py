@@ -5,13 +5,14 @@ and times one-token decode steps (median after warm-up): the plain model with SD
 keys, the Focus model over its whole cache, and the Focus model's sparse step (window + the
 query's groups). Checks the sparse step against the dense one; writes JSON and a markdown table.
 
-    python tools/bench_decode.py --seq 4096 16384 65536 --groups 8 --top-k 1 \\
+    python tools/bench_decode.py --seq 4096 16384 65536 --batch 8 --groups 8 --top-k 1 \\
         --json decode.json --markdown decode.md
 """
 
 from __future__ import annotations
 
 from focus_pretrain.bench.decode import (
+    DTYPES,
     DecodeBenchConfig,
     markdown_table,
     run_decode_benchmark,
@@ -24,19 +25,21 @@ def main(argv: list[str] | None = None) -> None:
     defaults = DecodeBenchConfig()
     parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=int, nargs="+", default=defaults.seq)
-    for name in ("groups", "top_k", "window", "layers", "heads", "head_dim", "vocab"):
+    for name in ("batch", "groups", "top_k", "window", "layers", "heads", "head_dim", "vocab"):
         flag = f"--{name.replace('_', '-')}"
         parser.add_argument(flag, type=int, default=getattr(defaults, name))
     parser.add_argument("--heads-kv", type=int, help="KV heads (GQA); default: --heads")
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPES))
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
     args = parser.parse_args(argv)
     cfg = DecodeBenchConfig(
         seq=args.seq,
+        batch=args.batch,
         groups=args.groups,
         top_k=args.top_k,
         window=args.window,
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup=args.warmup,
         steps=args.steps,
         device=args.device,
+        dtype=args.dtype,
         seed=args.seed,
     )
     env = environment(cfg, cfg.device)

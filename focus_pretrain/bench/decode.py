@@ -29,12 +29,15 @@ from focus_pretrain.bench.report import markdown
 from focus_pretrain.convert.hf_export import load_modeling
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class DecodeBenchConfig:
     """What to measure (see ``tools/bench_decode.py --help``)."""
 
     seq: list[int] = field(default_factory=lambda: [4096, 16384, 65536])
+    batch: int = 1  # sequences decoded together (each its own random prompt)
     groups: int = 8
     top_k: int = 1
     window: int = 128
@@ -46,6 +49,7 @@ class DecodeBenchConfig:
     warmup: int = 2
     steps: int = 8
     device: str = "cpu"
+    dtype: str = "fp32"  # fp32 | bf16 | fp16: the models' weights and caches
     seed: int = 0
 
 
@@ -68,23 +72,24 @@ def _models(cfg: DecodeBenchConfig):
     model = modeling.FocusLlamaForCausalLM(modeling.FocusLlamaConfig(focus=focus, **arch))
     plain = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **arch))
     plain.load_state_dict(model.state_dict(), strict=False)
-    device = torch.device(cfg.device)
-    return model.to(device).eval(), plain.to(device).eval()
+    device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+    return model.to(device, dtype).eval(), plain.to(device, dtype).eval()
 
 
 def _step_times(model, cache, tokens: torch.Tensor, warmup: int) -> tuple[list[float], list]:
-    """Milliseconds of each one-token step after ``warmup`` steps, and each step's logits."""
+    """Milliseconds of each one-token step (``tokens [steps, b]``: one token per sequence)
+    after ``warmup`` steps, and each step's logits ``[b, V]``."""
     times, logits = [], []
     for i, token in enumerate(tokens):
         if cache.layers[0].keys.is_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(token.view(1, 1), use_cache=True, **cache_kwargs(model, cache))
+        out = model(token[:, None], use_cache=True, **cache_kwargs(model, cache))  # [b, 1]
         if out.logits.is_cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-        logits.append(out.logits[0, -1])
+        logits.append(out.logits[:, -1])
     return times, logits
 
 
@@ -99,14 +104,15 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
     gen = torch.Generator().manual_seed(cfg.seed)
     rows = []
     for n in cfg.seq:
-        prompt = torch.randint(0, cfg.vocab, (1, n), generator=gen).to(device)
-        tokens = torch.randint(0, cfg.vocab, (cfg.warmup + cfg.steps,), generator=gen).to(device)
+        prompt = torch.randint(0, cfg.vocab, (cfg.batch, n), generator=gen).to(device)  # [b, n]
+        steps = cfg.warmup + cfg.steps
+        tokens = torch.randint(0, cfg.vocab, (steps, cfg.batch), generator=gen).to(device)
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             t0 = time.perf_counter()
             model(prompt, use_cache=True, **cache_kwargs(model, cache))
             prefill_s = time.perf_counter() - t0
-            row = {"seq": n, "prefill_s": prefill_s}
+            row = {"seq": n, "batch": cfg.batch, "prefill_s": prefill_s}
             for name, runner, backend in (
                 ("dense", plain, None),
                 ("focus_dense", model, "dense"),
@@ -121,8 +127,7 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
                 row[f"_{name}_logits"] = logits
             model.config.focus["inference_backend"] = "auto"
         reads = sum(a.focus_keys_read for a in _attention_modules(model))
-        steps, layers = len(tokens), cfg.layers
-        row["keys_read_per_step"] = reads / (steps * layers)
+        row["keys_read_per_step"] = reads / (steps * cfg.layers * cfg.batch)  # per sequence
         row["keys_dense_per_step"] = n + (steps + 1) / 2
         row["sparse_speedup_vs_dense"] = row["dense_ms"] / row["focus_sparse_ms"]
         sparse, dense = row.pop("_focus_sparse_logits"), row.pop("_focus_dense_logits")
@@ -137,25 +142,25 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
 
 def format_row(row: dict) -> str:
     return (
-        f"seq={row['seq']} | dense {row['dense_ms']:.2f} ms | focus dense "
-        f"{row['focus_dense_ms']:.2f} ms | focus sparse {row['focus_sparse_ms']:.2f} ms "
-        f"({row['sparse_speedup_vs_dense']:.2f}x) | keys read {row['keys_read_per_step']:.0f} "
-        f"of {row['keys_dense_per_step']:.0f}"
+        f"seq={row['seq']} batch={row.get('batch', 1)} | dense {row['dense_ms']:.2f} ms | "
+        f"focus dense {row['focus_dense_ms']:.2f} ms | "
+        f"focus sparse {row['focus_sparse_ms']:.2f} ms ({row['sparse_speedup_vs_dense']:.2f}x) | "
+        f"keys read {row['keys_read_per_step']:.0f} of {row['keys_dense_per_step']:.0f}"
     )
 
 
 def markdown_table(rows: list[dict]) -> str:
     """One line per context length: the three step times, the speedup, keys read, the check."""
-    columns = ["context", "dense SDPA (ms/token)", "Focus, dense cache (ms/token)"]
-    columns += ["Focus, sparse (ms/token)", "speedup vs dense"]
-    columns += ["keys read per step (of context)", "max abs diff"]
-    return markdown(columns, "rrrrrrr", (_markdown_cells(r) for r in rows))
+    columns = ["context", "batch", "dense SDPA (ms/step)", "Focus, dense cache (ms/step)"]
+    columns += ["Focus, sparse (ms/step)", "speedup vs dense"]
+    columns += ["keys read per step and sequence (of context)", "max abs diff"]
+    return markdown(columns, "rrrrrrrr", (_markdown_cells(r) for r in rows))
 
 
 def _markdown_cells(r: dict) -> list[object]:
     share = r["keys_read_per_step"] / r["keys_dense_per_step"]
     return [
-        r["seq"], f"{r['dense_ms']:.2f}", f"{r['focus_dense_ms']:.2f}",
+        r["seq"], r.get("batch", 1), f"{r['dense_ms']:.2f}", f"{r['focus_dense_ms']:.2f}",
         f"{r['focus_sparse_ms']:.2f}", f"{r['sparse_speedup_vs_dense']:.2f}x",
         f"{r['keys_read_per_step']:.0f} ({100 * share:.1f}%)",
         f"{r['max_abs_diff_sparse_vs_dense']:.1e}",

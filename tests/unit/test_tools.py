@@ -191,8 +191,9 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     """The decode benchmark runs end to end at small sizes: the sparse step agrees with the
     dense one and reads fewer keys than the context (a smoke check, not figures)."""
     out, table = tmp_path / "decode.json", tmp_path / "decode.md"
-    args = ["--seq", "200", "700", "--groups", "4", "--top-k", "2", "--window", "16"]
-    args += ["--layers", "1", "--heads", "4", "--heads-kv", "2", "--head-dim", "16"]
+    args = ["--seq", "200", "700", "--batch", "3", "--groups", "4", "--top-k", "2"]
+    args += ["--window", "16", "--layers", "1", "--heads", "4", "--heads-kv", "2"]
+    args += ["--head-dim", "16"]
     args += ["--vocab", "64", "--warmup", "1", "--steps", "3"]
     args += ["--json", str(out), "--markdown", str(table)]
     subprocess.run(
@@ -203,9 +204,9 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
         timeout=600,
     )
     rows = json.loads(out.read_text())["rows"]
-    assert [r["seq"] for r in rows] == [200, 700]
-    for row in rows:
+    assert [(r["seq"], r["batch"]) for r in rows] == [(200, 3), (700, 3)]
+    for row in rows:  # three sequences decoded together, each with its own prompt
         assert row["max_abs_diff_sparse_vs_dense"] < 1e-4
         assert 16 < row["keys_read_per_step"] < row["keys_dense_per_step"]
         assert min(row["dense_ms"], row["focus_dense_ms"], row["focus_sparse_ms"]) > 0
-    assert "| 700 |" in table.read_text()
+    assert "| 700 | 3 |" in table.read_text()
