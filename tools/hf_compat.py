@@ -177,13 +177,13 @@ def write_exports(python: str, work: Path) -> Path:
     return exports
 
 
-def table(rows: list[dict]) -> str:
-    header = "| transformers | environment | passed | failed | skipped | result |"
-    lines = [header, "|---" * 6 + "|"]
+def table(rows: list[dict], package: str = "transformers", column: str = "environment") -> str:
+    """Markdown: one line per run (``row["version"]``, ``row[column]``, its counts or note)."""
+    lines = [f"| {package} | {column} | passed | failed | skipped | result |", "|---" * 6 + "|"]
     for row in rows:
         counts = row.get("counts") or {}
         result = row.get("note") or ("ok" if counts.get("returncode") == 0 else "FAILED")
-        cells = [row["version"], row["environment"]]
+        cells = [row["version"], row[column]]
         cells += [str(counts.get(k, "-")) for k in ("passed", "failed", "skipped")]
         lines.append("| " + " | ".join([*cells, result]) + " |")
     return "\n".join(lines)

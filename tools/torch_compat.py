@@ -33,6 +33,7 @@ from packaging.version import Version
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_compat import ROOT, declared_range, lowest_version, overlay, run_pytest
+from hf_compat import table as runs_table
 
 # what is repeated under each torch: whatever depends on what torch traces, dispatches or
 # computes (the marker's tests), and the exported modeling code, which runs on the user's torch
@@ -71,17 +72,8 @@ def under_torch(python: str, version: str, work: Path, pytest_args: list[str]) -
     return results
 
 
-COUNTS = ("passed", "failed", "skipped")
-
-
 def table(rows: list[dict]) -> str:
-    lines = ["| torch | run | passed | failed | skipped | result |", "|---" * 6 + "|"]
-    for row in rows:
-        counts = row.get("counts") or {}
-        result = row.get("note") or ("ok" if counts.get("returncode") == 0 else "FAILED")
-        cells = [row["version"], row["run"], *(str(counts.get(k, "-")) for k in COUNTS)]
-        lines.append("| " + " | ".join([*cells, result]) + " |")
-    return "\n".join(lines)
+    return runs_table(rows, package="torch", column="run")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
