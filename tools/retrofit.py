@@ -21,6 +21,10 @@ runs/retrofit-NAME):
                soft and hard mode, the hard pattern's kept pairs, the group balance per layer
                (groups/: plots, typical tokens); report.json, loss.png, loss_by_position.png
 
+It ends with one line on the hard model (what the export infers with) against the original:
+its loss gap, and past --max-hard-gap (default 0.05 nats) that the retrofit is not good
+enough, with what to change (more steps, top-2, a wider window, more groups).
+
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE.
 """
@@ -69,6 +73,11 @@ def _arguments():
                         metavar="SECTION.KEY=VALUE", help="recipe overrides")  # fmt: skip
     parser.add_argument("--report-samples", type=int, default=8,
                         help="corpus pieces the group report reads")  # fmt: skip
+    parser.add_argument(
+        "--max-hard-gap", type=float, default=0.05, metavar="NATS",
+        help="the most the hard model's validation loss may exceed the original's before the "
+        "report says the retrofit is not good enough (and what to change)",
+    )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true", help="replace an earlier retrofit's output at --out"
     )
@@ -222,13 +231,15 @@ def main() -> None:
     args = parser.parse_args()
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.config import load_config
-    from focus_pretrain.convert.retrofit import write_report
+    from focus_pretrain.convert.retrofit import gap_line, hard_gap, write_report
 
     name = Path(args.hf_dir).resolve().name
     args.out = Path(args.out or f"runs/retrofit-{name}")
     with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any work
         if args.steps is not None and args.steps < 1:
             raise InputError(f"--steps must be at least 1, got {args.steps}")
+        if not args.max_hard_gap >= 0:  # NaN too
+            raise InputError(f"--max-hard-gap must be a number >= 0, got {args.max_hard_gap}")
         if args.groups < 2 or args.window < 1 or args.report_samples < 1:
             raise InputError(
                 "--groups must be at least 2, --window and --report-samples at least 1 (got "
@@ -248,8 +259,10 @@ def main() -> None:
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
     report_json = json.loads((out / "groups" / "report.json").read_text())
-    report = write_report(out, meta, evaluations, report_json)
+    quality = hard_gap(evaluations, args.max_hard_gap)  # VARIANTS["original (dense)"] vs hard
+    report = write_report(out, meta, evaluations, report_json, quality)
     print(f"retrofit done: {report}")
+    print(f"focus-pretrain retrofit: {gap_line(quality)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -70,14 +70,59 @@ REPORT_METRICS = {
 }
 
 
-def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None) -> Path:
+# the gaps the quality verdict reports (hard retrofit minus the original), with their names
+GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
+               "loss_far_evidence": "far evidence"}  # fmt: skip
+# what to change when the hard model falls short (the retrofit command's options and keys)
+GAP_LEVERS = (
+    "train the routers longer (--steps), keep two groups per token (--set model.focus.top_k=2), "
+    "widen the window (--window) or use more groups (--groups)"
+)
+
+
+def hard_gap(
+    evaluations: dict, threshold: float, original: str = "original (dense)",
+    hard: str = "retrofit, hard",
+) -> dict[str, Any]:  # fmt: skip
+    """How much worse the retrofit is in hard mode (the pattern its export infers with) than
+    the original model: ``{"threshold", "gap": {metric: nats or None}, "too_large"}``, where
+    ``too_large`` says the validation loss gap is above ``threshold`` nats."""
+    gaps = {}
+    for key in GAP_METRICS:
+        before, after = evaluations[original].get(key), evaluations[hard].get(key)
+        gaps[key] = None if before is None or after is None else after - before
+    too_large = gaps["loss"] is not None and gaps["loss"] > threshold
+    return {"threshold": threshold, "gap": gaps, "too_large": too_large}
+
+
+def gap_line(quality: dict[str, Any]) -> str:
+    """One line on the hard model's gap to the original: within the threshold, or past it with
+    the levers."""
+    gaps, threshold = quality["gap"], quality["threshold"]
+    parts = [f"{GAP_METRICS[k]} {v:+.3f}" for k, v in gaps.items() if v is not None]
+    measured = f"hard-mode loss vs the original: {', '.join(parts) or 'not measured'} nats"
+    if quality["too_large"]:
+        return (
+            f"the retrofit is not good enough: {measured}, above --max-hard-gap {threshold:g}; "
+            f"to close it, {GAP_LEVERS}"
+        )
+    return f"{measured} (within --max-hard-gap {threshold:g})"
+
+
+def write_report(
+    out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None,
+    quality: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
     """``out/report.md``, ``report.json``, ``loss.png`` and ``loss_by_position.png``: the
     original (dense) model against the retrofit in soft and hard mode (``evaluations``:
-    variant -> tools/evaluate.py's metrics, with its ``loss_by_position``), the group balance
-    per layer (``groups``: tools/inspect_groups.py's report.json, its own report and plots in
+    variant -> tools/evaluate.py's metrics, with its ``loss_by_position``), the hard model's
+    gap to the original (``quality``: :func:`hard_gap`), the group balance per layer
+    (``groups``: tools/inspect_groups.py's report.json, its own report and plots in
     ``out/groups``) and what was run (``meta``)."""
     lines = [f"# Retrofit report: {meta['hf_dir']}", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
+    if quality is not None:
+        lines += ["", f"**Quality**: {gap_line(quality)}."]
     lines += ["", "## Before and after (validation split of the training data)", ""]
     lines += ["| model | " + " | ".join(REPORT_METRICS.values()) + " |"]
     lines += ["|---|" + "---:|" * len(REPORT_METRICS)]
@@ -97,7 +142,7 @@ def write_report(out: Path, meta: dict[str, Any], evaluations: dict, groups: dic
             )
         lines += ["", "Per layer plots and typical tokens: [groups/report.md](groups/report.md)."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    summary = {"meta": meta, "evaluations": evaluations}
+    summary = {"meta": meta, "evaluations": evaluations, "quality": quality}
     summary["groups"] = None if groups is None else [
         {k: layer[k] for k in ("layer", "shares", "max_share", "density")}
         for layer in groups["layers"]

@@ -76,6 +76,12 @@ def test_one_command_retrofit(tmp_path, family, precision):
     by_position = report["evaluations"]["original (dense)"]["loss_by_position"]
     assert list(by_position) == ["0-16", "16-32", "32-64", "64-128"]  # window 16, 128 tokens
     assert "## Loss by position" in (out / "report.md").read_text()
+    quality, evaluations = report["quality"], report["evaluations"]  # the hard model's gap
+    gap = evaluations["retrofit, hard"]["loss"] - evaluations["original (dense)"]["loss"]
+    assert quality["gap"]["loss"] == pytest.approx(gap) and quality["threshold"] == 0.05
+    assert quality["too_large"] == (gap > 0.05)
+    verdict = "not good enough" if quality["too_large"] else "within --max-hard-gap 0.05"
+    assert verdict in done.stdout.splitlines()[-1] and verdict in (out / "report.md").read_text()
 
     originals, exported = load_hf_tensors(hf), load_hf_tensors(out / "export")
     for key, original in originals.items():

@@ -493,6 +493,11 @@ RETROFIT = rows(  # every input is checked before --out is touched
         "steps",
     ),
     (
+        ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{out}/r", "--max-hard-gap", "-1"],
+        "--max-hard-gap must be a number >= 0, got -1.0",
+        "max-hard-gap",
+    ),
+    (
         ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{out}/r"],
         "has no model.safetensors",
         "no-weights",

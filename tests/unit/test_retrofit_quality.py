@@ -1,0 +1,39 @@
+"""The retrofit's quality verdict: the hard model's loss gap to the original, and the line that
+says when it is past the user's threshold (with what to change)."""
+
+from __future__ import annotations
+
+import pytest
+
+from focus_pretrain.convert.retrofit import gap_line, hard_gap
+
+
+def _evaluations(original: float, hard: float, beyond: float | None = 2.5) -> dict:
+    return {
+        "original (dense)": {"loss": original, "loss_beyond_window": 2.0, "kept_pairs": None},
+        "retrofit, soft": {"loss": original + 0.01},
+        "retrofit, hard": {"loss": hard, "loss_beyond_window": beyond, "kept_pairs": 0.2},
+    }
+
+
+def test_a_gap_above_the_threshold_is_called_out_with_the_levers():
+    quality = hard_gap(_evaluations(2.135, 2.762), threshold=0.05)
+    assert quality["gap"]["loss"] == pytest.approx(0.627)
+    assert quality["gap"]["loss_beyond_window"] == pytest.approx(0.5)
+    assert quality["gap"]["loss_far_evidence"] is None  # not measured: no far-evidence tokens
+    assert quality["too_large"]
+    line = gap_line(quality)
+    assert line.startswith("the retrofit is not good enough: hard-mode loss vs the original: ")
+    assert "validation +0.627, beyond the window +0.500 nats" in line
+    assert "above --max-hard-gap 0.05" in line
+    for lever in ("--steps", "model.focus.top_k=2", "--window", "--groups"):
+        assert lever in line
+
+
+@pytest.mark.parametrize("hard, threshold", [(2.17, 0.05), (2.10, 0.0), (2.5, 0.5)])
+def test_a_gap_within_the_threshold_says_so(hard, threshold):
+    quality = hard_gap(_evaluations(2.135, hard, beyond=None), threshold=threshold)
+    assert not quality["too_large"]
+    line = gap_line(quality)
+    assert line.endswith(f"(within --max-hard-gap {threshold:g})")
+    assert "not good enough" not in line and "beyond the window" not in line
