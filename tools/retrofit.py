@@ -231,7 +231,7 @@ def main() -> None:
     args = parser.parse_args()
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.config import load_config
-    from focus_pretrain.convert.retrofit import gap_line, hard_gap, write_report
+    from focus_pretrain.eval.retrofit_report import gap_line, hard_gap, write_report
 
     name = Path(args.hf_dir).resolve().name
     args.out = Path(args.out or f"runs/retrofit-{name}")

@@ -58,7 +58,6 @@ from focus_pretrain.focus.backends import (
     register_backend,
     select_backend,
 )
-from focus_pretrain.focus.config import PATTERN_MODES
 from focus_pretrain.focus.decomposed import (
     decomposed_attention,
     flash_attn_available,
@@ -66,7 +65,7 @@ from focus_pretrain.focus.decomposed import (
 )
 from focus_pretrain.focus.flex import flex_focus_attention
 from focus_pretrain.focus.gate_forms import GATE_FORMS, attend_with_dot_gate
-from focus_pretrain.focus.pattern import compute_dtype, document_starts
+from focus_pretrain.focus.pattern import PATTERN_MODES, compute_dtype, document_starts
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.sdpa import sdpa_attention, sdpa_priority, sdpa_refusal

@@ -11,14 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_pattern
+from focus_pretrain.focus.router import BALANCE_MODES, MAX_GROUPS
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
-BALANCE_MODES = ("causal", "sinkhorn", "none")
 ATTENTION_MODES = ("soft", "hard")  # the patterns a model infers with (focus.inference_mode)
 TRAINING_MODES = ("soft", "hard")  # focus.training_mode: the soft gate, or sparse training
-# what focus_attention computes: the two patterns, and the hard one gated (sparse training)
-PATTERN_MODES = ("soft", "hard", "hard_gated")
-MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 
 def _backends():

@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 UNLIMITED_WINDOW = 2**62  # a window no sequence reaches: every causal pair is local (dense)
+# what focus_attention computes: the two patterns, and the hard one gated (sparse training)
+PATTERN_MODES = ("soft", "hard", "hard_gated")
 
 
 def membership_bitmask(top_groups: Tensor) -> Tensor:

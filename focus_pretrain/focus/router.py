@@ -36,16 +36,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from focus_pretrain.focus.compiled import fused_on_cuda
-from focus_pretrain.focus.config import BALANCE_MODES, MAX_GROUPS, FocusConfig
 from focus_pretrain.focus.pattern import compute_dtype, membership_bitmask
 from focus_pretrain.validation import check_choice, check_int, check_positive
+
+if TYPE_CHECKING:  # the config reads this module's limits: no import back at run time
+    from focus_pretrain.focus.config import FocusConfig
+
+BALANCE_MODES = ("causal", "sinkhorn", "none")
+MAX_GROUPS = 64  # hard membership is an int64 bitmask, one bit per group
 
 ColumnLogSumExp = Callable[[Tensor], Tensor]
 GatherTokens = Callable[[Tensor], Tensor]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from focus_pretrain.convert.retrofit import gap_line, hard_gap
+from focus_pretrain.eval.retrofit_report import gap_line, hard_gap
 
 
 def _evaluations(original: float, hard: float, beyond: float | None = 2.5) -> dict:

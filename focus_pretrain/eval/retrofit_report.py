@@ -1,0 +1,162 @@
+"""The report of a retrofit (``focus-pretrain retrofit``): the original model against the
+retrofit in soft and hard mode, the hard model's gap to the original with a verdict, the loss
+by position and the group balance, as ``report.md``, ``report.json`` and plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# the validation scalars the report compares (tools/evaluate.py's names), with their headings
+REPORT_METRICS = {
+    "loss": "validation loss",
+    "loss_beyond_window": "loss beyond the window",
+    "loss_far_evidence": "loss, far evidence",
+    "kept_pairs": "kept pairs (hard)",
+}
+
+
+# the gaps the quality verdict reports (hard retrofit minus the original), with their names
+GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
+               "loss_far_evidence": "far evidence"}  # fmt: skip
+# what to change when the hard model falls short (the retrofit command's options and keys)
+GAP_LEVERS = (
+    "train the routers longer (--steps), keep two groups per token (--set model.focus.top_k=2), "
+    "widen the window (--window) or use more groups (--groups)"
+)
+
+
+def hard_gap(
+    evaluations: dict, threshold: float, original: str = "original (dense)",
+    hard: str = "retrofit, hard",
+) -> dict[str, Any]:  # fmt: skip
+    """How much worse the retrofit is in hard mode (the pattern its export infers with) than
+    the original model: ``{"threshold", "gap": {metric: nats or None}, "too_large"}``, where
+    ``too_large`` says the validation loss gap is above ``threshold`` nats."""
+    gaps = {}
+    for key in GAP_METRICS:
+        before, after = evaluations[original].get(key), evaluations[hard].get(key)
+        gaps[key] = None if before is None or after is None else after - before
+    too_large = gaps["loss"] is not None and gaps["loss"] > threshold
+    return {"threshold": threshold, "gap": gaps, "too_large": too_large}
+
+
+def gap_line(quality: dict[str, Any]) -> str:
+    """One line on the hard model's gap to the original: within the threshold, or past it with
+    the levers."""
+    gaps, threshold = quality["gap"], quality["threshold"]
+    parts = [f"{GAP_METRICS[k]} {v:+.3f}" for k, v in gaps.items() if v is not None]
+    measured = f"hard-mode loss vs the original: {', '.join(parts) or 'not measured'} nats"
+    if quality["too_large"]:
+        return (
+            f"the retrofit is not good enough: {measured}, above --max-hard-gap {threshold:g}; "
+            f"to close it, {GAP_LEVERS}"
+        )
+    return f"{measured} (within --max-hard-gap {threshold:g})"
+
+
+def write_report(
+    out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None,
+    quality: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """``out/report.md``, ``report.json``, ``loss.png`` and ``loss_by_position.png``: the
+    original (dense) model against the retrofit in soft and hard mode (``evaluations``:
+    variant -> tools/evaluate.py's metrics, with its ``loss_by_position``), the hard model's
+    gap to the original (``quality``: :func:`hard_gap`), the group balance per layer
+    (``groups``: tools/inspect_groups.py's report.json, its own report and plots in
+    ``out/groups``) and what was run (``meta``)."""
+    lines = [f"# Retrofit report: {meta['hf_dir']}", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    if quality is not None:
+        lines += ["", f"**Quality**: {gap_line(quality)}."]
+    lines += ["", "## Before and after (validation split of the training data)", ""]
+    lines += ["| model | " + " | ".join(REPORT_METRICS.values()) + " |"]
+    lines += ["|---|" + "---:|" * len(REPORT_METRICS)]
+    for variant, metrics in evaluations.items():
+        cells = [_cell(metrics.get(key)) for key in REPORT_METRICS]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "![loss](loss.png)", ""]
+    lines += _position_section(evaluations, out / "loss_by_position.png")
+    if groups is not None:
+        lines += ["## Groups (the retrofit's routers)", ""]
+        lines += ["| layer | shares | largest share | kept pairs |", "|---:|---|---:|---:|"]
+        for layer in groups["layers"]:
+            shares = ", ".join(f"{s:.2f}" for s in layer["shares"])
+            lines.append(
+                f"| {layer['layer']} | {shares} | {layer['max_share']:.3f} | "
+                f"{layer['density']:.3f} |"
+            )
+        lines += ["", "Per layer plots and typical tokens: [groups/report.md](groups/report.md)."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    summary = {"meta": meta, "evaluations": evaluations, "quality": quality}
+    summary["groups"] = None if groups is None else [
+        {k: layer[k] for k in ("layer", "shares", "max_share", "density")}
+        for layer in groups["layers"]
+    ]  # fmt: skip
+    (out / "report.json").write_text(json.dumps(summary, indent=1))
+    _plot_losses(evaluations, out / "loss.png")
+    return out / "report.md"
+
+
+def _position_section(evaluations: dict, plot: Path) -> list[str]:
+    """The loss by position (``loss_by_position`` of each variant) as a table and a plot."""
+    by_variant = {
+        v: m["loss_by_position"] for v, m in evaluations.items() if m.get("loss_by_position")
+    }
+    if not by_variant:
+        return []
+    buckets = list(next(iter(by_variant.values())))
+    lines = ["## Loss by position (tokens of the validation split)", ""]
+    lines += ["| model | " + " | ".join(buckets) + " |", "|---|" + "---:|" * len(buckets)]
+    for variant, losses in by_variant.items():
+        lines.append(f"| {variant} | " + " | ".join(_cell(losses.get(b)) for b in buckets) + " |")
+    _plot_by_position(by_variant, plot)
+    return [*lines, "", f"![loss by position]({plot.name})", ""]
+
+
+def _plot_by_position(by_variant: dict[str, dict[str, float | None]], path: Path) -> None:
+    """One line per variant: the loss of each position bucket (``"lo-hi"``; empty: a gap)."""
+    from matplotlib.figure import Figure
+
+    from focus_pretrain.analysis.plots import save_figure
+
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.add_subplot()
+    for variant, losses in by_variant.items():
+        values = [math.nan if v is None else v for v in losses.values()]
+        ax.plot(range(len(values)), values, marker="o", label=variant)
+    buckets = list(next(iter(by_variant.values())))
+    ax.set_xticks(range(len(buckets)), buckets, fontsize=8)
+    ax.set_xlabel("position in the sequence")
+    ax.set_ylabel("nats per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _plot_losses(evaluations: dict, path: Path) -> None:
+    """Grouped bars: each loss of :data:`REPORT_METRICS` per model variant."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from focus_pretrain.analysis.plots import save_figure
+
+    keys = [k for k in REPORT_METRICS if k != "kept_pairs"]
+    fig = Figure(figsize=(7, 3.5))
+    ax = fig.add_subplot()
+    x = np.arange(len(keys))
+    width = 0.8 / max(1, len(evaluations))
+    for i, (variant, metrics) in enumerate(evaluations.items()):
+        values = [metrics.get(k) or 0.0 for k in keys]
+        ax.bar(x + i * width, values, width, label=variant)
+    ax.set_xticks(x + width * (len(evaluations) - 1) / 2, [REPORT_METRICS[k] for k in keys])
+    ax.set_ylabel("nats per token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path)
