@@ -1,16 +1,17 @@
 """The ``focus-pretrain`` command: one entry point for every job, as subcommands.
 
-    focus-pretrain train --config configs/tiny.yaml            # launchers/pretrain.py
-    focus-pretrain export runs/tiny exports/tiny               # tools/convert_to_hf.py
+    focus-pretrain train --config tiny                         # a shipped recipe, by name
+    focus-pretrain export runs/tiny exports/tiny
+    focus-pretrain recipes                                     # the shipped recipes
     focus-pretrain COMMAND --help                              # the command's options
 
-Each subcommand runs the script it names (the launchers and ``tools/*.py`` keep working on their
-own) with ``focus-pretrain COMMAND`` as its program name, so its usage, errors and exit codes
-are the script's. Bad input ends every command with one line, ``focus-pretrain COMMAND: error:
-MESSAGE``, and status 2: argparse's own errors (:class:`ToolParser`) and the scripts'
-:class:`~focus_pretrain.errors.InputError` alike; a crash keeps its traceback. The scripts live
-in the source checkout next to the package: ``make setup`` installs it editable (``pip install
--e .``), which is what the command needs.
+Each subcommand is a module of :mod:`focus_pretrain.commands` whose ``main()`` runs with
+``focus-pretrain COMMAND`` as its program name (``launchers/pretrain.py`` and the ``tools/``
+scripts of a source checkout are thin wrappers around the same ``main``), so it works from a
+wheel as well as from an editable install. Bad input ends every command with one line,
+``focus-pretrain COMMAND: error: MESSAGE``, and status 2: argparse's own errors
+(:class:`ToolParser`) and the commands' :class:`~focus_pretrain.errors.InputError` alike; a
+crash keeps its traceback.
 
 This module imports nothing heavy: ``focus-pretrain --help`` answers without loading PyTorch.
 :class:`HelpFormatter` is the scripts' help format: their whole docstring, and every option with
@@ -24,44 +25,44 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
+import importlib
 import math
-import runpy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the source checkout (an editable install's root)
 DESCRIPTION = "Pretrain and retrofit long-context language models with Focus attention."
 _program: str | None = None  # "focus-pretrain COMMAND" while a subcommand's script runs
 
 
 @dataclass(frozen=True)
 class Command:
-    """A subcommand: the script it runs (relative to :data:`ROOT`) and one line of help."""
+    """A subcommand: its module in :mod:`focus_pretrain.commands` and one line of help."""
 
-    script: str
+    module: str
     summary: str
 
 
 COMMANDS = {
-    "train": Command("launchers/pretrain.py", "train a recipe: pretraining, retrofits, resume"),
+    "train": Command("pretrain", "train a recipe: pretraining, retrofits, resume"),
     "retrofit": Command(
-        "tools/retrofit.py", "retrofit a HuggingFace model in one command: train, export, report"
+        "retrofit", "retrofit a HuggingFace model in one command: train, export, report"
     ),
     "import-hf": Command(
-        "tools/import_hf.py", "check a local HuggingFace model and print its retrofit recipe"
+        "import_hf", "check a local HuggingFace model and print its retrofit recipe"
     ),
     "export": Command(
-        "tools/convert_to_hf.py", "export a run or checkpoint to HuggingFace (or the adapter)"
+        "convert_to_hf", "export a run or checkpoint to HuggingFace (or the adapter)"
     ),
-    "evaluate": Command("tools/evaluate.py", "validation loss and loss by distance of a run"),
-    "generate": Command("tools/generate.py", "generate text with an export"),
-    "ruler": Command("tools/ruler.py", "RULER needle-in-a-haystack scores of an export (lm-eval)"),
-    "inspect": Command("tools/inspect_groups.py", "group balance and sizes of a checkpoint"),
+    "evaluate": Command("evaluate", "validation loss and loss by distance of a run"),
+    "generate": Command("generate", "generate text with an export"),
+    "ruler": Command("ruler", "RULER needle-in-a-haystack scores of an export (lm-eval)"),
+    "inspect": Command("inspect_groups", "group balance and sizes of a checkpoint"),
     "preprocess": Command(
-        "tools/preprocess_data.py", "tokenise a corpus into shards (and train a tokenizer)"
+        "preprocess_data", "tokenise a corpus into shards (and train a tokenizer)"
     ),
-    "bench": Command("tools/bench_attention.py", "time the attention backends against dense"),
+    "bench": Command("bench_attention", "time the attention backends against dense"),
+    "recipes": Command("recipes", "list the shipped recipes (--config NAME takes one)"),
 }
 
 
@@ -100,7 +101,7 @@ class ToolParser(argparse.ArgumentParser):
 def tool_parser(doc: str | None, **kwargs) -> argparse.ArgumentParser:
     """The argument parser of a script whose docstring is ``doc``: the whole docstring as its
     description, defaults shown (:class:`HelpFormatter`), one-line errors (:class:`ToolParser`)."""
-    if _program is not None:  # runpy sets argv[0] to the script's path: name the command
+    if _program is not None:  # run as `focus-pretrain COMMAND`: name the command
         kwargs.setdefault("prog", _program)
     return ToolParser(description=doc, formatter_class=HelpFormatter, **kwargs)
 
@@ -209,16 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         close = difflib.get_close_matches(name.lower(), COMMANDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         parser.error(f"unknown command {name!r}; {hint}choose from {', '.join(COMMANDS)}")
-    script = ROOT / command.script
-    if not script.is_file():
-        parser.error(
-            f"{script} is missing: `focus-pretrain {name}` runs the scripts of the source "
-            "checkout; install it editable (make setup, or pip install -e .)"
-        )
     global _program
     _program = f"focus-pretrain {name}"
     sys.argv = [_program, *rest]
-    runpy.run_path(str(script), run_name="__main__")
+    importlib.import_module(f"focus_pretrain.commands.{command.module}").main()
     return 0
 
 

@@ -281,8 +281,26 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     return as_input_error(lambda: _load_config(path, overrides))
 
 
+# the recipes shipped inside the package (``configs/`` of a source checkout links here)
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name (``tiny``) -> path of each recipe shipped with the package."""
+    return {path.stem: path for path in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+def resolve_recipe(path: str | os.PathLike) -> Path:
+    """``path`` when it is a file or names a directory; else a shipped recipe of that name
+    (``tiny`` or ``tiny.yaml``): ``--config tiny`` works from any directory and any install."""
+    given = Path(path)
+    if given.is_file() or len(given.parts) > 1:
+        return given
+    return shipped_recipes().get(given.name.removesuffix(".yaml"), given)
+
+
 def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Config:
-    tree: dict[str, Any] = {} if path is None else _read_recipe(Path(path), ())
+    tree: dict[str, Any] = {} if path is None else _read_recipe(resolve_recipe(path), ())
     for override in overrides:
         apply_override(tree, override)
     _move_legacy_parallel_keys(tree)
@@ -292,16 +310,21 @@ def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Co
 def recipe_sections(path: str | os.PathLike) -> dict[str, Any]:
     """The sections of the recipe at ``path`` with its ``defaults:`` merged in, as written (not
     validated: a base recipe may leave out what its users fill in)."""
-    return as_input_error(lambda: _read_recipe(Path(path), ()))
+    return as_input_error(lambda: _read_recipe(resolve_recipe(path), ()))
 
 
 def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
     """The sections of the recipe at ``path``, on top of its base recipes: a top-level
     ``defaults:`` names one or a list (paths relative to the recipe, else to the working
-    directory), merged in order, then the recipe's own sections, section by section (a nested
-    mapping merges key by key; any other value replaces the base's)."""
+    directory, else a shipped recipe's name), merged in order, then the recipe's own
+    sections, section by section (a nested mapping merges key by key; any other value replaces
+    the base's)."""
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist (see configs/*.yaml)")
+        names = ", ".join(shipped_recipes())
+        raise FileNotFoundError(
+            f"config file {path} does not exist; give a recipe's path or a shipped recipe's "
+            f"name ({names}; `focus-pretrain recipes` describes them)"
+        )
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -320,7 +343,11 @@ def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
         raise ValueError(f"{path}: defaults must be a recipe path or a list of them")
     merged: dict[str, Any] = {}
     for base in _listed(bases):
-        found = next((c for c in (path.parent / base, Path(base)) if c.is_file()), None)
+        shipped = shipped_recipes().get(Path(base).name.removesuffix(".yaml"))
+        candidates = [path.parent / base, Path(base)]
+        candidates += [shipped] if shipped is not None and len(Path(base).parts) == 1 else []
+        # a recipe named like its base (retrofit.yaml on `defaults: retrofit.yaml`) is not it
+        found = next((c for c in candidates if c.is_file() and c.resolve() != path.resolve()), None)
         if found is None:
             raise FileNotFoundError(f"{path}: its defaults recipe {base} does not exist")
         if found.resolve() in including or found.resolve() == path.resolve():

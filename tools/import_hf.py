@@ -1,50 +1,7 @@
-"""Check a local HuggingFace checkpoint and print the recipe sections that retrofit it.
+"""``focus-pretrain import-hf`` as a script (``python tools/import_hf.py``): the
+command lives in :mod:`focus_pretrain.commands.import_hf` (its options: ``--help``)."""
 
-    python tools/import_hf.py checkpoints/gpt2
-    python tools/import_hf.py checkpoints/gpt2 --groups 4 --window 128 > configs/my-retrofit.yaml
-
-Reads config.json, maps every tensor through our key maps (shapes checked, no model built),
-and prints YAML: ``defaults: configs/retrofit.yaml`` (the retrofit training knobs, resolved from
-the working directory), the ``run`` name and directory, the ``model`` section with the
-checkpoint's architecture and a Focus section,
-``data.tokenizer`` (the checkpoint's ``tokenizer.json`` or ``tokenizer.model``; refused with the
-fix when it ships neither) and ``train.init_from_hf``. ``focus-pretrain retrofit`` does all of a
-retrofit in one command (these sections on ``configs/retrofit.yaml``, training, export, report).
-"""
-
-from __future__ import annotations
-
-import sys
-
-import yaml
-
-from focus_pretrain.cli import at_least, tool_parser
-from focus_pretrain.errors import as_input_error, exit_on_input_error
-
-BASE = "configs/retrofit.yaml"  # the training knobs (relative to the recipe, else the cwd)
-
-
-def main() -> None:
-    parser = tool_parser(__doc__)
-    parser.add_argument("hf_dir", help="a local HuggingFace model directory")
-    parser.add_argument("--groups", type=at_least(1), default=4, help="Focus groups K")
-    parser.add_argument("--window", type=at_least(0), default=128, help="Focus local window")
-    args = parser.parse_args()
-    from focus_pretrain.convert.retrofit import retrofit_sections  # heavy: after --help
-    from focus_pretrain.focus.config import FocusConfig
-
-    with exit_on_input_error(parser.prog):  # what the checkpoint lacks: one line, status 2
-        FocusConfig(num_groups=args.groups, window=args.window)  # its rules (at most 64 groups)
-        recipe, summary = as_input_error(
-            lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)
-        )
-    print(
-        f"# {args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters",
-        file=sys.stderr,
-    )
-    print("# set data.sources to your corpus (local files or directories, a hub dataset)")
-    print(yaml.safe_dump({"defaults": BASE, **recipe}, sort_keys=False), end="")
-
+from focus_pretrain.commands.import_hf import main
 
 if __name__ == "__main__":
     main()

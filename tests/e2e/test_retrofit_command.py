@@ -63,7 +63,7 @@ def test_one_command_retrofit(tmp_path, family, precision):
                  "groups/report.md"):  # fmt: skip
         assert (out / name).is_file(), name
     recipe = yaml.safe_load((out / "recipe.yaml").read_text())
-    assert recipe["defaults"].endswith("configs/retrofit.yaml")
+    assert recipe["defaults"].endswith("focus_pretrain/recipes/retrofit.yaml")  # the shipped
     config = load_config(out / "recipe.yaml")  # rerunnable as it stands
     assert config.train.init_from_hf == str(hf) and config.train.freeze == "retrofit"
     assert config.data.tokenizer == str(hf) and config.train.precision == precision  # --set

@@ -4,6 +4,7 @@ help (every option's default), and bad commands are refused with the choices."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from focus_pretrain import cli
 
 CLEAN = "import sys; from focus_pretrain import cli; cli.main(sys.argv[1:])"
+ROOT = Path(__file__).parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -28,7 +30,7 @@ def test_help_lists_every_command_without_loading_torch():
     assert done.returncode == 0 and done.stderr == ""
     for name, command in cli.COMMANDS.items():
         assert f"  {name}" in done.stdout and command.summary in done.stdout
-        assert (cli.ROOT / command.script).is_file(), command.script
+        assert importlib.util.find_spec(f"focus_pretrain.commands.{command.module}"), name
     probe = "import sys; from focus_pretrain import cli\ntry:\n    cli.main(['--help'])\n"
     probe += "except SystemExit:\n    pass\nprint('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
@@ -89,7 +91,8 @@ def test_no_scripts_help_loses_a_line_break():
     multi-line command examples would print as one line. Every script writes ``\\\\``."""
     import re
 
-    scripts = [*sorted((cli.ROOT / "tools").glob("*.py")), cli.ROOT / "launchers" / "pretrain.py"]
+    scripts = [*sorted((ROOT / "tools").glob("*.py")), ROOT / "launchers" / "pretrain.py"]
+    scripts += sorted((ROOT / "focus_pretrain" / "commands").glob("*.py"))
     for script in scripts:
         source = script.read_text()
         doc = source[3 : source.index('"""', 3)] if source.startswith('"""') else ""

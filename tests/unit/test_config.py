@@ -144,6 +144,30 @@ def test_a_recipe_builds_on_base_recipes(tmp_path):
         load_config(tmp_path / "gone.yaml")
 
 
+def test_a_shipped_recipe_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    """``--config tiny`` (or ``tiny.yaml``) names a recipe shipped in the package, from any
+    working directory; a file of that name there wins; a base named like its recipe
+    (``retrofit.yaml`` on ``defaults: retrofit.yaml``) is the shipped one, not a cycle."""
+    from focus_pretrain.config import RECIPES_DIR, resolve_recipe, shipped_recipes
+
+    monkeypatch.chdir(tmp_path)
+    assert {"tiny", "7b", "retrofit"} <= set(shipped_recipes())
+    assert resolve_recipe("tiny") == resolve_recipe("tiny.yaml") == RECIPES_DIR / "tiny.yaml"
+    assert (
+        load_config("tiny").model.num_layers
+        == load_config(RECIPES_DIR / "tiny.yaml").model.num_layers
+    )
+    (tmp_path / "tiny.yaml").write_text("train: {steps: 5}\n")
+    assert resolve_recipe("tiny.yaml") == pathlib.Path("tiny.yaml")  # the local file
+    assert resolve_recipe("sub/tiny") == pathlib.Path("sub/tiny")  # a path stays a path
+    (tmp_path / "retrofit.yaml").write_text("defaults: retrofit.yaml\ntrain: {steps: 3}\n")
+    sets = ['data.sources=["demo:10"]', "data.seq_length=64"]  # the base leaves them open
+    own, shipped = load_config(tmp_path / "retrofit.yaml", sets), load_config("retrofit", sets)
+    assert own.train.steps == 3 and own.train.lr == shipped.train.lr
+    with pytest.raises(FileNotFoundError, match=r"shipped recipe's name \(1b-8k-dense, "):
+        load_config("no-such-recipe")
+
+
 def test_missing_recipe_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config file .*nope.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -42,12 +42,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location(
-        "inspect_groups_tool", ROOT / "tools" / "inspect_groups.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("focus_pretrain.commands.inspect_groups")
 
 
 tool = _load_tool()

@@ -77,15 +77,10 @@ def test_offline_settings_are_restored(monkeypatch):
 
 def test_the_commands_copies_of_light_constants_agree():
     """Constants the tools copy so that their --help imports nothing heavy."""
-    import importlib.util
-
     from focus_pretrain.bench.config import DTYPE_NAMES
     from focus_pretrain.bench.report import DTYPES
-    from focus_pretrain.cli import ROOT
+    from focus_pretrain.commands import ruler as tool
 
-    spec = importlib.util.spec_from_file_location("ruler_tool", ROOT / "tools" / "ruler.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     assert tuple(tool.DEFAULT_TASKS) == ruler.DEFAULT_TASKS
     assert set(DTYPE_NAMES) == set(DTYPES)
 

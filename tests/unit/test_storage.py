@@ -348,13 +348,9 @@ def test_retrofit_force_replaces_only_what_a_retrofit_wrote(tmp_path):
     """``focus-pretrain retrofit --force`` onto an earlier retrofit's output: the checks pass
     and only the entries a retrofit writes are replaced (the marker, the recipe)."""
     import argparse
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).parents[2] / "tools" / "retrofit.py"
-    spec = importlib.util.spec_from_file_location("retrofit_tool", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from focus_pretrain.commands import retrofit as tool
+
     model = tmp_path / "model"
     model.mkdir()
     out = tmp_path / "out"
@@ -362,7 +358,7 @@ def test_retrofit_force_replaces_only_what_a_retrofit_wrote(tmp_path):
     (out / "report.md").write_text("old report")
     (out / tool.MARKER).write_text("{}")
     args = argparse.Namespace(
-        hf_dir=str(model), data=["demo:10"], out=out, force=True, base=str(path)
+        hf_dir=str(model), data=["demo:10"], out=out, force=True, base=tool.__file__
     )
     tool.check_inputs(args)
     recipe = tool.claim_output(args, "defaults: x\n")

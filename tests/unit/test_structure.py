@@ -31,6 +31,22 @@ ALLOWED = {
     "analysis": {"focus", "model", "parallel", "data", "config", "convert", "train"},
     # evaluation of trained and retrofitted models: the retrofit report (its plots: analysis)
     "eval": {"focus", "model", "parallel", "data", "config", "convert", "train", "analysis"},
+    # the command lines (focus-pretrain's subcommands) on top of everything; cli.py runs them
+    "commands": {
+        "focus",
+        "model",
+        "parallel",
+        "data",
+        "config",
+        "convert",
+        "train",
+        "bench",
+        "analysis",
+        "eval",
+        "cli",
+        "experiments",
+    },
+    "cli": set(),
     "errors": set(),
     "validation": {"errors"},
     "storage": {"errors", "environment"},

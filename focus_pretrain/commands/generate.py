@@ -1,0 +1,155 @@
+"""Generate text with an exported Focus model (HF directory written by tools/convert_to_hf.py).
+
+Prompts are batched with left padding; decoding uses the KV cache, whose one-token steps read
+only each query's window and its groups' keys (hard pattern). Plain ``transformers`` does the
+rest (``generate``), so every option it has works on the export from Python too.
+
+    python tools/generate.py exports/tiny --prompt "The key of" --prompt "Once" \\
+        --max-new-tokens 64                        # greedy
+    python tools/generate.py exports/tiny --prompt "Once" --sample --temperature 0.8 --top-p 0.9
+    python tools/generate.py exports/tiny --prompts-file prompts.txt --json out.json
+
+``--json`` writes the prompts, completions, tokens/s and the keys read per decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+from focus_pretrain.cli import at_least, device, number_in, output_file, tool_parser
+from focus_pretrain.errors import InputError, MissingInputError, exit_on_input_error
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = tool_parser(__doc__)
+    parser.add_argument("export", help="exported HF directory (config.json, modeling_focus.py)")
+    parser.add_argument("--prompt", action="append", default=[], help="repeat for a batch")
+    parser.add_argument("--prompts-file", help="one prompt per line")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    parser.add_argument("--temperature", type=number_in(0, low_open=True), default=1.0)
+    parser.add_argument("--top-p", type=number_in(0, 1, low_open=True), default=1.0)
+    parser.add_argument("--num-beams", type=at_least(1), default=1)
+    parser.add_argument("--mode", choices=["hard", "soft"], help="focus inference_mode")
+    parser.add_argument("--backend", help="focus inference_backend (auto, dense, decomposed...)")
+    parser.add_argument("--device", type=device, default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json", type=output_file, help="write prompts, completions and speed to this file"
+    )
+    args = parser.parse_args(argv)
+    if not args.prompt and not args.prompts_file:
+        parser.error("give at least one --prompt or a --prompts-file")
+    # heavy imports after the arguments: --help answers without loading PyTorch
+    from focus_pretrain.convert.export_dir import export_tokenizer
+
+    with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any loading
+        prompts = read_prompts(args.prompt, args.prompts_file)
+        check_export(args.export, args.mode, args.backend)
+    export = pathlib.Path(args.export)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    tokenizer = export_tokenizer(export)  # tokenizer.json: no remote code
+    tokenizer.padding_side = "left"  # decoder-only batches pad on the left
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with exit_on_input_error(parser.prog):
+        check_tokens(tokenizer, prompts)
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)  # its code
+    model = model.to(args.device).eval()
+    if args.mode:
+        model.config.focus["inference_mode"] = args.mode
+    if args.backend:
+        model.config.focus["inference_backend"] = args.backend
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
+    options = dict(max_new_tokens=args.max_new_tokens, num_beams=args.num_beams)
+    options.update(pad_token_id=tokenizer.pad_token_id)
+    if args.sample:
+        options.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+    else:
+        options.update(do_sample=False)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**batch, **options)
+    seconds = time.perf_counter() - start
+    new = out[:, batch["input_ids"].shape[1] :]
+    completions = tokenizer.batch_decode(new, skip_special_tokens=True)
+    for prompt, text in zip(prompts, completions, strict=True):
+        print(f"{prompt}{text}\n")
+    reads = [getattr(m, "focus_keys_read", None) for m in model.modules()]
+    reads = [r for r in reads if r is not None]
+    result = {
+        "prompts": prompts,
+        "completions": completions,
+        "new_tokens": int(new.numel()),
+        "seconds": seconds,
+        "tokens_per_second": new.numel() / seconds,
+        "focus_keys_read": sum(reads),
+        "focus_layers": len(reads),
+    }
+    print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def check_export(export: str, mode: str | None, backend: str | None) -> None:
+    """Refuse what is not an export with a tokenizer, and a ``--mode``/``--backend`` that the
+    export's code refuses (:func:`validate_focus`, the shipped rules) or a non-Focus model."""
+    from focus_pretrain.convert.export_dir import read_export
+    from focus_pretrain.convert.hf_modeling.configuration_focus import (
+        FOCUS_DEFAULTS,
+        validate_focus,
+    )
+
+    config = read_export(export, tokenizer=True, focus=bool(mode or backend))
+    if mode or backend:
+        focus = {**FOCUS_DEFAULTS, **config["focus"]}
+        focus.update(inference_mode=mode or focus["inference_mode"])
+        focus.update(inference_backend=backend or focus["inference_backend"])
+        try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
+            validate_focus(focus)
+        except ValueError as error:
+            given = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
+            raise InputError(f"{given}: {error}") from error
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
+    """The ``--prompt`` texts, then the non-empty lines of ``prompts_file``.
+
+    Raises:
+        InputError: an empty ``--prompt``, a ``prompts_file`` that is a directory or holds no
+            prompt.
+        MissingInputError: ``prompts_file`` does not exist.
+    """
+    if any(not prompt for prompt in prompts):
+        raise InputError('--prompt "" is empty: give the text to continue')
+    prompts = list(prompts)
+    if prompts_file is not None:
+        path = pathlib.Path(prompts_file)
+        if not path.exists():
+            raise MissingInputError(f"--prompts-file {path} does not exist: give a text file")
+        if not path.is_file():
+            raise InputError(f"--prompts-file {path} is a directory: give a text file")
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if not lines:
+            raise InputError(f"--prompts-file {path} holds no prompt: write one prompt per line")
+        prompts += lines
+    return prompts
+
+
+def check_tokens(tokenizer, prompts: list[str]) -> None:
+    """Refuse a prompt the export's tokenizer turns into no token (nothing to continue)."""
+    for prompt in prompts:
+        if not tokenizer(prompt)["input_ids"]:
+            raise InputError(f"--prompt {prompt!r} is no token for the export's tokenizer")
+
+
+if __name__ == "__main__":
+    main()
