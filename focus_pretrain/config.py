@@ -290,13 +290,19 @@ def shipped_recipes() -> dict[str, Path]:
     return {path.stem: path for path in sorted(RECIPES_DIR.glob("*.yaml"))}
 
 
+def _shipped_recipe(name: str | os.PathLike) -> Path | None:
+    """The shipped recipe a bare name (``tiny`` or ``tiny.yaml``, no directory) names."""
+    path = Path(name)
+    if len(path.parts) != 1:
+        return None
+    return shipped_recipes().get(path.name.removesuffix(".yaml"))
+
+
 def resolve_recipe(path: str | os.PathLike) -> Path:
     """``path`` when it is a file or names a directory; else a shipped recipe of that name
     (``tiny`` or ``tiny.yaml``): ``--config tiny`` works from any directory and any install."""
     given = Path(path)
-    if given.is_file() or len(given.parts) > 1:
-        return given
-    return shipped_recipes().get(given.name.removesuffix(".yaml"), given)
+    return given if given.is_file() else _shipped_recipe(given) or given
 
 
 def _load_config(path: str | os.PathLike | None, overrides: Sequence[str]) -> Config:
@@ -343,9 +349,7 @@ def _read_recipe(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
         raise ValueError(f"{path}: defaults must be a recipe path or a list of them")
     merged: dict[str, Any] = {}
     for base in _listed(bases):
-        shipped = shipped_recipes().get(Path(base).name.removesuffix(".yaml"))
-        candidates = [path.parent / base, Path(base)]
-        candidates += [shipped] if shipped is not None and len(Path(base).parts) == 1 else []
+        candidates = [path.parent / base, Path(base), _shipped_recipe(base) or Path(base)]
         # a recipe named like its base (retrofit.yaml on `defaults: retrofit.yaml`) is not it
         found = next((c for c in candidates if c.is_file() and c.resolve() != path.resolve()), None)
         if found is None:

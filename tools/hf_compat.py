@@ -96,6 +96,31 @@ def named_versions(python: str, specifier: str) -> dict[str, str]:
     }
 
 
+MADE_BY = ".made-by-focus-compat"  # in every directory these tools make (and may remake)
+
+
+def check_ours(path: Path) -> None:
+    """Refuse ``path`` when something is there that this tool did not make (no
+    :data:`MADE_BY` in it): the tool never replaces it."""
+    if (path.exists() or path.is_symlink()) and not (
+        path.is_dir() and not path.is_symlink() and (path / MADE_BY).is_file()
+    ):
+        raise ValueError(
+            f"{path} exists and was not made by this tool: move it away or give another "
+            "--work / --venv"
+        )
+
+
+def fresh_dir(path: Path) -> None:
+    """Make ``path`` an empty directory of this tool's: an unfinished one of ours (holding
+    :data:`MADE_BY`) is removed first; any other existing path is refused, never deleted."""
+    check_ours(path)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / MADE_BY).write_text("made by tools/hf_compat.py or tools/torch_compat.py\n")
+
+
 def overlay(python: str, requirement: str, work: Path, leave_out: tuple[str, ...] = ()) -> Path:
     """A directory holding ``requirement`` (e.g. ``transformers==5.0.0``, ``torch==2.11.0``)
     and the dependencies it needs at versions other than the installed ones (what pip would
@@ -103,8 +128,8 @@ def overlay(python: str, requirement: str, work: Path, leave_out: tuple[str, ...
     environment itself is not touched. pip's whole plan is kept in ``<dir>/.plan.json``."""
     target = work / f"overlay-{requirement.replace('==', '-')}"
     if not (target / ".complete").is_file():
-        shutil.rmtree(target, ignore_errors=True)
         plan = pip_plan(python, requirement)
+        fresh_dir(target)
         pins = [f"{name}=={pinned}" for name, pinned in plan.items() if name not in leave_out]
         pip = [python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
         subprocess.run([*pip, *pins], check=True)
@@ -117,7 +142,7 @@ def small_venv(venv: Path, torch_spec: str, lock: Path | None) -> str:
     """The standalone environment's python: torch (``torch_spec``), pytest; nothing of ours."""
     python = venv / "bin" / "python"
     if not (venv / ".complete").is_file():
-        shutil.rmtree(venv, ignore_errors=True)
+        fresh_dir(venv)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "--quiet"]
         constraints = ["-c", str(lock)] if lock else []
@@ -172,7 +197,7 @@ def standalone(venv_python: str, version: str, exports: Path, work: Path) -> dic
 
 def write_exports(python: str, work: Path) -> Path:
     exports = work / "exports"
-    shutil.rmtree(exports, ignore_errors=True)
+    fresh_dir(exports)
     subprocess.run([python, "-m", "tests.compat.write_exports", str(exports)], cwd=ROOT, check=True)
     return exports
 
@@ -217,7 +242,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    except ValueError as error:  # a directory this tool would not replace, a bad range
+        print(f"hf_compat.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    for path in (args.venv, args.work / "exports"):  # before any work
+        if not (path / ".complete").is_file():
+            check_ours(path)
     python = sys.executable
     args.work.mkdir(parents=True, exist_ok=True)
     specifier, locked = declared_range(), metadata.version("transformers")

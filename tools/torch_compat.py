@@ -93,7 +93,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        return run(parse_args(argv))
+    except ValueError as error:  # a directory this tool would not replace, a bad bound
+        print(f"torch_compat.py: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     lowest = lowest_torch()
     versions = list(dict.fromkeys(lowest if v == "lowest" else v for v in args.versions))

@@ -82,3 +82,26 @@ def test_the_table_flags_failed_runs(tool):
     assert lines[2] == "| 5.0.0 | standalone | 3 | 0 | 1 | ok |"
     assert lines[3] == "| 5.9.0 | standalone | 2 | 1 | 0 | FAILED |"
     assert lines[4] == "| 5.24.0 | locked | - | - | - | covered by the main run |"
+
+
+def test_only_directories_the_tool_made_are_replaced(tool, tmp_path):
+    """An overlay, venv or exports directory is remade only when it holds the tool's marker
+    (an unfinished one of its own); anything else at that path is refused and kept, and so
+    is a file or a symlink there."""
+    mine = tmp_path / "overlay-x-1"
+    tool.fresh_dir(mine)
+    (mine / "half-installed.py").write_text("x = 1\n")
+    tool.fresh_dir(mine)  # an unfinished overlay of the tool's: remade empty
+    assert sorted(p.name for p in mine.iterdir()) == [tool.MADE_BY]
+    users = tmp_path / "users-venv"
+    users.mkdir()
+    (users / "notes.txt").write_text("the user's")
+    (tmp_path / "a-file").write_text("the user's")
+    (tmp_path / "a-link").symlink_to(users)
+    for path in (users, tmp_path / "a-file", tmp_path / "a-link"):
+        with pytest.raises(ValueError, match="exists and was not made by this tool"):
+            tool.fresh_dir(path)
+    assert (users / "notes.txt").read_text() == "the user's"
+    assert (tmp_path / "a-file").read_text() == "the user's" and (tmp_path / "a-link").is_symlink()
+    code = tool.main(["--venv", str(users), "--versions", "5.0.0", "--work", str(tmp_path / "w")])
+    assert code == 2 and (users / "notes.txt").read_text() == "the user's"

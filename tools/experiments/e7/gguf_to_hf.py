@@ -11,15 +11,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("gguf", type=Path)
-    parser.add_argument("out", type=Path)
+    parser.add_argument("out", type=Path, help="a new directory (an existing one is refused)")
     args = parser.parse_args()
+    if not args.gguf.is_file():  # inputs first, then the output: nothing is overwritten
+        parser.error(f"{args.gguf} does not exist: give a .gguf file")
+    if args.out.exists() or args.out.is_symlink():
+        parser.error(f"{args.out} exists: give a new directory (nothing is overwritten)")
+    import torch  # heavy: after the checks
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, name = str(args.gguf.parent), args.gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -1,0 +1,48 @@
+"""E7's fetch scripts (tools/experiments/e7/) never replace what is already there: an existing
+output stops them before any download, and the GGUF converter checks its input, then refuses
+an existing output directory, before loading anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+E7 = Path(__file__).parents[2] / "tools" / "experiments" / "e7"
+
+
+def _run(args: list, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": str(tmp_path / "no-tools"), "PY": sys.executable}  # no apt-get, pip, unzip
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "script, existing",
+    [("fetch_corpora.sh", "corpora/jargon"), ("fetch_models.sh", "hf")],
+)
+def test_an_existing_output_stops_the_fetch_before_anything_is_fetched(tmp_path, script, existing):
+    users = tmp_path / existing
+    users.mkdir(parents=True)
+    (users / "notes.txt").write_text("the user's")
+    done = _run(["/bin/bash", str(E7 / script), str(tmp_path)], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert f"{users} exists: move it away or give another DEST" in done.stderr
+    assert (users / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [existing.split("/")[0]]
+
+
+def test_the_converter_checks_its_input_then_refuses_an_existing_output(tmp_path):
+    tool = [sys.executable, str(E7 / "gguf_to_hf.py")]
+    out = tmp_path / "hf"
+    missing = _run([*tool, tmp_path / "none.gguf", out], tmp_path)
+    assert missing.returncode == 2 and "none.gguf does not exist" in missing.stderr
+    assert not out.exists()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    refused = _run([*tool, gguf, out], tmp_path)
+    assert refused.returncode == 2 and f"{out} exists: give a new directory" in refused.stderr
+    assert (out / "notes.txt").read_text() == "the user's"
