@@ -65,6 +65,7 @@ class RunConfig:
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
 FREEZE_POLICIES = ("scratch", "retrofit", "centroids", "two_phase")
+OBJECTIVES = ("lm", "distill", "mix")  # train.objective (focus_pretrain.train.distill)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,12 @@ class TrainConfig:
             state kept: it is converted once to DeepSpeed's universal checkpoint
             (``step_N/universal``) and loaded from that; at the saved layout the resume stays
             plain. Off, another layout is refused (:mod:`focus_pretrain.train.reshard`).
+        objective: what a step minimises (:mod:`focus_pretrain.train.distill`): ``lm`` (the
+            next-token loss), ``distill`` (KL from the frozen original, the model with its
+            Focus layers bypassed, to the Focus model: retrofits only, ``freeze: retrofit`` or
+            ``centroids``) or ``mix`` (``(1 - distill_weight) * lm + distill_weight * KL``).
+        distill_weight: the KL's weight in ``mix``, in ``[0, 1]``.
+        distill_temperature: the softmax temperature ``T`` of the KL (scaled by ``T^2``).
         max_consecutive_bad_steps: a step whose loss or gradient norm is not finite is skipped
             (weights and optimizer state untouched, the batch consumed, ``skipped_steps``
             logged); this many in a row stop the run with a checkpoint and a non-zero exit
@@ -145,6 +152,9 @@ class TrainConfig:
     allow_changes: bool = False
     load_universal: bool = False
     max_consecutive_bad_steps: int = 5
+    objective: str = "lm"
+    distill_weight: float = 0.5
+    distill_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -191,6 +201,16 @@ class TrainConfig:
             )
         if self.peak_tflops is not None:
             check_positive("train.peak_tflops", self.peak_tflops)
+        check_choice("train.objective", self.objective, OBJECTIVES)
+        if not 0 <= self.distill_weight <= 1:
+            raise ValueError(f"train.distill_weight must be in [0, 1], got {self.distill_weight}")
+        check_positive("train.distill_temperature", self.distill_temperature)
+        if self.objective != "lm" and self.freeze not in ("retrofit", "centroids"):
+            raise ValueError(
+                f"train.objective={self.objective} distils from the frozen original, so it needs "
+                f"train.freeze=retrofit or centroids (got {self.freeze}); use "
+                "train.objective=lm to train every weight"
+            )
 
 
 PROBE_KINDS = ("passkey", "multikey")

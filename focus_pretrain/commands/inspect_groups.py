@@ -9,7 +9,7 @@ tokens per group and stability across layers. Writes report.md, report.json and 
 
 --checkpoint: a run directory, a checkpoint directory or an exported HuggingFace directory.
 --text: each file is one sample (refused if longer than the model's maximum length, unless
---length cuts it). --corpus: anything tools/preprocess_data.py reads (demo:N, .jsonl, .txt,
+--length cuts it). --corpus: anything focus-pretrain preprocess reads (demo:N, .jsonl, .txt,
 a directory, a hub dataset), as --samples pieces of --length tokens. See docs/interpretability.md.
 """
 

@@ -1,12 +1,12 @@
 """Tokenise corpora into Megatron indexed datasets: sharded, in parallel, resumable.
 
     # many inputs -> OUT/shard-NNNNN.bin/.idx + OUT/manifest.json (then data.sources: [OUT])
-    python tools/preprocess_data.py --input 'corpus/**/*.jsonl' --input extra.parquet \\
+    focus-pretrain preprocess --input 'corpus/**/*.jsonl' --input extra.parquet \\
         --output data/web --tokenizer data/tok.model --workers 32
-    python tools/preprocess_data.py --input pystdlib --output data/stdlib \\
+    focus-pretrain preprocess --input pystdlib --output data/stdlib \\
         --train-tokenizer --vocab-size 32000 --workers 8
     # one indexed dataset PREFIX.bin/.idx (small corpora; no resume)
-    python tools/preprocess_data.py --input demo:2000 --output-prefix data/demo \\
+    focus-pretrain preprocess --input demo:2000 --output-prefix data/demo \\
         --train-tokenizer --vocab-size 1024
 
 --input (repeatable, several values each) is `demo[:N]`, `pystdlib[:N]`, a .jsonl/.json/

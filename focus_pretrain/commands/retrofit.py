@@ -26,7 +26,9 @@ its loss gap, and past --max-hard-gap (default 0.05 nats) that the retrofit is n
 enough, with what to change (more steps, top-2, a wider window, more groups).
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
-dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE.
+dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
+--set train.objective=distill (or mix) to distil the frozen original's logits into the Focus
+model instead of the next-token loss alone (focus_pretrain.train.distill).
 """
 
 from __future__ import annotations
@@ -229,6 +231,14 @@ def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> di
     return evaluations
 
 
+def _objective(train) -> str:
+    """``train.objective`` as the report names it (with its weight and temperature)."""
+    if train.objective == "lm":
+        return "lm (next-token loss)"
+    weight = f", weight {train.distill_weight}" if train.objective == "mix" else ""
+    return f"{train.objective} (KL from the original, T={train.distill_temperature}{weight})"
+
+
 def main() -> None:
     parser = _arguments()
     args = parser.parse_args()
@@ -259,6 +269,8 @@ def main() -> None:
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
         "steps": config.train.steps, "precision": config.train.precision,
         "focus": f"K={config.model.focus.num_groups}, window={config.model.focus.window}",
+        "training": f"{config.model.focus.training_mode} pattern, objective "
+        + _objective(config.train),
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
     report_json = json.loads((out / "groups" / "report.json").read_text())

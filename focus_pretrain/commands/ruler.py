@@ -23,7 +23,7 @@ import pathlib
 from focus_pretrain.cli import at_least, device, output_file, tool_parser
 from focus_pretrain.errors import exit_on_input_error
 
-DEFAULT_TASKS = ["niah_single_1", "niah_multikey_2"]  # focus_pretrain.convert.ruler's
+DEFAULT_TASKS = ["niah_single_1", "niah_multikey_2"]  # focus_pretrain.eval.ruler's
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--markdown", type=output_file, help="write the table here")
     args = parser.parse_args(argv)
-    from focus_pretrain.convert.ruler import markdown_table, run_ruler  # heavy: after --help
+    from focus_pretrain.eval.ruler import markdown_table, run_ruler  # heavy: after --help
 
     with exit_on_input_error(parser.prog):  # bad input or a missing package: one line, status 2
         result = run_ruler(

@@ -25,9 +25,7 @@ from focus_pretrain.data.datasets import DataConfig, prepare_data
 T = TypeVar("T")
 _CALLS = itertools.count()  # every rank calls in the same order: the n-th call's keys match
 _MESSAGE_CHARS = 4000
-OFFLINE_HINT = (
-    "tokenise large corpora offline first (python tools/preprocess_data.py, docs/training.md)"
-)
+OFFLINE_HINT = "tokenise large corpora offline first (focus-pretrain preprocess, docs/training.md)"
 
 
 class DataWaitError(RuntimeError):

@@ -23,6 +23,7 @@ from focus_pretrain.data.preprocess import (
 )
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
 from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from focus_pretrain.errors import InputError
 from focus_pretrain.validation import check_int, check_positive
 
 
@@ -45,7 +46,7 @@ class DataConfig:
         workers: tokenisation processes.
         tokenize_in_job: let a training job tokenise raw corpora (local files, hub names) on
             rank 0; without it only ``demo`` and ``pystdlib`` are tokenised in the job, and a
-            raw corpus is refused with the ``tools/preprocess_data.py`` command to run first.
+            raw corpus is refused with the ``focus-pretrain preprocess`` command to run first.
         prepare_timeout_s: how long the other ranks wait for rank 0 to prepare the data
             before every rank fails with a clear error (instead of a process-group timeout).
         demo_pairs: key-value pairs each demo document defines and recalls.
@@ -171,8 +172,9 @@ def _raw_sources(config: DataConfig) -> list[str]:
 
 
 def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | None) -> None:
-    """Raise ``ValueError`` with the ``tools/preprocess_data.py`` commands that tokenise the
-    raw sources offline, and the ``data.sources`` to train on afterwards."""
+    """Raise :class:`InputError` (a ``ValueError``) with the ``focus-pretrain preprocess``
+    commands that tokenise the raw sources offline, and the ``data.sources`` to train on
+    afterwards."""
     outputs = {s: str(Path(config.cache_dir) / "shards" / _slug(s)) for s in raw}
     commands = []
     for source in raw:
@@ -183,14 +185,14 @@ def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | No
         else:
             using = f"--tokenizer {shlex.quote(outputs[raw[0]])}/tokenizer.model"
         commands.append(
-            f"  python tools/preprocess_data.py --input {shlex.quote(source)} "
+            f"  focus-pretrain preprocess --input {shlex.quote(source)} "
             f"--output {shlex.quote(outputs[source])} {using} --workers $(nproc)"
         )
     sources = json.dumps([outputs.get(s, s) for s in config.sources])
     then = f"--set 'data.sources={sources}'"
     if tokenizer is None:
         then += f" --set data.tokenizer={outputs[raw[0]]}/tokenizer.model"
-    raise ValueError(
+    raise InputError(
         f"data.sources {', '.join(raw)}: a raw corpus; a training job tokenises only the "
         "built-in corpora (demo, pystdlib), since tokenising a large corpus on rank 0 would "
         "keep the other ranks waiting. Tokenise it once, offline and in parallel:\n"
@@ -205,7 +207,7 @@ def prepare_data(
 ) -> tuple[Path, list[str]]:
     """Make sure a tokenizer and token files exist; returns ``(tokenizer_path, prefixes)``.
 
-    A source naming a directory written by ``tools/preprocess_data.py --output`` (or its
+    A source naming a directory written by ``focus-pretrain preprocess --output`` (or its
     ``manifest.json``) becomes its shards' prefixes, checked against the tokenizer;
     :func:`blend_weights` gives the blend weights that keep it one corpus. Idempotent: existing
     tokenizers and token files in ``cache_dir`` are reused. Run it on one process (a job runs it
@@ -231,7 +233,7 @@ def prepare_data(
     if config.tokenizer is not None:
         Tokenizer(tokenizer_path)  # fails early, naming the missing file
     elif _is_tokenised(config.sources[0]):
-        raise ValueError(
+        raise InputError(
             f"data.tokenizer is null, so a tokenizer would be trained on data.sources[0], but "
             f"{config.sources[0]} is token files; set data.tokenizer to the tokenizer that made "
             "them (a directory's manifest.json names it)"
@@ -242,8 +244,9 @@ def prepare_data(
             f"{config.sources[0]} -> {tokenizer_path}"
         )
         train_tokenizer(texts(config.sources[0]), tokenizer_path.with_suffix(""), config.vocab_size)
-    if raw:
-        _refuse_raw_sources(config, raw, tokenizer_path if tokenizer_path.is_file() else None)
+    if raw:  # the recipe's tokenizer (a file or an HF directory), else one trained earlier
+        known = config.tokenizer is not None or tokenizer_path.is_file()
+        _refuse_raw_sources(config, raw, tokenizer_path if known else None)
     prefixes = []
     tokenizer = Tokenizer(tokenizer_path)
     for source in config.sources:

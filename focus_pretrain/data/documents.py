@@ -27,6 +27,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 from torch import Tensor
 
+from focus_pretrain.errors import InputError
 from focus_pretrain.focus.pattern import document_starts
 
 
@@ -144,16 +145,16 @@ class DocumentGPTDataset(GPTDataset):
                 long_repeat=config.long_document_repeat,
             )
         if not len(indexed_indices) and num_samples:  # Megatron would loop forever
-            raise ValueError(
+            raise InputError(
                 f"the {index_split.name} split of {dataset_path} holds no document "
                 f"({len(indexed_dataset.sequence_lengths)} documents, data.split="
                 f"{config.split!r}) but {num_samples} samples are asked of it; give that "
                 "split a larger share in data.split, or preprocess into larger shards "
-                "(tools/preprocess_data.py --shard-documents)"
+                "(focus-pretrain preprocess --shard-documents)"
             )
         if len(indexed_indices) and not len(selected):
             longest = int(indexed_dataset.sequence_lengths[indexed_indices].max())
-            raise ValueError(
+            raise InputError(
                 f"data.min_document_tokens={config.min_document_tokens} leaves no document in "
                 f"the {index_split.name} split of {dataset_path} (its longest document has "
                 f"{longest} tokens); lower data.min_document_tokens"

@@ -123,7 +123,7 @@ def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
             f"(sha256 {stamp['sha256']}, {stamp['vocab_size']} pieces) but data.tokenizer is "
             f"{tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "
             f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
-            "re-tokenise with tools/preprocess_data.py"
+            "re-tokenise with focus-pretrain preprocess"
         )
 
 

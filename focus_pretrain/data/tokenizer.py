@@ -70,7 +70,7 @@ def check_tokenizer_path(path: str | os.PathLike) -> None:
     if not path.exists():
         raise MissingInputError(
             f"tokenizer model {path} does not exist; train one with "
-            "tools/preprocess_data.py --train-tokenizer or point data.tokenizer at a .model "
+            "focus-pretrain preprocess --train-tokenizer or point data.tokenizer at a .model "
             "(or at a HuggingFace tokenizer directory)"
         )
 

@@ -22,6 +22,9 @@ the router, per-token RoPE positions); Megatron's own ``thd`` packing is refused
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
@@ -249,6 +252,8 @@ class FocusSelfAttention(SelfAttention):
         # Context parallelism sets this from outside: ``fn(local_seq_len) -> router kwargs``
         # (Sinkhorn's column reduction over the whole sequence).
         self.route_options = None
+        # True inside dense_attention(): the router is not called, attention is dense causal
+        self.bypass_focus = False
 
     @property
     def local_rotary(self) -> RotaryEmbedding | None:
@@ -344,7 +349,7 @@ class FocusSelfAttention(SelfAttention):
                 "DocumentParams (document starts per token), not Megatron's thd PackedSeqParams"
             )
         documents = None if packed_seq_params is None else packed_seq_params.document_starts
-        routing = self.route(hidden_states, documents)
+        routing = None if self.bypass_focus else self.route(hidden_states, documents)
         query, key, value = self.get_query_key_value_tensors(hidden_states)  # [s, b, n, d]
         positions = None if packed_seq_params is None else packed_seq_params.rope_positions
         if rotary_pos_emb is not None and positions is not None:
@@ -390,3 +395,19 @@ class FocusSelfAttention(SelfAttention):
                 raise ValueError("a post-normed attention cannot have an output bias")
             output = self.post_norm(output)
         return output, bias
+
+
+@contextlib.contextmanager
+def dense_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block every Focus layer of ``model`` attends as its dense original: causal
+    over the whole sequence (a family's own sliding-window layers keep their window), its
+    router not called. With the original weights frozen (a retrofit) the model is then the
+    original dense model: the distillation teacher (:mod:`focus_pretrain.train.distill`)."""
+    layers = [m for m in model.modules() if isinstance(m, FocusSelfAttention)]
+    for layer in layers:
+        layer.bypass_focus = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.bypass_focus = False

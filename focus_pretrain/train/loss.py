@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from focus_pretrain.model.attention import dense_attention
 from focus_pretrain.model.packing import document_params
 from focus_pretrain.parallel.sharding import shard_batch
+from focus_pretrain.train.distill import per_token_objective
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a training step minimises (``train.objective``, :mod:`focus_pretrain.train.distill`):
+    ``lm`` (the next-token loss), ``distill`` (KL from the model's dense self, the frozen
+    original of a retrofit) or ``mix`` (``(1 - weight) * lm + weight * distill``)."""
+
+    name: str = "lm"
+    weight: float = 0.5
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, train) -> Objective:
+        """The objective of a ``TrainConfig``."""
+        return cls(train.objective, train.distill_weight, train.distill_temperature)
 
 
 def batch_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -15,9 +35,13 @@ def batch_to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, 
 
 
 def micro_batch_loss(
-    model, batch: dict[str, torch.Tensor], cp_group: dist.ProcessGroup | None = None
+    model,
+    batch: dict[str, torch.Tensor],
+    cp_group: dist.ProcessGroup | None = None,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token loss of a micro-batch: ``(for backward, mean over unmasked tokens)``.
+    """The objective (default: the next-token loss) of a micro-batch: ``(for backward, mean
+    over unmasked tokens)``.
 
     ``batch`` holds ``tokens``, ``position_ids``, ``labels``, ``loss_mask`` ``[b, s]``, and for
     packed documents ``documents`` (document starts) and/or ``rope_positions``
@@ -29,13 +53,16 @@ def micro_batch_loss(
     seq_length = batch["tokens"].shape[1]
     if cp_group is not None:
         batch = shard_batch(batch, cp_group)
-    per_token = model(
-        batch["tokens"],
-        batch["position_ids"],
-        None,
-        labels=batch["labels"],
-        **packed_documents(batch, seq_length),
-    )
+    if objective is None or objective.name == "lm":
+        per_token = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            **packed_documents(batch, seq_length),
+        )  # [b, s_local]
+    else:
+        per_token = _distillation_per_token(model, batch, seq_length, objective)
     mask = batch["loss_mask"].float()  # [b, s_local]
     total, count = (per_token.float() * mask).sum(), mask.sum()
     if cp_group is None:
@@ -45,6 +72,38 @@ def micro_batch_loss(
     dist.all_reduce(both, group=cp_group)
     global_count = both[1].clamp(min=1)
     return total * dist.get_world_size(cp_group) / global_count, both[0] / global_count
+
+
+def _distillation_per_token(
+    model, batch: dict[str, torch.Tensor], seq_length: int, objective: Objective
+) -> torch.Tensor:
+    """Per-token ``distill`` / ``mix`` objective ``[b, s_local]``: the teacher is ``model``
+    itself with its Focus layers bypassed (:func:`dense_attention`), in ``eval()`` and without
+    gradients; the student is ``model`` as it trains."""
+    from megatron.core import parallel_state
+
+    inputs = (batch["tokens"], batch["position_ids"], None)
+    documents = packed_documents(batch, seq_length)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), dense_attention(model):
+            teacher = model(*inputs, **documents)  # [b, s_local, V / tp]
+    finally:
+        model.train(training)
+    student = model(*inputs, **documents)  # [b, s_local, V / tp]
+    group = None
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_tensor_model_parallel_group()
+    return per_token_objective(
+        student,
+        batch["labels"],
+        teacher,
+        objective=objective.name,
+        weight=objective.weight,
+        temperature=objective.temperature,
+        group=group,
+    )
 
 
 def packed_documents(batch: dict[str, torch.Tensor], seq_length: int) -> dict:

@@ -51,7 +51,7 @@ from focus_pretrain.train.focus_stats import (
     set_training_pattern,
     update_balance,
 )
-from focus_pretrain.train.loss import batch_to, group_mean, micro_batch_loss
+from focus_pretrain.train.loss import Objective, batch_to, group_mean, micro_batch_loss
 from focus_pretrain.train.metrics import (
     IntervalMeter,
     MetricsLogger,
@@ -126,6 +126,7 @@ class Trainer:
         self.focus_layers = [m for m in self.model.modules() if isinstance(m, FocusSelfAttention)]
         self.engine, self.optimizer, self.gate = self._build_engine()
         self.schedule = lr_lambda(config.train)
+        self.objective = Objective.from_config(config.train)  # lm, or distillation (retrofits)
         self.checkpointer = Checkpointer(
             self.output_dir / "checkpoints",
             self.engine,
@@ -316,7 +317,7 @@ class Trainer:
         skipped = False
         for micro in range(self.grad_accum):
             batch = batch_to(next(self.loader), self.device)
-            backward, mean = micro_batch_loss(self.engine, batch, cp_group)
+            backward, mean = micro_batch_loss(self.engine, batch, cp_group, self.objective)
             self.engine.backward(backward)
             loss += mean / self.grad_accum
             if micro == self.grad_accum - 1:  # before DeepSpeed's update: one check per step
@@ -450,6 +451,7 @@ class Trainer:
             "tp": layout.tensor_parallel_size,
             "cp": layout.context_parallel_size,
             "grad_accum": self.grad_accum,
+            "objective": self.objective.name,
             **counts,
         }
         if self.recipe_changes:
@@ -468,6 +470,15 @@ class Trainer:
             for key, old, new in self.recipe_changes:  # allowed by train.allow_changes
                 print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
             self._announce_sparse_training()
+            if self.objective.name != "lm":
+                print(
+                    f"focus-pretrain: objective {self.objective.name}: KL from the frozen original "
+                    "(this model with Focus bypassed, one extra forward per micro-batch without "
+                    f"gradients, T={self.objective.temperature}"
+                    + (f", weight {self.objective.weight}" if self.objective.name == "mix" else "")
+                    + "); TFLOP/s and MFU count the Focus model's pass only",
+                    flush=True,
+                )
 
     def _announce_sparse_training(self) -> None:
         """With ``focus.training_mode: hard``: what it trains on, and how FLOPs are counted."""

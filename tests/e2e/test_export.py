@@ -332,8 +332,8 @@ def test_lm_eval_perplexity_task_on_the_export(exported, tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from focus_pretrain.convert.lm_eval_task import evaluate_perplexity
     from focus_pretrain.data import demo_documents
+    from focus_pretrain.eval.lm_eval_task import evaluate_perplexity
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _, out = exported
@@ -367,7 +367,7 @@ def test_ruler_needles_through_lm_evals_generator_offline(exported, monkeypatch)
     tiny model extrapolates past its 128 positions), and each score is the share of the
     needles' values in the answer."""
     require_packages("lm_eval", "wonderwords", "nltk", extra="eval")
-    from focus_pretrain.convert.ruler import run_ruler
+    from focus_pretrain.eval.ruler import run_ruler
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _, out = exported

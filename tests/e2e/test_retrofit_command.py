@@ -46,8 +46,10 @@ def _hf_llama_with_tokenizer(root: pathlib.Path) -> pathlib.Path:
     return path
 
 
-@pytest.mark.parametrize("family, precision", [("gpt2", "bf16"), ("llama", "fp32")])
-def test_one_command_retrofit(tmp_path, family, precision):
+@pytest.mark.parametrize(
+    "family, precision, objective", [("gpt2", "bf16", "lm"), ("llama", "fp32", "mix")]
+)
+def test_one_command_retrofit(tmp_path, family, precision, objective):
     import transformers
 
     from focus_pretrain.config import load_config
@@ -57,6 +59,7 @@ def test_one_command_retrofit(tmp_path, family, precision):
     build = {"gpt2": _hf_gpt2_with_tokenizer, "llama": _hf_llama_with_tokenizer}[family]
     hf, out = build(tmp_path), tmp_path / "out"
     sets = ["--set", f"train.precision={precision}", "--set", f"data.cache_dir={tmp_path / 'c'}"]
+    sets += ["--set", f"train.objective={objective}"]  # mix: distils from the frozen original
     done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for name in ("report.md", "loss.png", "loss_by_position.png", "export/config.json",
@@ -67,6 +70,12 @@ def test_one_command_retrofit(tmp_path, family, precision):
     config = load_config(out / "recipe.yaml")  # rerunnable as it stands
     assert config.train.init_from_hf == str(hf) and config.train.freeze == "retrofit"
     assert config.data.tokenizer == str(hf) and config.train.precision == precision  # --set
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+    (start,) = [r for r in records if r.get("event") == "start"]
+    assert start["objective"] == objective == config.train.objective
+    assert f"objective {objective} (" in (out / "report.md").read_text()
+    losses = [r["loss"] for r in records if r.get("split") == "train" and "loss" in r]
+    assert losses and all(math.isfinite(x) and x > 0 for x in losses)
     report = json.loads((out / "report.json").read_text())
     variants = ["original (dense)", "retrofit, soft", "retrofit, hard"]
     assert list(report["evaluations"]) == variants

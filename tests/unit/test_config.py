@@ -59,6 +59,32 @@ def test_bad_overrides_name_the_key(override, error):
         load_config(RECIPE, [override])
 
 
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (["train.objective=kd"], r"train.objective must be one of 'lm', 'distill', 'mix'"),
+        (["train.objective=distill"], r"train.objective=distill distils from the frozen original"
+         r", so it needs train.freeze=retrofit or centroids \(got scratch\)"),
+        (["train.objective=mix", "train.freeze=two_phase", "train.router_only_steps=2"],
+         r"needs train.freeze=retrofit or centroids \(got two_phase\)"),
+        (["train.distill_weight=1.5"], r"train.distill_weight must be in \[0, 1\], got 1.5"),
+        (["train.distill_weight=.nan"], r"train.distill_weight must be in \[0, 1\]"),
+        (["train.distill_temperature=0"], r"train.distill_temperature must be > 0"),
+    ],
+)  # fmt: skip
+def test_distillation_is_refused_where_there_is_no_frozen_original(overrides, error):
+    with pytest.raises(ValueError, match=error):
+        load_config(RECIPE, overrides)
+
+
+def test_distillation_settings_load():
+    overrides = ["train.objective=mix", "train.freeze=retrofit", "train.distill_weight=0.25"]
+    config = load_config(RECIPE, [*overrides, "train.distill_temperature=2"])
+    assert (config.train.objective, config.train.distill_weight) == ("mix", 0.25)
+    assert config.train.distill_temperature == 2.0
+    assert load_config(RECIPE).train.objective == "lm"
+
+
 def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     """``training_mode: hard`` trains on the gated hard pattern: the model's training mode, and
     a backend that does not compute it at the recipe's top_k (triton: top-1 only) is refused

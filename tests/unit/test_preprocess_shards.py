@@ -29,6 +29,8 @@ from focus_pretrain.data.shards import (
     read_manifest,
     tokenizer_sha256,
 )
+from focus_pretrain.errors import InputError
+from tests.helpers import make_hf_tokenizer
 
 ROOT = pathlib.Path(__file__).parents[2]
 TOOL = str(ROOT / "tools" / "preprocess_data.py")
@@ -353,7 +355,7 @@ def test_a_job_refuses_a_raw_corpus(tokenizer_path, tmp_path):
     text = str(refused.value)
     assert f"data.sources {corpus}: a raw corpus" in text
     out = tmp_path / "cache" / "shards"
-    assert f"python tools/preprocess_data.py --input {corpus} --output {out}/web_jsonl-" in text
+    assert f"focus-pretrain preprocess --input {corpus} --output {out}/web_jsonl-" in text
     assert f"--tokenizer {tokenizer_path} --workers $(nproc)" in text
     assert "--set 'data.sources=[" in text and "data.tokenize_in_job=true" in text
     untrained = load_config(ROOT / "configs" / "tiny.yaml", sets)
@@ -362,6 +364,16 @@ def test_a_job_refuses_a_raw_corpus(tokenizer_path, tmp_path):
     ):
         prepare_data_in_job(untrained.data)
     assert not (tmp_path / "cache").exists()  # nothing tokenised or trained
+    hf_tokenizer = make_hf_tokenizer(tmp_path / "hf", ["some text", "more text"] * 20, 300)
+    retrofit = load_config(
+        ROOT / "configs" / "tiny.yaml", [*sets, f"data.tokenizer={hf_tokenizer}"]
+    )
+    with pytest.raises(
+        InputError
+    ) as refused:  # a retrofit's: its model's tokenizer, never a new one
+        prepare_data_in_job(retrofit.data)
+    assert f"--tokenizer {hf_tokenizer} --workers" in str(refused.value)
+    assert "--train-tokenizer" not in str(refused.value)
     allowed = load_config(
         ROOT / "configs" / "tiny.yaml",
         [*sets, f"data.tokenizer={tokenizer_path}", "data.tokenize_in_job=true"],
@@ -424,7 +436,7 @@ def test_waiting_ranks_time_out_with_a_clear_error():
         "rank 1: rank 0 did not finish preparing the data within data.prepare_timeout_s=0.3 s"
         in str(rank1)
     )
-    assert "tools/preprocess_data.py" in str(rank1)
+    assert "focus-pretrain preprocess" in str(rank1)
     assert isinstance(rank0, DataWaitError) and "rank 1 (maybe others) gave up" in str(rank0)
 
 

@@ -1,4 +1,4 @@
-"""The RULER command's own logic (``focus_pretrain.convert.ruler``): which tasks run offline,
+"""The RULER command's own logic (``focus_pretrain.eval.ruler``): which tasks run offline,
 which lengths an export can take, and the per-task, per-length summary of lm-eval's scores.
 The whole path on an export (lm-eval's generator and scoring) is
 ``tests/e2e/test_export.py::test_ruler_needles_through_lm_evals_generator_offline``."""
@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from focus_pretrain.convert import ruler
-from focus_pretrain.convert.ruler import _summary, check_lengths, markdown_table, split_tasks
 from focus_pretrain.errors import InputError
+from focus_pretrain.eval import ruler
+from focus_pretrain.eval.ruler import _summary, check_lengths, markdown_table, split_tasks
 
 
 def test_offline_the_tasks_that_download_are_skipped_with_what_they_download():
