@@ -106,6 +106,13 @@ def tool_parser(doc: str | None, **kwargs) -> argparse.ArgumentParser:
     return ToolParser(description=doc, formatter_class=HelpFormatter, **kwargs)
 
 
+# import-hf's and retrofit's --sinks (default: focus_pretrain.convert.retrofit.RETROFIT_SINKS)
+SINKS_HELP = (
+    "attention sinks: the first N tokens stay visible to every query (default 4: a pretrained "
+    "model's hard pattern needs them, docs/experiments.md E7)"
+)
+
+
 def at_least(low: int):
     """An argument type: an integer ``>= low`` (e.g. ``type=at_least(1)`` for a count)."""
 

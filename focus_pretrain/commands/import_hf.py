@@ -18,7 +18,7 @@ import sys
 
 import yaml
 
-from focus_pretrain.cli import at_least, tool_parser
+from focus_pretrain.cli import SINKS_HELP, at_least, tool_parser
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 BASE = "retrofit.yaml"  # the training knobs: next to the recipe, else the shipped recipe
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("hf_dir", help="a local HuggingFace model directory")
     parser.add_argument("--groups", type=at_least(1), default=4, help="Focus groups K")
     parser.add_argument("--window", type=at_least(0), default=128, help="Focus local window")
+    parser.add_argument("--sinks", type=at_least(0), help=SINKS_HELP)
     args = parser.parse_args()
     from focus_pretrain.convert.retrofit import retrofit_sections  # heavy: after --help
     from focus_pretrain.focus.config import FocusConfig
@@ -36,7 +37,9 @@ def main() -> None:
     with exit_on_input_error(parser.prog):  # what the checkpoint lacks: one line, status 2
         FocusConfig(num_groups=args.groups, window=args.window)  # its rules (at most 64 groups)
         recipe, summary = as_input_error(
-            lambda: retrofit_sections(args.hf_dir, groups=args.groups, window=args.window)
+            lambda: retrofit_sections(
+                args.hf_dir, groups=args.groups, window=args.window, sinks=args.sinks
+            )
         )
     print(
         f"# {args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters",

@@ -23,7 +23,7 @@ runs/retrofit-NAME):
 
 It ends with one line on the hard model (what the export infers with) against the original:
 its loss gap, and past --max-hard-gap (default 0.05 nats) that the retrofit is not good
-enough, with what to change (more steps, top-2, a wider window, more groups).
+enough, with what to change (attention sinks, more steps, top-2, a wider window, more groups).
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from focus_pretrain.cli import tool_parser
+from focus_pretrain.cli import SINKS_HELP, at_least, tool_parser
 from focus_pretrain.errors import (
     InputError,
     MissingInputError,
@@ -69,6 +69,7 @@ def _arguments():
     parser.add_argument("--out", help="output directory (default: runs/retrofit-NAME)")
     parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
     parser.add_argument("--window", type=int, default=128, help="Focus local window")
+    parser.add_argument("--sinks", type=at_least(0), help=SINKS_HELP)
     parser.add_argument("--base", default="retrofit",
                         help="the base recipe: a path, or a shipped recipe's name")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -105,7 +106,11 @@ def build_recipe(args) -> str:
     length = recipe_sections(args.base).get("data", {}).get("seq_length", 1024)
     sections, summary = as_input_error(
         lambda: retrofit_sections(
-            args.hf_dir, groups=args.groups, window=args.window, seq_length=length
+            args.hf_dir,
+            groups=args.groups,
+            window=args.window,
+            seq_length=length,
+            sinks=args.sinks,
         )
     )
     print(f"{args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters")
@@ -268,7 +273,8 @@ def main() -> None:
     meta = {
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
         "steps": config.train.steps, "precision": config.train.precision,
-        "focus": f"K={config.model.focus.num_groups}, window={config.model.focus.window}",
+        "focus": f"K={config.model.focus.num_groups}, window={config.model.focus.window}, "
+        f"sinks={config.model.focus.sinks}, top-{config.model.focus.top_k}",
         "training": f"{config.model.focus.training_mode} pattern, objective "
         + _objective(config.train),
         "export": str(out / "export"), "adapter": str(out / "adapter"),

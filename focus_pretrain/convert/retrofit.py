@@ -18,12 +18,23 @@ from focus_pretrain.convert.hf_import import (
     import_hf,
 )
 
+# Attention sinks of a retrofit's Focus section: the first tokens stay visible to every query.
+# A pretrained model parks much of its attention on them (StreamingLLM); without them the hard
+# pattern of a real 135M model lost +0.62 nats, with 4 +0.03 (docs/experiments.md, E7).
+RETROFIT_SINKS = 4
+
 
 def retrofit_sections(
-    hf_dir: str | os.PathLike, *, groups: int = 4, window: int = 128, seq_length: int = 1024
+    hf_dir: str | os.PathLike,
+    *,
+    groups: int = 4,
+    window: int = 128,
+    seq_length: int = 1024,
+    sinks: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """``(sections, summary)``: the recipe sections retrofitting ``hf_dir`` (``run`` name and
-    output directory; ``model`` with its architecture and ``focus``; ``data.tokenizer`` and
+    output directory; ``model`` with its architecture and ``focus`` (``sinks``: default
+    :data:`RETROFIT_SINKS`); ``data.tokenizer`` and
     ``data.seq_length``, ``seq_length`` at most the model's maximum; ``train.init_from_hf`` and
     ``freeze: retrofit``) and what was checked (``tensors``, ``parameters``).
 
@@ -48,7 +59,8 @@ def retrofit_sections(
     if config.rope_scaling is not None:  # a dataclass: plain YAML, unset fields left out
         scaling = dataclasses.asdict(config.rope_scaling)
         model["rope_scaling"] = {k: v for k, v in scaling.items() if v is not None}
-    model["focus"] = {"num_groups": groups, "window": window}
+    sinks = RETROFIT_SINKS if sinks is None else sinks
+    model["focus"] = {"num_groups": groups, "window": window, "sinks": sinks}
     name = f"retrofit-{Path(hf_dir).resolve().name}"
     sections = {
         "run": {"name": name, "output_dir": f"runs/{name}"},

@@ -102,3 +102,20 @@ def test_micro_batch_objectives_of_a_model():
     # a random tiny model's logits are close to uniform: its KLs are small, yet not zero
     assert float(narrow_distill["mean"]) > 1e-4 and narrow_distill["router_grad_norm"] > 0
     assert abs(float(wide_distill["mean"])) < 1e-7
+
+
+def test_micro_batch_objectives_under_tensor_parallelism():
+    """TP=2 (vocabulary-parallel logits, real gloo ranks) gives TP=1's distill and mix values
+    and router gradients."""
+    cases = [
+        (dict(window=4, num_groups=4), dict(name="distill", temperature=2.0)),
+        (dict(window=4, num_groups=4), dict(name="mix", weight=0.7)),
+    ]
+    worker = "tests.multiprocess.workers_distill:distill_losses"
+    one = run_workers(worker, 1, LLAMA, cases)[0]
+    for rank in run_workers(worker, 2, LLAMA, cases):
+        for single, sharded in zip(one, rank, strict=True):
+            # a KL near 6e-4 from logits equal to 1e-5: an absolute tolerance
+            torch.testing.assert_close(sharded["mean"], single["mean"], rtol=0, atol=1e-6)
+            assert sharded["router_grad_norm"] == pytest.approx(single["router_grad_norm"], 1e-2)
+            torch.testing.assert_close(sharded["student"], single["student"], rtol=1e-4, atol=1e-5)

@@ -46,3 +46,29 @@ def test_the_converter_checks_its_input_then_refuses_an_existing_output(tmp_path
     refused = _run([*tool, gguf, out], tmp_path)
     assert refused.returncode == 2 and f"{out} exists: give a new directory" in refused.stderr
     assert (out / "notes.txt").read_text() == "the user's"
+
+
+def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
+    """summarize.py: every variant of a run (the report's and evaluate_variants.py's) against
+    the run's own original, per metric."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("e7_summarize", E7 / "summarize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+
+    def metrics(loss, kept=None):
+        found = {"loss": loss, "loss_beyond_window": loss + 0.5, "loss_far_evidence": loss - 1}
+        return found if kept is None else {**found, "kept_pairs": kept}
+
+    run = tmp_path / "smollm2-lm-soft"
+    run.mkdir()
+    report = {"original (dense)": metrics(3.0), "retrofit, hard": metrics(3.6, 0.7)}
+    (run / "report.json").write_text(json.dumps({"evaluations": report}))
+    (run / "variants.json").write_text(json.dumps({"hard, sinks 4": metrics(3.03, 0.71)}))
+    rows = {r["variant"]: r for r in summarize.rows(tmp_path)}
+    assert set(rows) == {"retrofit, hard", "hard, sinks 4"}
+    assert rows["retrofit, hard"]["gap loss"] == pytest.approx(0.6)
+    assert rows["hard, sinks 4"]["gap loss_far_evidence"] == pytest.approx(0.03)
+    assert rows["hard, sinks 4"]["kept_pairs"] == 0.71 and rows["hard, sinks 4"]["run"] == run.name

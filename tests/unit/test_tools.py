@@ -89,6 +89,11 @@ def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
     assert config.train.init_from_hf == str(path) and config.train.freeze == "retrofit"
     assert config.data.tokenizer == str(path)  # its tokenizer.json
     assert config.model.focus.num_groups == 8
+    assert config.model.focus.sinks == 4  # a retrofit's default: the model's attention sinks
+    sinks = subprocess.run(
+        [sys.executable, str(tool), str(path), "--sinks", "0"], capture_output=True, text=True
+    )
+    assert sinks.returncode == 0 and "sinks: 0" in sinks.stdout, sinks.stderr[-2000:]
     expected = hf_model_config(path)
     for field in ARCHITECTURE_FIELDS:
         assert getattr(config.model, field) == getattr(expected, field), field
