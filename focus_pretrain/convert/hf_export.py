@@ -433,8 +433,15 @@ EXPORTED_FOCUS_FIELDS = tuple(
 
 
 def _focus_section(focus) -> dict[str, Any]:
-    """The FocusConfig fields the shipped HF modeling code reads."""
-    return {name: getattr(focus, name) for name in EXPORTED_FOCUS_FIELDS}
+    """The FocusConfig fields the shipped HF modeling code reads. A backend the shipped code
+    does not implement (``segments``, ``sdpa``: backends choose speed, never the pattern)
+    becomes ``auto``, the shipped code's own choice; the others stay as trained."""
+    section = {name: getattr(focus, name) for name in EXPORTED_FOCUS_FIELDS}
+    shipped = _shipped_configuration().FOCUS_CHOICES
+    for key in ("backend", "inference_backend"):
+        if section[key] not in shipped[key]:
+            section[key] = "auto"
+    return section
 
 
 def _tokenizer_for(config: Config, ckpt: Path, given: str | os.PathLike | None) -> Path:

@@ -106,3 +106,32 @@ def test_bad_settings_are_refused_at_load_and_when_edited(change, message):
             model(ids)
         model.config.focus.update({k: focus_model().config.focus[k] for k in change})
         model(ids)  # restored: runs again
+
+
+def test_every_registered_backend_exports_to_a_config_the_shipped_code_loads():
+    """The shipped code's backend names are the registry's (plus its own ``dense``), and an
+    export of any setting FocusConfig accepts, whatever backend it trained or inferred with, is
+    accepted by the shipped code: a backend it lacks becomes ``auto`` (a speed choice, not the
+    pattern), the others stay as they were."""
+    from focus_pretrain.convert.hf_export import _focus_section
+    from focus_pretrain.focus.backends import backend_names, training_backend_names
+
+    choices = configuration.FOCUS_CHOICES
+    assert set(choices["backend"]) - {"dense"} <= set(training_backend_names())
+    assert set(choices["inference_backend"]) - {"dense"} <= set(backend_names())
+    exported = 0
+    for backend in training_backend_names():
+        for inference_backend in backend_names():
+            for extra in ({}, {"training_mode": "hard"}, {"top_k": 2}, {"window_only": True}):
+                settings = dict(backend=backend, inference_backend=inference_backend, **extra)
+                try:
+                    focus = FocusConfig(**settings)
+                except ValueError:
+                    continue
+                section = _focus_section(focus)
+                configuration.validate_focus(section)  # loads
+                for key in ("backend", "inference_backend"):
+                    kept = settings[key] in choices[key]
+                    assert section[key] == (settings[key] if kept else "auto"), settings
+                exported += 1
+    assert exported > 20  # a real sweep, with the segments and sdpa cases among them

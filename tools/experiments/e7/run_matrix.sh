@@ -17,13 +17,14 @@ COMMON=(--groups 4 --window 128 --report-samples 2 --set data.seq_length=512
   --set train.global_batch_size=8 --set train.eval_iters=8 --set train.eval_interval=0
   --set train.warmup_steps=2 --set train.log_interval=1 --set train.save_interval=0
   --set "data.cache_dir=$OUT/cache")
+SMOL=smollm2-135m-instruct
 RUNS=(
-  "smollm2-lm-soft=smollm2-135m-instruct:model.focus.sinks=0"
-  "smollm2-lm-soft-sinks4=smollm2-135m-instruct:model.focus.sinks=4"
-  "smollm2-distill-soft-sinks4=smollm2-135m-instruct:model.focus.sinks=4,train.objective=distill"
-  "smollm2-distill-hard-sinks4=smollm2-135m-instruct:model.focus.sinks=4,train.objective=distill,model.focus.training_mode=hard"
-  "smollm2-mix-soft-sinks4=smollm2-135m-instruct:model.focus.sinks=4,train.objective=mix"
-  "gemma3-lm-soft-sinks4=gemma3-270m:model.focus.sinks=4"
+  "smollm2-lm-soft=$SMOL:model.focus.sinks=0"
+  "smollm2-lm-soft-sinks4=$SMOL:model.focus.sinks=4"
+  "smollm2-distill-soft-sinks4=$SMOL:model.focus.sinks=4,train.objective=distill"
+  "gemma3-lm-soft=gemma3-270m:model.focus.sinks=0"
+  "smollm2-distill-hard-sinks4=$SMOL:model.focus.sinks=4,train.objective=distill,model.focus.training_mode=hard"
+  "smollm2-mix-soft-sinks4=$SMOL:model.focus.sinks=4,train.objective=mix"
 )
 [ $# -gt 0 ] && RUNS=("$@")
 for run in "${RUNS[@]}"; do
@@ -32,11 +33,15 @@ for run in "${RUNS[@]}"; do
   sets=()
   IFS=, read -ra pairs <<< "$overrides"
   for pair in "${pairs[@]}"; do sets+=(--set "$pair"); done
-  if [ -e "$OUT/$name/report.json" ]; then echo "== $name: done already"; continue; fi
   echo "== $name ($(date -u +%H:%M:%S))"
-  focus-pretrain retrofit "$MODELS/hf/$model" --data "$CORPUS" --steps "$STEPS" \
-    --out "$OUT/$name" "${COMMON[@]}" "${sets[@]}" > "$OUT/$name.log" 2>&1 || {
-    echo "$name failed: $OUT/$name.log"; continue; }
+  if [ -e "$OUT/$name/report.json" ]; then
+    echo "$name: trained already"
+  else
+    focus-pretrain retrofit "$MODELS/hf/$model" --data "$CORPUS" --steps "$STEPS" \
+      --out "$OUT/$name" "${COMMON[@]}" "${sets[@]}" > "$OUT/$name.log" 2>&1 || {
+      echo "$name failed: $OUT/$name.log"; continue; }
+  fi
+  # the variants not evaluated yet (evaluate_variants.py skips the others)
   python "$HERE/evaluate_variants.py" "$OUT/$name" >> "$OUT/$name.log" 2>&1 ||
     echo "$name: variants failed: $OUT/$name.log"
   tail -n 1 "$OUT/$name.log"
