@@ -31,38 +31,48 @@ def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | No
     return tensor
 
 
-def _log_softmax(logits: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Log-softmax over the last dimension of vocabulary shards ``[..., V / tp]`` (fp32)."""
+def _log_normalizer(logits: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``logsumexp`` over the last dimension of vocabulary shards ``[..., V / tp]``:
+    ``[..., 1]`` fp32 (an fp32 copy of the shard lives only inside this call)."""
     logits = logits.float()
     peak = _all_reduce(logits.max(dim=-1, keepdim=True).values, dist.ReduceOp.MAX, group)
-    shifted = logits - peak
-    total = _all_reduce(shifted.exp().sum(dim=-1, keepdim=True), dist.ReduceOp.SUM, group)
-    return shifted - total.log()
+    total = _all_reduce((logits - peak).exp().sum(dim=-1, keepdim=True), dist.ReduceOp.SUM, group)
+    return peak + total.log()
 
 
 class _VocabParallelKL(torch.autograd.Function):
     """``KL(softmax(teacher / T) || softmax(student / T)) * T^2`` per token, over vocabulary
-    shards; the gradient reaches the student only: ``T * (p_student - p_teacher)``."""
+    shards; the gradient reaches the student only: ``T * (p_student - p_teacher)``.
+
+    It keeps the two logit tensors (in their own dtype) and the log-normalisers ``[..., 1]``,
+    not fp32 softmaxes: the backward recomputes them (for a 128K vocabulary at 8K tokens, 8 GB
+    less than saving two fp32 distributions)."""
 
     @staticmethod
     def forward(ctx, student: Tensor, teacher: Tensor, temperature: float, group) -> Tensor:
-        log_student = _log_softmax(student / temperature, group)  # [..., V / tp]
-        log_teacher = _log_softmax(teacher / temperature, group)
-        p_teacher = log_teacher.exp()
-        partial = (p_teacher * (log_teacher - log_student)).sum(dim=-1)  # [...]
+        student_scaled, teacher_scaled = (
+            student.float() / temperature,
+            teacher.float() / temperature,
+        )
+        norm_student = _log_normalizer(student_scaled, group)  # [..., 1]
+        norm_teacher = _log_normalizer(teacher_scaled, group)
+        log_teacher = teacher_scaled - norm_teacher  # [..., V / tp]
+        log_ratio = log_teacher - (student_scaled - norm_student)
+        partial = (log_teacher.exp() * log_ratio).sum(dim=-1)  # [...]
         kl = _all_reduce(partial, dist.ReduceOp.SUM, group)
-        ctx.save_for_backward(log_student, p_teacher)
+        ctx.save_for_backward(student, teacher, norm_student, norm_teacher)
         ctx.temperature = temperature
-        ctx.student_dtype = student.dtype
         return kl * temperature**2
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        log_student, p_teacher = ctx.saved_tensors
+        student, teacher, norm_student, norm_teacher = ctx.saved_tensors
+        t = ctx.temperature
+        p_student = (student.float() / t - norm_student).exp()  # [..., V / tp]
+        p_teacher = (teacher.float() / t - norm_teacher).exp()
         # d(T^2 * KL)/d(student) = T^2 * (p_s - p_t) / T
-        scale = grad.float().unsqueeze(-1) * ctx.temperature
-        grad_student = (log_student.exp() - p_teacher) * scale
-        return grad_student.to(ctx.student_dtype), None, None, None
+        grad_student = (p_student - p_teacher) * (grad.float().unsqueeze(-1) * t)
+        return grad_student.to(student.dtype), None, None, None
 
 
 def distillation_kl(
