@@ -242,10 +242,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_tool("hf_compat.py", lambda: run(parse_args(argv)))
+
+
+def run_tool(name: str, work) -> int:
+    """``work()``'s exit status; a ``ValueError`` (a directory the tool would not replace, a
+    bad version range) is one line ``NAME: error: ...`` and status 2."""
     try:
-        return run(parse_args(argv))
-    except ValueError as error:  # a directory this tool would not replace, a bad range
-        print(f"hf_compat.py: error: {error}", file=sys.stderr)
+        return work()
+    except ValueError as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -32,7 +32,7 @@ from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_compat import ROOT, declared_range, lowest_version, overlay, run_pytest
+from hf_compat import ROOT, declared_range, lowest_version, overlay, run_pytest, run_tool
 from hf_compat import table as runs_table
 
 # what is repeated under each torch: whatever depends on what torch traces, dispatches or
@@ -93,11 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except ValueError as error:  # a directory this tool would not replace, a bad bound
-        print(f"torch_compat.py: error: {error}", file=sys.stderr)
-        return 2
+    return run_tool("torch_compat.py", lambda: run(parse_args(argv)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -72,3 +72,27 @@ def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
     assert rows["retrofit, hard"]["gap loss"] == pytest.approx(0.6)
     assert rows["hard, sinks 4"]["gap loss_far_evidence"] == pytest.approx(0.03)
     assert rows["hard, sinks 4"]["kept_pairs"] == 0.71 and rows["hard, sinks 4"]["run"] == run.name
+
+
+def test_the_corpus_fetch_removes_only_its_own_staging_directory(tmp_path):
+    """fetch_corpora.sh's EXIT trap deletes the mktemp directory it made (here after a failed
+    download), nothing else: the destination and what sits beside the stage are untouched."""
+    import shutil
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name in ("mktemp", "dirname", "rm", "basename", "cut", "mkdir"):
+        (tools / name).symlink_to(shutil.which(name))
+    apt = tools / "apt-get"  # downloads something into the stage, then fails
+    apt.write_text("#!/bin/bash\necho partial > partial.deb\nexit 1\n")
+    apt.chmod(0o755)
+    scratch, dest = tmp_path / "tmp", tmp_path / "dest"
+    scratch.mkdir()
+    (scratch / "users.txt").write_text("the user's")
+    (dest / "corpora" / "other").mkdir(parents=True)
+    env = {"PATH": str(tools), "PY": sys.executable, "TMPDIR": str(scratch)}
+    done = subprocess.run(["/bin/bash", str(E7 / "fetch_corpora.sh"), str(dest)],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert sorted(p.name for p in scratch.iterdir()) == ["users.txt"]  # the stage is gone
+    assert [p.name for p in (dest / "corpora").iterdir()] == ["other"]
