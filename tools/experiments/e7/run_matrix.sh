@@ -6,6 +6,8 @@
 # Usage: bash tools/experiments/e7/run_matrix.sh MODELS_DIR CORPUS OUT [STEPS] [RUN ...]
 #   MODELS_DIR: fetch_models.sh's DEST (hf/ inside); CORPUS: a text directory or file
 #   RUN: name=model:overrides (see RUNS below); default all of RUNS
+#   E7_VARIANTS=0: skip evaluate_variants.py (repeats of a row with other seeds need only the
+#   report's own soft and hard rows)
 set -euo pipefail
 MODELS=$1 CORPUS=$2 OUT=$3 STEPS=${4:-15}
 shift $(( $# < 4 ? $# : 4 ))
@@ -42,7 +44,7 @@ for run in "${RUNS[@]}"; do
       echo "$name failed: $OUT/$name.log"; continue; }
   fi
   # the variants not evaluated yet (evaluate_variants.py skips the others)
-  python "$HERE/evaluate_variants.py" "$OUT/$name" >> "$OUT/$name.log" 2>&1 ||
+  [ "${E7_VARIANTS:-1}" = 0 ] || python "$HERE/evaluate_variants.py" "$OUT/$name" >> "$OUT/$name.log" 2>&1 ||
     echo "$name: variants failed: $OUT/$name.log"
   tail -n 1 "$OUT/$name.log"
 done
