@@ -66,8 +66,10 @@ def text_samples(
     tokenizer: Tokenizer,
     max_length: int,
     length: int | None = None,
+    prefix: Sequence[int] = (),
 ) -> list[Sample]:
-    """One sample per text file (its first ``length`` tokens when given).
+    """One sample per text file, beginning with ``prefix`` (the tokenizer's document prefix)
+    (its first ``length`` tokens when given).
 
     Raises:
         MissingInputError: a file does not exist.
@@ -81,6 +83,7 @@ def text_samples(
         if not path.is_file():
             raise MissingInputError(f"--text {path} does not exist: give an existing text file")
         ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        ids = [*prefix, *ids] if ids else ids
         if not ids:
             raise InputError(f"--text {path} is empty (no token): give a file with some text")
         if length is None and len(ids) > max_length:
@@ -94,9 +97,16 @@ def text_samples(
 
 
 def corpus_samples(
-    source: str, tokenizer: Tokenizer, *, samples: int, length: int, max_length: int
+    source: str,
+    tokenizer: Tokenizer,
+    *,
+    samples: int,
+    length: int,
+    max_length: int,
+    prefix: Sequence[int] = (),
 ) -> list[Sample]:
-    """``samples`` pieces of ``length`` tokens from the start of corpus ``source``.
+    """``samples`` pieces of ``length`` tokens from the start of corpus ``source``, its
+    documents as training packs them (``prefix``, the text, EOD).
 
     Raises:
         InputError: bad ``samples``/``length``, or a corpus with fewer tokens than needed.
@@ -106,7 +116,7 @@ def corpus_samples(
     needed = samples * length
     stream: list[int] = []
     for text in load_texts(source)["text"]:
-        stream += [*tokenizer.encode(text), tokenizer.eod]
+        stream += tokenizer.encode_documents([text], prefix)[0]
         if len(stream) >= needed:
             break
     if len(stream) < needed:

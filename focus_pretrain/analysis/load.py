@@ -44,6 +44,8 @@ class InspectedModel:
         num_groups, window, top_k, sinks: the hard pattern (``focus`` settings).
         inference_mode: the pattern the layers run in (``"hard"`` or ``"soft"``).
         max_length: the longest sequence the model takes.
+        add_bos: ``data.add_bos`` of the run (an export: ``"auto"``): what a sample begins
+            with, as the model's training documents did.
     """
 
     kind: str
@@ -57,6 +59,7 @@ class InspectedModel:
     sinks: int
     inference_mode: str
     max_length: int
+    add_bos: bool | str = "auto"
 
 
 def check_inspectable(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> str:
@@ -130,6 +133,7 @@ def load_for_inspection(
         sinks=getattr(focus, "sinks", 0),
         inference_mode=focus.inference_mode,
         max_length=loaded.config.model.max_seq_length,
+        add_bos=loaded.config.data.add_bos,
     )
 
 

@@ -100,8 +100,9 @@ def inspect_groups(
             "trained with)"
         )
     layers = RouterCapture(model.module).layers  # refuses a model without routers
+    prefix = model.tokenizer.document_prefix(model.add_bos)  # as training documents begin
     if texts:
-        chosen = text_samples(texts, model.tokenizer, model.max_length, length)
+        chosen = text_samples(texts, model.tokenizer, model.max_length, length, prefix)
         source = ", ".join(str(t) for t in texts)
     else:
         chosen = corpus_samples(
@@ -110,6 +111,7 @@ def inspect_groups(
             samples=samples,
             length=model.max_length if length is None else length,
             max_length=model.max_length,
+            prefix=prefix,
         )
         source = f"corpus {corpus}"
     _say(progress, f"routing {len(chosen)} samples through {len(layers)} Focus layers")

@@ -19,7 +19,10 @@ while no shard is finished, --overwrite always). Bad records (invalid JSON or UT
 are skipped and counted; adding --skip-bad-records to a stopped command resumes it. With
 --train-tokenizer a SentencePiece model (Llama-style options) is trained first on up to 100,000
 documents spread over the inputs: OUT/tokenizer.model (or PREFIX.model). Prints tokens/s and a
-JSON line of stats last (also written to OUT/stats.json, or --stats).
+JSON line of stats last (also written to OUT/stats.json, or --stats). Each document ends with
+the tokenizer's end-of-document id and begins, by --add-bos, with what the tokenizer's own
+encoding puts first (auto: a BOS for Gemma or Llama 3 tokenizers, nothing for a SentencePiece
+model), its BOS (true) or nothing (false); training's data.add_bos is the same setting.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="an existing SentencePiece .model (or HF directory)")
     parser.add_argument("--train-tokenizer", action="store_true")
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument(
+        "--add-bos",
+        type=_add_bos,
+        default="auto",
+        metavar="{auto,true,false}",
+        help="what each document begins with (default auto: as the tokenizer encodes a text)",
+    )
     parser.add_argument("--text-key", default="text", help="the field holding the text")
     parser.add_argument("--split", default="train", help="split of a datasets dataset")
     parser.add_argument("--workers", type=at_least(1), default=max(1, (os.cpu_count() or 2) - 1))
@@ -70,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="demo corpus seed")
     parser.add_argument("--stats", type=output_file, help="also write the stats JSON here")
     return parser
+
+
+def _add_bos(value: str) -> bool | str:
+    """``--add-bos``'s value as ``data.add_bos`` takes it."""
+    choices = {"auto": "auto", "true": True, "false": False}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"{value!r}: use auto, true or false")
+    return choices[value.lower()]
 
 
 def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptions) -> dict:
@@ -104,6 +122,7 @@ def _single_file(args: argparse.Namespace, inputs: list[str], options: ReadOptio
         args.output_prefix,
         workers=args.workers,
         total=sum(i["records"] for i in indexes),
+        add_bos=args.add_bos,
     )
     for index in indexes:  # whole files left out
         if index["problem"]:
@@ -135,6 +154,7 @@ def main() -> None:
                 shard_documents=args.shard_documents,
                 options=options,
                 overwrite=args.overwrite,
+                add_bos=args.add_bos,
             )
     if args.output and stats["shards_reused"]:
         print(f"resumed: {stats['shards_reused']} of {stats['shards']} shards were already done")

@@ -22,7 +22,7 @@ from focus_pretrain.data.preprocess import (
     tokenize_to_indexed,
 )
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_cache_key
-from focus_pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from focus_pretrain.data.tokenizer import Tokenizer, check_add_bos, train_tokenizer
 from focus_pretrain.errors import InputError
 from focus_pretrain.validation import check_int, check_positive
 
@@ -40,6 +40,11 @@ class DataConfig:
         tokenizer: a SentencePiece ``.model``; ``None`` trains one on the first source
             (Llama-style options) into ``cache_dir``.
         vocab_size: size of a tokenizer trained here.
+        add_bos: what each document begins with when it is tokenised: ``auto`` (what the
+            tokenizer's own encoding puts first: an HF tokenizer's BOS when it adds one, as
+            Gemma's and Llama 3's do; nothing for a SentencePiece model), ``true`` (its BOS
+            id) or ``false`` (nothing). Token files made elsewhere are taken as they are under
+            ``auto`` and checked against the prefix they record otherwise.
         seq_length: tokens per training sample.
         split: train/valid/test split of each source's documents, e.g. ``"98,2,0"``.
         cache_dir: where token files, tokenizers and Megatron's index caches go.
@@ -68,6 +73,7 @@ class DataConfig:
     weights: list[float] | None = None
     tokenizer: str | None = None
     vocab_size: int = 1024
+    add_bos: bool | str = "auto"
     seq_length: int = 512
     split: str = "98,2,0"
     cache_dir: str = "data/cache"
@@ -124,6 +130,7 @@ class DataConfig:
                 f"({self.demo_values}) <= {len(VALUES)} must hold"
             )
         check_positive("data.prepare_timeout_s", self.prepare_timeout_s)
+        check_add_bos(self.add_bos)
 
     @property
     def demo_spec(self) -> DemoSpec:
@@ -184,6 +191,8 @@ def _refuse_raw_sources(config: DataConfig, raw: list[str], tokenizer: Path | No
             using = f"--train-tokenizer --vocab-size {config.vocab_size}"
         else:
             using = f"--tokenizer {shlex.quote(outputs[raw[0]])}/tokenizer.model"
+        if config.add_bos != "auto":
+            using += f" --add-bos {str(config.add_bos).lower()}"
         commands.append(
             f"  focus-pretrain preprocess --input {shlex.quote(source)} "
             f"--output {shlex.quote(outputs[source])} {using} --workers $(nproc)"
@@ -231,7 +240,7 @@ def prepare_data(
 
     tokenizer_path = tokenizer_path_for(config, seed)
     if config.tokenizer is not None:
-        Tokenizer(tokenizer_path)  # fails early, naming the missing file
+        Tokenizer(tokenizer_path).document_prefix(config.add_bos)  # a missing file, no BOS
     elif _is_tokenised(config.sources[0]):
         raise InputError(
             f"data.tokenizer is null, so a tokenizer would be trained on data.sources[0], but "
@@ -252,19 +261,24 @@ def prepare_data(
     for source in config.sources:
         manifest = find_manifest(source)
         if manifest is not None:
-            prefixes += [prefix for prefix, _ in manifest_shards(manifest, tokenizer)]
+            shards = manifest_shards(manifest, tokenizer, config.add_bos)
+            prefixes += [prefix for prefix, _ in shards]
             continue
         if Path(f"{source}.idx").is_file():
-            check_tokenizer(source, tokenizer)
+            check_tokenizer(source, tokenizer, config.add_bos)
             prefixes.append(source)
             continue
-        prefix = cache / f"{_source_slug(source, seed, spec)}-{tokenizer_path.stem}"
+        name = f"{_source_slug(source, seed, spec)}-{tokenizer_path.stem}"
+        document_prefix = tokenizer.document_prefix(config.add_bos)
+        if document_prefix:  # documents that begin with BOS (or more) are other token files
+            name += "-prefix" + "_".join(map(str, document_prefix))
+        prefix = cache / name
         if not Path(f"{prefix}.idx").is_file():
             say_phase(f"data: tokenising {source} into {prefix}.bin/.idx (kept for the next runs)")
             documents = texts(source)
             tokenize_to_indexed(
                 documents, tokenizer_path, prefix, workers=config.workers,
-                total=len(documents), label=source,
+                total=len(documents), label=source, add_bos=config.add_bos,
             )  # fmt: skip
         prefixes.append(str(prefix))
     return tokenizer_path, prefixes

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.data.tokenizer import Tokenizer, check_document_prefix
 
 FORMAT = "focus-pretrain-shards"
 MANIFEST = "manifest.json"
@@ -30,7 +30,7 @@ def find_manifest(source: str) -> Path | None:
         return path / MANIFEST
     if any(path.glob("shard-*.idx")):
         raise ValueError(
-            f"{path} holds shards but no {MANIFEST}: its tools/preprocess_data.py run has not "
+            f"{path} holds shards but no {MANIFEST}: its focus-pretrain preprocess run has not "
             "finished; rerun the same command to resume it"
         )
     return None
@@ -44,18 +44,20 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """
     manifest = json.loads(Path(path).read_text())
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a manifest of tools/preprocess_data.py")
+        raise ValueError(f"{path} is not a manifest of focus-pretrain preprocess")
     return manifest
 
 
 def manifest_shards(
-    path: str | os.PathLike, tokenizer: Tokenizer | None = None
+    path: str | os.PathLike, tokenizer: Tokenizer | None = None, add_bos: bool | str = "auto"
 ) -> list[tuple[str, int]]:
     """``(prefix, tokens)`` of each non-empty shard a manifest lists, checking that every shard
-    exists and, with ``tokenizer``, that the shards were made with it.
+    exists and, with ``tokenizer``, that the shards were made with it (and, ``add_bos`` true
+    or false, with the document prefix it asks for).
 
     Raises:
-        ValueError: another tokenizer made the shards (naming both and the fix).
+        ValueError: another tokenizer made the shards, or another document prefix (naming
+            both and the fix).
         FileNotFoundError: a listed shard is missing.
     """
     manifest = read_manifest(path)
@@ -68,15 +70,18 @@ def manifest_shards(
             f"{made_with['sha256'][:16]}, {made_with['vocab_size']} pieces) but data.tokenizer "
             f"is {tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "
             f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
-            "re-tokenise with tools/preprocess_data.py --tokenizer"
+            "re-tokenise with focus-pretrain preprocess --tokenizer"
         )
+    if tokenizer is not None:  # manifests from before the prefix was recorded: none
+        recorded = manifest.get("document_prefix", [])
+        check_document_prefix(recorded, tokenizer, add_bos, str(Path(path).parent))
     directory = Path(path).parent
     shards = []
     for shard in manifest["shards"]:
         prefix = directory / shard["name"]
         if not Path(f"{prefix}.idx").is_file() or not Path(f"{prefix}.bin").is_file():
             raise FileNotFoundError(
-                f"{prefix}.bin/.idx, listed in {path}, is missing; rerun tools/preprocess_data.py "
+                f"{prefix}.bin/.idx, listed in {path}, is missing; rerun focus-pretrain preprocess "
                 "with --overwrite to rebuild the directory"
             )
         if shard["documents"]:

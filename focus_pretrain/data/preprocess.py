@@ -18,15 +18,16 @@ import json
 import multiprocessing as mp
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_count, demo_documents, is_demo_source
 from focus_pretrain.data.stdlib_corpus import is_stdlib_source, stdlib_documents
-from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.data.tokenizer import Tokenizer, check_document_prefix
 from focus_pretrain.errors import InputError, MissingInputError
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -88,18 +89,16 @@ def _local_files(source: str) -> list[str] | None:
     return None
 
 
-_WORKER_TOKENIZER: Tokenizer | None = None
+_WORKER: dict[str, Any] = {}
 
 
-def _init_worker(model_path: str) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = Tokenizer(model_path)
+def _init_worker(model_path: str, prefix: Sequence[int]) -> None:
+    _WORKER.update(tokenizer=Tokenizer(model_path), prefix=list(prefix))
 
 
 def _encode_batch(texts: list[str]) -> list[np.ndarray]:
-    assert _WORKER_TOKENIZER is not None
-    eod = _WORKER_TOKENIZER.eod
-    return [np.array([*_WORKER_TOKENIZER.encode(t), eod], dtype=np.int64) for t in texts]
+    documents = _WORKER["tokenizer"].encode_documents(texts, _WORKER["prefix"])
+    return [np.array(ids, dtype=np.int64) for ids in documents]
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger] | type[np.signedinteger]:
@@ -107,11 +106,14 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger] | type[np.signedint
     return np.uint16 if vocab_size < np.iinfo(np.uint16).max else np.int32
 
 
-def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
-    """Refuse token files made by another tokenizer than ``tokenizer`` (when they say which).
+def check_tokenizer(
+    prefix: str | os.PathLike, tokenizer: Tokenizer, add_bos: bool | str = "auto"
+) -> None:
+    """Refuse token files made by another tokenizer than ``tokenizer``, or (``add_bos`` true
+    or false) with other document prefixes, when they say which.
 
     Raises:
-        InputError: naming both tokenizers and the fix.
+        InputError: naming both tokenizers (or prefixes) and the fix.
     """
     stamp_path = Path(f"{prefix}.tokenizer.json")
     if not stamp_path.is_file():
@@ -125,6 +127,7 @@ def check_tokenizer(prefix: str | os.PathLike, tokenizer: Tokenizer) -> None:
             f"{tokenizer.vocab_size} pieces); point data.tokenizer at the original or "
             "re-tokenise with focus-pretrain preprocess"
         )
+    check_document_prefix(stamp.get("document_prefix", []), tokenizer, add_bos, str(prefix))
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -154,20 +157,24 @@ def tokenize_to_indexed(
     batch_size: int = 64,
     total: int | None = None,
     label: str | None = None,
-) -> dict[str, int]:
-    """Tokenise ``texts`` (each document ends with ``</s>``) into ``PREFIX.bin``/``PREFIX.idx``
-    (``label``: what the progress bar names, default the prefix's name).
+    add_bos: bool | str = "auto",
+) -> dict[str, Any]:
+    """Tokenise ``texts`` into ``PREFIX.bin``/``PREFIX.idx``: each document begins with the
+    tokenizer's :meth:`~focus_pretrain.data.tokenizer.Tokenizer.document_prefix` for
+    ``add_bos`` and ends with its EOD id (``label``: what the progress bar names, default the
+    prefix's name).
 
     Documents keep their order whatever ``workers`` is. Both files are written under a temporary
     prefix and renamed at the end, so an interrupted run never leaves a half-written dataset.
     ``PREFIX.tokenizer.json`` records which tokenizer made them (see :func:`check_tokenizer`).
 
     Returns:
-        ``{"documents": ..., "tokens": ...}``.
+        ``{"documents": ..., "tokens": ..., "document_prefix": [ids]}``.
     """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tokenizer = Tokenizer(tokenizer_path)
+    document_prefix = tokenizer.document_prefix(add_bos)
     dtype = token_dtype(tokenizer.vocab_size)
     prefix = Path(output_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -177,10 +184,12 @@ def tokenize_to_indexed(
     progress = tqdm(total=total, unit="doc", desc=f"tokenising {label or prefix.name}")
     pool = None
     if workers > 1:
-        pool = mp.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_path),))
+        pool = mp.get_context("spawn").Pool(
+            workers, _init_worker, (str(tokenizer_path), document_prefix)
+        )
     try:
         if pool is None:
-            _init_worker(str(tokenizer_path))
+            _init_worker(str(tokenizer_path), document_prefix)
             encoded = map(_encode_batch, _batches(texts, batch_size))
         else:
             encoded = pool.imap(_encode_batch, _batches(texts, batch_size))
@@ -199,7 +208,8 @@ def tokenize_to_indexed(
     Path(f"{prefix}.idx").unlink(missing_ok=True)  # never pair an old index with new data
     stamp = {"tokenizer": str(tokenizer.path), "vocab_size": tokenizer.vocab_size}
     stamp["sha256"] = tokenizer.unique_identifiers["sha256"]
+    stamp["document_prefix"] = document_prefix
     Path(f"{prefix}.tokenizer.json").write_text(json.dumps(stamp, indent=1))
     for suffix in (".bin", ".idx"):  # .idx last: a dataset is complete once its .idx exists
         os.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-    return {"documents": documents, "tokens": tokens}
+    return {"documents": documents, "tokens": tokens, "document_prefix": document_prefix}

@@ -60,6 +60,7 @@ from focus_pretrain.data.manifest import read_manifest as read_manifest
 from focus_pretrain.data.preprocess import say_phase, token_dtype
 from focus_pretrain.data.tokenizer import (
     Tokenizer,
+    check_add_bos,
     check_tokenizer_path,
     check_vocab_size,
     train_tokenizer,
@@ -102,9 +103,12 @@ def _write_json(path: Path, value: Any) -> None:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, options: dict, progress: Any, parallel: bool) -> None:
-    """Set up a shard writer (a pool worker, or this process): its tokenizer, read options and
-    progress counters (a callback here, two shared ``multiprocessing.Value`` in a pool)."""
+def _init_worker(
+    tokenizer: str, prefix: list[int], options: dict, progress: Any, parallel: bool
+) -> None:
+    """Set up a shard writer (a pool worker, or this process): its tokenizer, the ids every
+    document begins with, read options and progress counters (a callback here, two shared
+    ``multiprocessing.Value`` in a pool)."""
     if parallel:  # one core per worker: the rate per core is what scales
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     with warnings.catch_warnings():  # megatron-core's notes about optional GPU packages
@@ -114,18 +118,12 @@ def _init_worker(tokenizer: str, options: dict, progress: Any, parallel: bool) -
     _WORKER.update(
         builder=IndexedDatasetBuilder,
         tokenizer=tok,
+        prefix=prefix,
         options=ReadOptions(**options),
         progress=progress,
         done=0,
     )
     _WORKER["dtype"] = token_dtype(tok.vocab_size)
-
-
-def _encode(texts: list[str]) -> list[list[int]]:
-    tok: Tokenizer = _WORKER["tokenizer"]
-    if tok.hf is not None:
-        return [e.ids for e in tok.hf.encode_batch(texts, add_special_tokens=False)]
-    return tok.processor.encode(texts, num_threads=1)
 
 
 def _report(records: int, tokens: int) -> None:
@@ -146,15 +144,13 @@ def _write_shard(task: tuple[int, list[tuple[Unit, dict, int, int]], str]) -> di
     number, pieces, out = task
     name = shard_name(number)
     tmp = Path(out) / f".{name}.tmp{os.getpid()}"
-    tok: Tokenizer = _WORKER["tokenizer"]
     builder = _WORKER["builder"](f"{tmp}.bin", dtype=_WORKER["dtype"])
     counts = RecordCounts()
     stats = Counter(records=0, documents=0, tokens=0, bytes=0)
     batch: list[str] = []
 
     def flush() -> None:
-        for ids in _encode(batch):
-            ids.append(tok.eod)
+        for ids in _WORKER["tokenizer"].encode_documents(batch, _WORKER["prefix"]):
             builder.add_document(ids, [len(ids)])
             stats["tokens"] += len(ids)
         stats["documents"] += len(batch)
@@ -321,6 +317,7 @@ def preprocess_corpus(
     options: ReadOptions | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    add_bos: bool | str = "auto",
 ) -> dict[str, Any]:
     """Tokenise ``inputs`` (see :func:`~focus_pretrain.data.corpus.resolve_inputs`) into
     sharded indexed datasets in ``output_dir`` with ``workers`` processes; resumes an
@@ -328,7 +325,9 @@ def preprocess_corpus(
 
     ``tokenizer`` ``None`` trains a SentencePiece model of ``vocab_size`` pieces (Llama-style
     options) into ``OUT/tokenizer.model`` first (reused when resuming; ``vocab_size`` is then
-    one of the settings a resumed run must share).
+    one of the settings a resumed run must share). Each document begins with the tokenizer's
+    :meth:`~focus_pretrain.data.tokenizer.Tokenizer.document_prefix` for ``add_bos`` (recorded
+    in the manifest) and ends with its EOD id.
 
     Returns:
         the run's stats (also written to ``OUT/stats.json``): documents, tokens, shards
@@ -352,13 +351,16 @@ def preprocess_corpus(
         raise InputError(f"{out} is a file: give a directory for the shards")
     units = resolve_inputs(inputs)
     trained = tokenizer is None
+    check_add_bos(add_bos)
     if trained:
         check_vocab_size(vocab_size)
     else:
         check_tokenizer_path(tokenizer)
+        Tokenizer(tokenizer).document_prefix(add_bos)  # a BOS asked of a tokenizer with none
     tokenizer = out / TOKENIZER if tokenizer is None else tokenizer
     plan = _load_plan(out, units, overwrite, trained) if out.is_dir() else None
     settings = {**asdict(options), "shard_documents": shard_documents, "format": FORMAT}
+    settings["add_bos"] = add_bos
     if trained:  # the run's own tokenizer: how it is trained is a setting too
         settings.update(tokenizer_trained=True, vocab_size=vocab_size)
     if not trained or (plan is not None and Path(tokenizer).is_file()):
@@ -381,9 +383,11 @@ def preprocess_corpus(
         show=progress, line=f"{len(shards)} shard(s) of up to {shard_documents:,} records{finished}"
     )
     index_seconds = time.perf_counter() - started
+    document_prefix = Tokenizer(tokenizer).document_prefix(add_bos)
     written = _run_shards(
         [(k, shards[k], str(out)) for k in pending],
         str(tokenizer),
+        document_prefix,
         options,
         workers,
         sum(i["records"] for i in indexes),
@@ -489,6 +493,7 @@ def _run_stats(
 def _run_shards(
     tasks: list[tuple],
     tokenizer: str,
+    prefix: list[int],
     options: ReadOptions,
     workers: int,
     total: int,
@@ -520,10 +525,10 @@ def _run_shards(
     results: list[dict[str, Any]] = []
     try:
         if workers == 1 or len(tasks) <= 1:
-            _init_worker(tokenizer, asdict(options), show_progress, parallel=False)
+            _init_worker(tokenizer, prefix, asdict(options), show_progress, parallel=False)
             results = [_write_shard(task) for task in tasks]
         else:
-            results = _run_pool(tasks, tokenizer, options, workers, show_progress)
+            results = _run_pool(tasks, tokenizer, prefix, options, workers, show_progress)
     finally:
         bar.close()
     return results
@@ -532,13 +537,14 @@ def _run_shards(
 def _run_pool(
     tasks: list[tuple],
     tokenizer: str,
+    prefix: list[int],
     options: ReadOptions,
     workers: int,
     show_progress: Callable[[int, int], None],
 ) -> list[dict[str, Any]]:
     context = mp.get_context("spawn")
     counters = (context.Value("q", 0), context.Value("q", 0))  # records, tokens done
-    args = (tokenizer, asdict(options), counters, True)
+    args = (tokenizer, prefix, asdict(options), counters, True)
     results: list[dict[str, Any]] = []
     last = [0, 0]
     pool = context.Pool(min(workers, len(tasks)), _init_worker, args)
@@ -578,6 +584,7 @@ def _manifest(
             "vocab_size": tok.vocab_size,
             "eod": tok.eod,
         },
+        "document_prefix": tok.document_prefix(settings["add_bos"]),
         "dtype": token_dtype(tok.vocab_size).__name__,
         "text_key": settings["text_key"],
         "shard_documents": settings["shard_documents"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
@@ -34,6 +34,8 @@ LLAMA_STYLE_OPTIONS: dict[str, object] = dict(
     num_threads=os.cpu_count() or 1,
 )
 
+
+ADD_BOS_CHOICES = ("auto", True, False)  # data.add_bos: see Tokenizer.document_prefix
 
 MIN_VOCAB_SIZE = 259  # byte fallback's 256 byte pieces and <unk>, <s>, </s>
 
@@ -118,6 +120,33 @@ def train_tokenizer(
     return prefix.with_suffix(".model")
 
 
+def check_add_bos(value: object) -> None:
+    """Raise :class:`InputError` unless ``value`` is one of :data:`ADD_BOS_CHOICES`."""
+    if not isinstance(value, (bool, str)) or value not in ADD_BOS_CHOICES:
+        raise InputError(f"data.add_bos is {value!r}: use auto, true or false")
+
+
+def check_document_prefix(
+    recorded: Sequence[int], tokenizer: Tokenizer, add_bos: bool | str, files: str
+) -> None:
+    """Refuse token ``files`` whose documents begin with ``recorded`` ids when ``data.add_bos``
+    (true or false; ``auto`` takes the files as they are) asks for others.
+
+    Raises:
+        InputError: naming both prefixes and the two fixes.
+    """
+    if add_bos == "auto":
+        return
+    wanted = tokenizer.document_prefix(add_bos)
+    if list(recorded) != wanted:
+        raise InputError(
+            f"token files {files} were made with documents beginning with {list(recorded)} "
+            f"but data.add_bos={str(add_bos).lower()} asks for {wanted}; re-tokenise them "
+            f"(focus-pretrain preprocess --add-bos {str(add_bos).lower()}) or set "
+            "data.add_bos to auto"
+        )
+
+
 class Tokenizer:
     """A tokenizer with what Megatron's datasets need: a SentencePiece ``.model`` file, or a
     HuggingFace tokenizer directory (``tokenizer.json``, as a pretrained model ships it, for
@@ -140,8 +169,10 @@ class Tokenizer:
         else:
             self.processor = spm.SentencePieceProcessor(model_file=str(path))
             self.hf = None
+            self._adds_bos = None
             self.vocab_size = self.processor.get_piece_size()
-            self.bos = self.processor.bos_id()
+            bos = self.processor.bos_id()
+            self.bos = None if bos < 0 else bos
             self.eod = self.processor.eos_id()
             digest_of = path
         self.path = path
@@ -167,11 +198,60 @@ class Tokenizer:
 
         self.bos = token_id("bos_token")
         self.eod = token_id("eos_token")
+        add_bos = settings.get("add_bos_token")  # transformers' own switch, when set
+        self._adds_bos = add_bos if isinstance(add_bos, bool) else None
         if self.eod is None:
             raise InputError(
                 f"{path}: tokenizer_config.json names no eos_token present in tokenizer.json; "
                 "documents need an end-of-document id"
             )
+
+    def document_prefix(self, add_bos: bool | str = "auto") -> list[int]:
+        """The ids every training document begins with (``data.add_bos``).
+
+        ``True``: the BOS id; ``False``: none; ``"auto"``: what the tokenizer's own encoding
+        puts before a text, so that a pretrained model sees documents as it was trained to
+        (an HF tokenizer's ``add_bos_token`` when its ``tokenizer_config.json`` sets it, else
+        its post-processor's leading ids: Gemma and Llama 3 begin with their BOS, Qwen2 and
+        SmolLM2 with nothing); a SentencePiece ``.model``: none (documents are separated by
+        their EOD only, as Megatron's GPT data are).
+
+        Raises:
+            InputError: ``add_bos`` is not one of :data:`ADD_BOS_CHOICES`, or ``True`` for a
+                tokenizer without a BOS token.
+        """
+        check_add_bos(add_bos)
+        if add_bos is True and self.bos is None:
+            raise InputError(
+                f"data.add_bos is true but tokenizer {self.path} has no BOS token; set "
+                "data.add_bos to auto or false"
+            )
+        if add_bos != "auto":
+            return [self.bos] if add_bos else []
+        if self.hf is None:
+            return []
+        if self._adds_bos is not None:
+            return [self.bos] if self._adds_bos and self.bos is not None else []
+        return self._post_processor_prefix()
+
+    def _post_processor_prefix(self) -> list[int]:
+        """The ids an HF tokenizer's post-processor puts before a text's own ids."""
+        probe = "Focus attention"
+        plain = self.hf.encode(probe, add_special_tokens=False).ids
+        full = self.hf.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start]
+        return []  # the post-processor changes the text's own ids: add nothing
+
+    def encode_documents(self, texts: list[str], prefix: Sequence[int] = ()) -> list[list[int]]:
+        """Each text as a training document: ``prefix`` (:meth:`document_prefix`), the
+        text's ids, the EOD id."""
+        if self.hf is not None:
+            encoded = [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        else:
+            encoded = self.processor.encode(texts, num_threads=1)
+        return [[*prefix, *ids, self.eod] for ids in encoded]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added)."""
