@@ -12,7 +12,8 @@ substituted.
 Every list of backend names is derived from the registry: :func:`backend_names` (what
 ``focus.inference_backend`` accepts), :func:`training_backend_names` (the differentiable soft
 pattern: ``focus.backend``), :func:`ring_backend_names` (the backends a ring step can run, by
-their ``ring_block`` kernel). The backends register in :mod:`focus_pretrain.focus.attention`.
+their ``ring_block`` kernel). The built-in backends register in
+:mod:`focus_pretrain.focus.builtin_backends`.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ builds this dataclass from the ``focus:`` section). Defaults follow the paper's 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+from focus_pretrain.focus import backends as registry
+from focus_pretrain.focus import builtin_backends  # noqa: F401  (fills the registry)
 from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_pattern
 from focus_pretrain.focus.router import BALANCE_MODES, MAX_GROUPS
 from focus_pretrain.validation import check_choice, check_int, check_positive
@@ -18,23 +21,24 @@ ATTENTION_MODES = ("soft", "hard")  # the patterns a model infers with (focus.in
 TRAINING_MODES = ("soft", "hard")  # focus.training_mode: the soft gate, or sparse training
 
 
-def _backends():
-    """The backend registry (:mod:`focus_pretrain.focus.backends`), the built-in backends
-    registered (they register in :mod:`~focus_pretrain.focus.attention`, which imports this
-    module: hence the import on use)."""
-    from focus_pretrain.focus import attention, backends  # noqa: F401
-
-    return backends
-
-
 def __getattr__(name: str) -> tuple[str, ...]:
-    """``BACKEND_NAMES`` and ``TRAINING_BACKENDS``: derived from the backend registry when read,
-    never lists of their own."""
-    if name == "BACKEND_NAMES":
-        return _backends().backend_names()
-    if name == "TRAINING_BACKENDS":
-        return _backends().training_backend_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """``BACKEND_NAMES`` and ``TRAINING_BACKENDS``: one-release aliases of
+    :func:`~focus_pretrain.focus.backends.backend_names` and
+    :func:`~focus_pretrain.focus.backends.training_backend_names` (the registry can grow after
+    import, so the names are read from it when asked)."""
+    readers = {
+        "BACKEND_NAMES": registry.backend_names,
+        "TRAINING_BACKENDS": registry.training_backend_names,
+    }
+    if name not in readers:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"focus_pretrain.focus.config.{name} is deprecated and will be removed in the next "
+        f"release; call focus_pretrain.focus.backends.{readers[name].__name__}()",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return readers[name]()
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,6 @@ class FocusConfig:
                 f"focus.soft_warmup_steps={self.soft_warmup_steps} warms up sparse training "
                 "with the soft gate: set focus.training_mode=hard, or soft_warmup_steps=0"
             )
-        registry = _backends()
         check_choice("focus.backend", self.backend, registry.training_backend_names())
         check_choice("focus.inference_backend", self.inference_backend, registry.backend_names())
         self._check_inference_backend()
@@ -158,7 +161,6 @@ class FocusConfig:
 
     def _check_training_backend(self) -> None:
         """The named training backend computes ``training_mode``'s pattern."""
-        registry = _backends()
         name, mode = self.backend, self.training_pattern
         if self.gate_form == "dot":  # soft: plain causal attention; sparse: the hard pattern
             mode = dot_gate_pattern(mode)
@@ -179,7 +181,7 @@ class FocusConfig:
 
     def _check_inference_backend(self) -> None:
         """The named inference backend computes the ``eval()`` pattern (its capabilities)."""
-        backend_names, get_backend = _backends().backend_names, _backends().get_backend
+        backend_names, get_backend = registry.backend_names, registry.get_backend
 
         def computes(name: str) -> bool:
             return get_backend(name).capabilities.computes(self.inference_mode, self.top_k)

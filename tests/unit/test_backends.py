@@ -577,9 +577,18 @@ def test_fast_backends_on_gpu(dtype, top_k, sinks):
 
 def test_backend_config_names_match_the_registry_and_refuse_bad_choices():
     from focus_pretrain.focus import FocusConfig, available_backends
-    from focus_pretrain.focus.config import BACKEND_NAMES
+    from focus_pretrain.focus import config as focus_config
+    from focus_pretrain.focus.backends import backend_names, training_backend_names
 
-    assert sorted(BACKEND_NAMES[1:]) == available_backends()
+    assert sorted(backend_names()[1:]) == available_backends()
+    for alias, reader in [
+        ("BACKEND_NAMES", backend_names),
+        ("TRAINING_BACKENDS", training_backend_names),
+    ]:
+        with pytest.warns(
+            DeprecationWarning, match=rf"{alias} is deprecated .*backends\.{reader.__name__}\(\)"
+        ):
+            assert getattr(focus_config, alias) == reader()  # the one-release alias
     with pytest.raises(ValueError, match=r"focus\.backend must be one of"):
         FocusConfig(backend="decomposed")  # the soft training gate has no decomposed form
     with pytest.raises(ValueError, match="'decomposed' computes hard top-1 attention only"):
