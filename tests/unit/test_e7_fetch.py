@@ -72,6 +72,15 @@ def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
     assert rows["retrofit, hard"]["gap loss"] == pytest.approx(0.6)
     assert rows["hard, sinks 4"]["gap loss_far_evidence"] == pytest.approx(0.03)
     assert rows["hard, sinks 4"]["kept_pairs"] == 0.71 and rows["hard, sinks 4"]["run"] == run.name
+    for seed, loss in [(2, 3.05), (3, 3.07)]:  # the same row, other seeds: mean and spread
+        again = tmp_path / f"{run.name}-seed{seed}"
+        again.mkdir()
+        evaluations = {"original (dense)": metrics(3.0), "retrofit, hard": metrics(loss, 0.7)}
+        (again / "report.json").write_text(json.dumps({"evaluations": evaluations}))
+    (seeds,) = summarize.over_seeds(summarize.rows(tmp_path))  # "hard, sinks 4": one seed only
+    assert seeds["run"] == run.name and seeds["variant"] == "retrofit, hard"
+    assert seeds["seeds"] == 3 and seeds["gap loss"] == pytest.approx(0.24)
+    assert seeds["sd loss"] == pytest.approx(0.3119, abs=1e-4)  # sample sd of .6, .05, .07
 
 
 def test_the_corpus_fetch_removes_only_its_own_staging_directory(tmp_path):

@@ -1,5 +1,7 @@
 """E7's table from a run_matrix.sh output directory: per run, the original's loss and each
-variant's gap to it (validation, beyond the window, far evidence) and kept pairs.
+variant's gap to it (validation, beyond the window, far evidence) and kept pairs; then, for
+runs repeated with other seeds (``NAME-seedN`` beside ``NAME``), each variant's mean and
+standard deviation over the seeds.
 
     python tools/experiments/e7/summarize.py /work/e7-runs/austen [--json]
 """
@@ -7,6 +9,8 @@ variant's gap to it (validation, beyond the window, far evidence) and kept pairs
 from __future__ import annotations
 
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,10 +36,31 @@ def rows(out: Path) -> list[dict]:
     return table
 
 
+def over_seeds(table: list[dict]) -> list[dict]:
+    """Per (run without its ``-seedN`` suffix, variant) seen in at least two runs: the number
+    of seeds and each gap's mean and sample standard deviation."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in table:
+        base = re.sub(r"-seed\d+$", "", row["run"])
+        groups.setdefault((base, row["variant"]), []).append(row)
+    summary = []
+    for (base, variant), members in groups.items():
+        if len(members) < 2:
+            continue
+        entry = {"run": base, "variant": variant, "seeds": len(members)}
+        for m in METRICS:
+            values = [r[f"gap {m}"] for r in members]
+            entry[f"gap {m}"] = round(statistics.mean(values), 4)
+            entry[f"sd {m}"] = round(statistics.stdev(values), 4)
+        summary.append(entry)
+    return summary
+
+
 def main() -> None:
     table = rows(Path(sys.argv[1]))
+    seeds = over_seeds(table)
     if "--json" in sys.argv:
-        print(json.dumps(table, indent=1))
+        print(json.dumps({"runs": table, "over_seeds": seeds}, indent=1))
         return
     print(
         "| run | variant | original | gap: validation | beyond window | far evidence | kept pairs |"
@@ -45,6 +70,12 @@ def main() -> None:
         kept = "-" if r["kept_pairs"] is None else f"{r['kept_pairs']:.3f}"
         gaps = " | ".join(f"{r[f'gap {m}']:+.3f}" for m in METRICS)
         print(f"| {r['run']} | {r['variant']} | {r['original']:.3f} | {gaps} | {kept} |")
+    if seeds:
+        print("\n| run | variant | seeds | gap: validation | beyond window | far evidence |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in seeds:
+            gaps = " | ".join(f"{r[f'gap {m}']:+.3f} ± {r[f'sd {m}']:.3f}" for m in METRICS)
+            print(f"| {r['run']} | {r['variant']} | {r['seeds']} | {gaps} |")
 
 
 if __name__ == "__main__":
