@@ -1,6 +1,6 @@
 """Loading a model to inspect: one of our checkpoints or an exported HuggingFace directory.
 
-Ours go through :func:`focus_pretrain.train.evaluate.load_checkpoint_model` (one process; the
+Ours go through :func:`focus_pretrain.checkpoint.model.load_checkpoint_model` (one process; the
 model in ``eval()``, so layers run the inference pattern); an export through
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (its shipped code; its
 ``tokenizer.json`` through :class:`~focus_pretrain.data.Tokenizer`, no remote code).
@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from focus_pretrain.convert.checkpoints import resolve_checkpoint
+from focus_pretrain.checkpoint.model import load_checkpoint_model
+from focus_pretrain.checkpoint.read import resolve_checkpoint
 from focus_pretrain.convert.export_dir import read_export
 from focus_pretrain.data import Tokenizer
 from focus_pretrain.errors import MissingInputError
-from focus_pretrain.train.evaluate import load_checkpoint_model
 
 CHECKPOINT_HELP = (
     "pass a run directory (e.g. runs/tiny), a checkpoint directory "

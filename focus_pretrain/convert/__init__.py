@@ -1,7 +1,6 @@
 """HuggingFace import (retrofit a pretrained model) and export (downstream use)."""
 
-from focus_pretrain.convert.checkpoints import megatron_state_dict, resolve_checkpoint
-from focus_pretrain.convert.families import Geometry, Rule, rules_for, shard
+from focus_pretrain.checkpoint.read import megatron_state_dict, resolve_checkpoint
 from focus_pretrain.convert.hf_export import attach_focus_adapter, export_hf, export_router_adapter
 from focus_pretrain.convert.hf_import import (
     check_compatible,
@@ -12,6 +11,7 @@ from focus_pretrain.convert.hf_import import (
     load_hf_weights,
     read_hf_config,
 )
+from focus_pretrain.model.tp_rules import Geometry, Rule, rules_for, shard
 
 __all__ = [
     "Geometry",

@@ -23,13 +23,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from focus_pretrain.config import Config
-from focus_pretrain.convert.checkpoints import (
+from focus_pretrain.checkpoint.read import (
     checkpoint_config,
     resolve_checkpoint,
     trained_tp_shards,
 )
-from focus_pretrain.convert.families import Geometry, unshard
+from focus_pretrain.config import Config
 from focus_pretrain.convert.hf_import import load_hf_tensors
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
@@ -37,6 +36,7 @@ from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInpu
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import family as family_description
+from focus_pretrain.model.tp_rules import Geometry, unshard
 from focus_pretrain.storage.checkpoint_files import LATEST, tokenizer_copy
 from focus_pretrain.storage.files import check_output_dir, partial_dir, replace_dir
 

@@ -23,10 +23,10 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from focus_pretrain.convert.export_dir import read_json_object
-from focus_pretrain.convert.families import Geometry, rules_for, shard
 from focus_pretrain.errors import InputError
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import hf_family, hf_model_types, refused_hf_model_types
+from focus_pretrain.model.tp_rules import Geometry, rules_for, shard
 
 # fields of ModelConfig an HF checkpoint determines (the rest is ours: Focus, TP, recompute...)
 ARCHITECTURE_FIELDS = (

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from focus_pretrain.checkpoint.layout import check_layout
+from focus_pretrain.checkpoint.read import latest_checkpoint
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.storage.checkpoint_files import (
     LATEST,
@@ -52,16 +54,8 @@ from focus_pretrain.storage.checkpoint_files import (
 from focus_pretrain.storage.files import fsync_dir, fsync_file, write_atomic
 from focus_pretrain.storage.safe_load import weights_only_loading
 from focus_pretrain.train import reshard
-from focus_pretrain.train.resume import check_layout
 
 __all__ = ["Checkpointer", "latest_checkpoint", "tag_for"]
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint directory ``latest`` names under ``root``, validated
-    (:func:`~focus_pretrain.storage.checkpoint_files.read_latest`), or ``None`` for a fresh run."""
-    tag = read_latest(Path(root))
-    return None if tag is None else Path(root) / tag
 
 
 def _is_main() -> bool:
@@ -107,7 +101,7 @@ class Checkpointer:
         config: the resolved recipe, written into every checkpoint; ``train.save_interval``
             (0: only the last step) and ``train.keep_last`` set the cadence and retention.
         client_state: returns what the trainer needs to resume (called at each save).
-        layout: this run's parallel layout (:func:`~focus_pretrain.train.resume.run_layout`);
+        layout: this run's parallel layout (:func:`~focus_pretrain.checkpoint.layout.run_layout`);
             a checkpoint saved at another one is loaded through its universal form (allowed
             by ``train.load_universal``, refused otherwise). ``None``: never resharded.
         tokenizer: the run's tokenizer (a ``.model`` file or a HuggingFace tokenizer

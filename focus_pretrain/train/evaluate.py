@@ -1,9 +1,8 @@
-"""Evaluating a checkpoint outside training: load it, validate it, measure its pattern.
+"""Evaluating a checkpoint outside training: validate it, measure its pattern.
 
-:func:`load_checkpoint_model` builds the Megatron model of a checkpoint in this process group
-(any tensor-parallel size: shards are merged and re-cut, see
-:func:`~focus_pretrain.convert.checkpoints.megatron_state_dict`; context parallelism
-installed when ``parallel.context_parallel_size > 1``). :func:`evaluate_checkpoint` runs the
+:func:`~focus_pretrain.checkpoint.model.load_checkpoint_model` builds the Megatron model of a
+checkpoint in this process group (any tensor-parallel size; context parallelism installed when
+``parallel.context_parallel_size > 1``). :func:`evaluate_checkpoint` runs the
 trainer's :class:`~focus_pretrain.train.validate.Validator` on it (loss, loss by distance,
 retrieval probes, demo recall), optionally on another corpus (``data.sources`` override: the
 checkpoint's own tokenizer is kept) or another inference pattern (``model.focus.top_k``, ...),
@@ -16,119 +15,21 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from focus_pretrain.config import Config, config_to_dict
-from focus_pretrain.convert.checkpoints import (
-    checkpoint_config,
-    megatron_state_dict,
-    resolve_checkpoint,
-)
+from focus_pretrain.checkpoint.model import EvalModel, load_checkpoint_model
+from focus_pretrain.config import config_to_dict
 from focus_pretrain.data.coordinate import prepare_data_in_job
-from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
-from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.errors import InputError, MissingInputError
+from focus_pretrain.data.datasets import build_datasets
+from focus_pretrain.errors import InputError
 from focus_pretrain.focus import FocusRouter, Routing, pattern_density
-from focus_pretrain.model import build_model
-from focus_pretrain.parallel.context_parallel import apply_context_parallel
-from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.train.validate import Validator, validation_samples
 
-
-@dataclass
-class EvalModel:
-    """A checkpoint's model ready to evaluate.
-
-    Attributes:
-        model: the Megatron ``GPTModel`` (this rank's shard), in ``eval()`` mode.
-        config: the resolved config (the checkpoint's, with the caller's overrides).
-        tokenizer: the checkpoint's tokenizer, or ``None`` when its file is gone.
-        device: where the model lives.
-        layout: the process grid.
-        checkpoint: the checkpoint directory.
-    """
-
-    model: torch.nn.Module
-    config: Config
-    tokenizer: Tokenizer | None
-    device: torch.device
-    layout: ParallelLayout
-    checkpoint: Path
-
-
-def _world_size() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def load_checkpoint_model(
-    checkpoint: str | os.PathLike, overrides: Sequence[str] = (), *, need_tokenizer: bool = False
-) -> EvalModel:
-    """The model of ``checkpoint`` (a checkpoint or run directory) with ``overrides``
-    (``section.key=value``) applied to its config.
-
-    In a lone process the checkpoint's tensor and context parallelism default to 1 (pass
-    ``parallel.*`` overrides and launch with ``torchrun`` to evaluate sharded). Data
-    overrides keep the checkpoint's tokenizer unless ``data.tokenizer`` is given.
-    ``need_tokenizer``: a tokenizer file that is gone is refused before the model is loaded.
-
-    Raises:
-        MissingInputError: no checkpoint there (the message says what a checkpoint is), or no
-            tokenizer where ``need_tokenizer``.
-        InputError: a bad override, or a checkpoint that does not fit the model.
-    """
-    ckpt = resolve_checkpoint(checkpoint)
-    trained = checkpoint_config(ckpt)
-    extra = list(overrides)
-    if _world_size() == 1 and not any(o.strip().startswith("parallel.") for o in extra):
-        extra = [
-            "parallel.tensor_parallel_size=1",
-            "parallel.context_parallel_size=1",
-            "parallel.sequence_parallel=false",  # needs tensor parallelism
-            *extra,
-        ]
-    if not any(o.strip().startswith("data.tokenizer=") for o in extra):
-        token_file = tokenizer_path_for(trained.data, trained.run.seed)
-        extra.append(f"data.tokenizer={token_file}")
-    config = checkpoint_config(ckpt, extra)
-    if need_tokenizer and not Path(config.data.tokenizer).exists():
-        raise MissingInputError(
-            f"the tokenizer {config.data.tokenizer} of {ckpt} is gone; pass "
-            "--set data.tokenizer=PATH (the .model the run was trained with)"
-        )
-    layout = ParallelLayout.initialize(config.parallel, config.run.seed)
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    state, _ = megatron_state_dict(ckpt, layout.tensor_parallel_size, tp_rank)
-    if not config.model.focus.enabled:  # the trained model without Focus (a retrofit: the
-        state = {k: v for k, v in state.items() if ".router." not in k}  # original, dense)
-    dtype = torch.bfloat16 if config.train.precision == "bf16" and device.type == "cuda" else None
-    model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
-    if layout.context_parallel_group is not None:
-        apply_context_parallel(model, layout.context_parallel_group, config.parallel.cp_mode)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise InputError(
-            f"{ckpt} does not fit the model its config.yaml describes: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]} (overrides that change the architecture are not "
-            "allowed when loading a checkpoint)"
-        )
-    model.to(device=device, dtype=dtype).eval()
-    token_file = Path(config.data.tokenizer)
-    tokenizer = Tokenizer(token_file) if token_file.exists() else None
-    return EvalModel(model, config, tokenizer, device, layout, ckpt)
+__all__ = ["DensityMeter", "EvalModel", "evaluate_checkpoint", "load_checkpoint_model"]
 
 
 class DensityMeter:

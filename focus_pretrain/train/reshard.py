@@ -12,7 +12,7 @@ What is ours:
 
 * :func:`universal_checkpoint_info`: the merge rules the converter reads from every checkpoint
   (``UNIVERSAL_CHECKPOINT_INFO``), made from the tensor-parallel shard kinds of
-  :mod:`focus_pretrain.convert.families`. Megatron's fused QKV is laid out per KV group
+  :mod:`focus_pretrain.model.tp_rules`. Megatron's fused QKV is laid out per KV group
   (``[q heads of g; k_g; v_g]``) and tensor parallelism gives each rank whole groups, so its
   shards concatenate along dim 0 like any column-parallel weight; the gated MLP's ``fc1`` is
   ``[gate; up]`` on every rank, DeepSpeed's "two sub-parameters along dim 0"; row-parallel
@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from focus_pretrain.checkpoint.read import checkpoint_config
 from focus_pretrain.config import Config
-from focus_pretrain.convert.checkpoints import checkpoint_config
-from focus_pretrain.convert.families import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.model.config import ModelConfig
+from focus_pretrain.model.tp_rules import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.storage.safe_load import (
     UnsafeCheckpointError,
     install_in_worker,
@@ -271,7 +271,7 @@ def _extras(ckpt: Path, optimized: set[str], model: ModelConfig) -> dict[str, to
     modules = [load_checkpoint_file(p)["module"] for _, p in files]
     names = [n for n, v in modules[0].items() if n not in optimized and torch.is_tensor(v)]
     if any(modules[0][n].numel() == 0 for n in names):
-        from focus_pretrain.convert.checkpoints import megatron_state_dict
+        from focus_pretrain.checkpoint.read import megatron_state_dict
 
         state, _ = megatron_state_dict(ckpt, tp_size=1, tp_rank=0)
         return {n: state[n].clone() for n in names}

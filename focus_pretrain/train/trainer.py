@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from focus_pretrain.checkpoint.layout import run_layout
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.convert import load_hf_weights
 from focus_pretrain.convert.hf_import import check_hf_source
@@ -68,7 +69,7 @@ from focus_pretrain.train.optim import (
     lr_lambda,
     parameter_groups,
 )
-from focus_pretrain.train.resume import check_resume, run_layout
+from focus_pretrain.train.resume import check_resume
 from focus_pretrain.train.stop import StopSignal
 from focus_pretrain.train.validate import Validator, validation_samples
 

@@ -233,7 +233,7 @@ def test_export_finds_the_tokenizer_from_any_directory(exported, tmp_path, monke
     the run's relative ``data.cache_dir`` gone, still ships it (it was dropped silently)."""
     import shutil
 
-    from focus_pretrain.convert.checkpoints import checkpoint_config
+    from focus_pretrain.checkpoint.read import checkpoint_config
 
     root, _ = exported
     ckpt = tmp_path / "step_00000004"

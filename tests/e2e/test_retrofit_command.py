@@ -117,7 +117,7 @@ def _refuses_another_source(run_dir: pathlib.Path, hf_config) -> None:
     froze: a directory holding other weights, or none, is refused naming the key."""
     import transformers
 
-    from focus_pretrain.convert.checkpoints import checkpoint_config, resolve_checkpoint
+    from focus_pretrain.checkpoint.read import checkpoint_config, resolve_checkpoint
     from focus_pretrain.convert.hf_export import hf_state_dict, with_retrofit_originals
     from focus_pretrain.errors import InputError, MissingInputError
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from focus_pretrain.convert.checkpoints import megatron_state_dict
+from focus_pretrain.checkpoint.read import megatron_state_dict
 
 pytestmark = pytest.mark.multiprocess
 

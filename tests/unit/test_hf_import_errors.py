@@ -15,7 +15,7 @@ from focus_pretrain.convert import (
     import_hf,
     load_hf_tensors,
 )
-from focus_pretrain.convert.families import Geometry, rules_for
+from focus_pretrain.model.tp_rules import Geometry, rules_for
 from tests.multiprocess.test_hf_import import HF_CONFIGS, make_hf_model
 
 pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)

@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
+from focus_pretrain.checkpoint.layout import check_layout
 from focus_pretrain.config import load_config, save_config
 from focus_pretrain.train.reshard import _normalize_state, universal_checkpoint_info
-from focus_pretrain.train.resume import check_layout, check_resume
+from focus_pretrain.train.resume import check_resume
 
 RECIPE = "configs/tiny.yaml"
 
@@ -133,7 +134,7 @@ def test_universal_state_files_carry_the_full_shape_and_merge_rule(tmp_path):
 def test_merged_shards_are_the_whole_tensor():
     """Buffers and frozen weights are merged over tensor-parallel ranks by the shard kinds:
     the exact inverse of the cut a rank loads (``families.shard``)."""
-    from focus_pretrain.convert.families import shard, unshard
+    from focus_pretrain.model.tp_rules import shard, unshard
 
     full = torch.randn(8, 6)
     for kind in ("column", "row", "glu", "replicated"):

@@ -22,15 +22,28 @@ ALLOWED = {
     "parallel": {"focus", "model"},
     "data": {"focus"},
     "config": {"focus", "model", "data", "parallel"},
-    "convert": {"focus", "model", "data", "config"},
-    "train": {"focus", "model", "parallel", "data", "config", "convert"},
+    # training checkpoints, read by everyone: below convert/ and train/, above the model
+    "checkpoint": {"focus", "model", "parallel", "data", "config"},
+    "convert": {"focus", "model", "data", "config", "checkpoint"},
+    "train": {"focus", "model", "parallel", "data", "config", "checkpoint", "convert"},
     "experiments": {"config", "train", "data"},
     # benchmarks sit outside, like analysis: attention kernels, the export's decode, the ring
     # step (parallel), training throughput (train, config)
-    "bench": {"focus", "model", "parallel", "data", "config", "convert", "train"},
-    "analysis": {"focus", "model", "parallel", "data", "config", "convert", "train"},
+    "bench": {"focus", "model", "parallel", "data", "config", "checkpoint", "convert", "train"},
+    # reads checkpoints (checkpoint/) and exports (convert/), never the trainer
+    "analysis": {"focus", "model", "parallel", "data", "config", "checkpoint", "convert"},
     # evaluation of trained and retrofitted models: the retrofit report (its plots: analysis)
-    "eval": {"focus", "model", "parallel", "data", "config", "convert", "train", "analysis"},
+    "eval": {
+        "focus",
+        "model",
+        "parallel",
+        "data",
+        "config",
+        "checkpoint",
+        "convert",
+        "train",
+        "analysis",
+    },
     # the command lines (focus-pretrain's subcommands) on top of everything; cli.py runs them
     "commands": {
         "focus",
@@ -38,6 +51,7 @@ ALLOWED = {
         "parallel",
         "data",
         "config",
+        "checkpoint",
         "convert",
         "train",
         "bench",
@@ -55,7 +69,11 @@ ALLOWED = {
 # importing no layer of ours, importable from every layer
 LEAVES = {"errors", "validation", "storage", "environment"}
 # old import paths kept for one release, each re-exporting its new home (an arrow up allowed)
-ALIASES = {"focus_pretrain.convert.lm_eval_task": "focus_pretrain.eval.lm_eval_task"}
+ALIASES = {
+    "focus_pretrain.convert.lm_eval_task": "focus_pretrain.eval.lm_eval_task",
+    "focus_pretrain.convert.checkpoints": "focus_pretrain.checkpoint.read",
+    "focus_pretrain.convert.families": "focus_pretrain.model.tp_rules",
+}
 
 
 def _module_name(root: pathlib.Path, path: pathlib.Path) -> str:
@@ -191,6 +209,33 @@ def test_dependencies_point_inwards():
             if part and other and other != part and other not in ALLOWED[part] | LEAVES:
                 bad.append(f"{name} -> {target}")
     assert not bad, bad
+
+
+def test_each_alias_warns_and_gives_its_new_home_s_objects():
+    """An old import path (:data:`ALIASES`) still works for one release: importing it warns
+    (naming the new home) and gives the very objects of the new home."""
+    import subprocess
+    import sys
+
+    for old, new in ALIASES.items():
+        probe = (
+            "import importlib, warnings\n"
+            f"new = importlib.import_module({new!r})\n"  # its own imports may warn,
+            f"importlib.import_module({old.rsplit('.', 1)[0]!r})\n"  # the old one's package's
+            "warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n"
+            f"    importlib.import_module({old!r})\n"
+            "except DeprecationWarning as warning:\n"
+            f"    assert {new!r} in str(warning), warning\n"
+            "else:\n"
+            "    raise SystemExit('no DeprecationWarning')\n"
+            "warnings.simplefilter('ignore')\n"
+            f"old = importlib.import_module({old!r})\n"
+            "names = old.__all__\n"  # what the alias re-exports
+            "assert names and all(getattr(old, n) is getattr(new, n) for n in names), names\n"
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert done.returncode == 0, (old, done.stderr[-2000:])
 
 
 def test_trainer_functions_are_short():

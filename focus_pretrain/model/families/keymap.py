@@ -8,7 +8,7 @@ their initialisation, export writes them under the family's ``hf_router_prefix``
 
 Each family's description (:class:`~focus_pretrain.model.families.base.Family`) holds its own
 rules, most of them assembled from the Llama-style pieces here. Cutting and merging tensors
-over tensor-parallel ranks is :mod:`focus_pretrain.convert.families`'s.
+over tensor-parallel ranks is :mod:`focus_pretrain.model.tp_rules`'s.
 
 Layouts: HF linear weights are ``[out, in]`` (GPT-2's ``Conv1D`` is ``[in, out]``); Megatron's
 fused QKV is grouped per KV head: ``[g0: q heads of g0, k_g0, v_g0 | g1: ...]`` rows of
