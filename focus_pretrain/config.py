@@ -111,7 +111,7 @@ class TrainConfig:
             size, tensor-parallel size, context-parallel size, ZeRO stage 1-3) with the optimizer
             state kept: it is converted once to DeepSpeed's universal checkpoint
             (``step_N/universal``) and loaded from that; at the saved layout the resume stays
-            plain. Off, another layout is refused (:mod:`focus_pretrain.train.reshard`).
+            plain. Off, another layout is refused (:mod:`focus_pretrain.checkpoint.reshard`).
         objective: what a step minimises (:mod:`focus_pretrain.train.distill`): ``lm`` (the
             next-token loss), ``distill`` (KL from the frozen original, the model with its
             Focus layers bypassed, to the Focus model: retrofits only, ``freeze: retrofit`` or

@@ -12,10 +12,10 @@ node with many workers before the GPUs are allocated.
 
 from __future__ import annotations
 
+from focus_pretrain.checkpoint.reshard import convert_to_universal
 from focus_pretrain.cli import at_least, tool_parser
 from focus_pretrain.convert import resolve_checkpoint
 from focus_pretrain.errors import exit_on_input_error
-from focus_pretrain.train.reshard import convert_to_universal
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ one needs resharding.
 ZeRO stage from a checkpoint's recipe and its ZeRO file names; :func:`check_layout` refuses a
 plain resume at another layout (DeepSpeed would restore ZeRO partitions and tensor-parallel
 shards cut for the old one) and names ``train.load_universal``, which converts the checkpoint
-to DeepSpeed's universal form and loads that (:mod:`focus_pretrain.train.reshard`).
+to DeepSpeed's universal form and loads that (:mod:`focus_pretrain.checkpoint.reshard`).
 """
 
 from __future__ import annotations

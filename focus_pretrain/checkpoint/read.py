@@ -18,7 +18,7 @@ analysis, resharding):
   a TP=1 run under TP=2.
 
 (DeepSpeed's universal checkpoints, for resuming at another layout, are written and read by
-:mod:`focus_pretrain.train.reshard`.)
+:mod:`focus_pretrain.checkpoint.reshard`.)
 """
 
 from __future__ import annotations

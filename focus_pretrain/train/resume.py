@@ -22,7 +22,7 @@ The parallel layout (data-parallel size, ``parallel.tensor_parallel_size``,
 layout (DeepSpeed would restore ZeRO
 partitions and tensor-parallel shards cut for the old one) and names ``train.load_universal``,
 which converts the checkpoint to DeepSpeed's universal form and loads that
-(:mod:`focus_pretrain.train.reshard`).
+(:mod:`focus_pretrain.checkpoint.reshard`).
 """
 
 from __future__ import annotations

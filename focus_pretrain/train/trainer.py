@@ -3,7 +3,7 @@
 The constructor builds the run in order: parallel layout -> data -> model (build -> context
 parallelism -> HuggingFace initialisation -> freezing) -> optimizer and DeepSpeed -> resume.
 :meth:`Trainer.train_step` is one optimizer step, :meth:`Trainer.train` the loop. The
-components own their cadence: :class:`~focus_pretrain.train.checkpoint.Checkpointer`
+components own their cadence: :class:`~focus_pretrain.checkpoint.save.Checkpointer`
 (interval, keep-last-N, atomic ``latest``), :class:`~focus_pretrain.train.validate.Validator`
 (validation and the recall metric), :class:`~focus_pretrain.train.stop.StopSignal` (a stop all
 ranks agree on), :class:`~focus_pretrain.train.metrics.MetricsLogger` (console, TensorBoard,
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from focus_pretrain.checkpoint.layout import run_layout
+from focus_pretrain.checkpoint.save import Checkpointer, latest_checkpoint
 from focus_pretrain.config import Config, save_config
 from focus_pretrain.convert import load_hf_weights
 from focus_pretrain.convert.hf_import import check_hf_source
@@ -43,7 +44,6 @@ from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_g
 from focus_pretrain.storage.checkpoint_files import read_latest
 from focus_pretrain.storage.files import RunLock, write_atomic
 from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
-from focus_pretrain.train.checkpoint import Checkpointer, latest_checkpoint
 from focus_pretrain.train.focus_stats import (
     attention_density,
     discard_balance,

@@ -430,8 +430,8 @@ def test_checkpoints_of_every_layout_hold_only_allowlisted_globals(
     TP=2, ZeRO-2, ZeRO-3, CPU offload, CP ring, TP x SP x CP) and of the ZeRO-3 run's universal
     form names no Python global outside ``storage.safe_load``'s allowlist, none of numpy's (the
     trainer stores numpy's RNG state as a list), and loads weights-only."""
+    from focus_pretrain.checkpoint.reshard import convert_to_universal
     from focus_pretrain.storage.safe_load import load_checkpoint_file, unsafe_globals
-    from focus_pretrain.train.reshard import convert_to_universal
 
     layouts = ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-sp-cp2-ring"]
     runs_ = [one_process[1], *(layout_run(name)[1] for name in layouts)]

@@ -77,6 +77,16 @@ def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
         again.mkdir()
         evaluations = {"original (dense)": metrics(3.0), "retrofit, hard": metrics(loss, 0.7)}
         (again / "report.json").write_text(json.dumps({"evaluations": evaluations}))
+    unreported = tmp_path / f"{run.name}-seed4"  # evaluated, but its report step failed
+    (unreported / "eval").mkdir(parents=True)
+    for stem, loss in [("original", 3.0), ("soft", 3.01), ("hard", 3.08)]:
+        (unreported / "eval" / f"{stem}.json").write_text(json.dumps({"metrics": metrics(loss)}))
+    (tmp_path / "cache").mkdir()  # neither: not a run
+    table = summarize.rows(tmp_path)
+    assert {r["run"] for r in table} == {run.name, *(f"{run.name}-seed{n}" for n in (2, 3, 4))}
+    rows = {(r["run"], r["variant"]): r for r in table}
+    assert rows[unreported.name, "retrofit, hard"]["gap loss"] == pytest.approx(0.08)
+    (unreported / "eval" / "hard.json").unlink()
     (seeds,) = summarize.over_seeds(summarize.rows(tmp_path))  # "hard, sinks 4": one seed only
     assert seeds["run"] == run.name and seeds["variant"] == "retrofit, hard"
     assert seeds["seeds"] == 3 and seeds["gap loss"] == pytest.approx(0.24)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from focus_pretrain.checkpoint.layout import check_layout
+from focus_pretrain.checkpoint.reshard import _normalize_state, universal_checkpoint_info
 from focus_pretrain.config import load_config, save_config
-from focus_pretrain.train.reshard import _normalize_state, universal_checkpoint_info
 from focus_pretrain.train.resume import check_resume
 
 RECIPE = "configs/tiny.yaml"

@@ -196,8 +196,8 @@ def test_write_atomic_fsyncs_the_file_before_the_rename_and_the_directory_after(
 def test_a_checkpoint_commit_fsyncs_everything_before_each_rename(tmp_path, monkeypatch):
     """Rank 0's commit: every file and directory of the new checkpoint is fsynced before the
     folder's rename, the parent after it, and ``latest`` moves only then."""
+    from focus_pretrain.checkpoint.save import Checkpointer
     from focus_pretrain.config import load_config
-    from focus_pretrain.train.checkpoint import Checkpointer
 
     root = tmp_path / "checkpoints"
     folder = root / ".tmp-step_00000004"

@@ -17,13 +17,31 @@ from pathlib import Path
 METRICS = ("loss", "loss_beyond_window", "loss_far_evidence")
 
 
+# the report's evaluations by the file the retrofit command writes each one to (RUN/eval/)
+EVAL_FILES = {"original (dense)": "original", "retrofit, soft": "soft", "retrofit, hard": "hard"}
+
+
+def evaluations_of(run: Path) -> dict[str, dict] | None:
+    """The report's evaluations of ``run`` (``report.json``), or, for a run whose report did
+    not finish after its evaluations (the group report failed), the same metrics from
+    ``eval/*.json``; ``None`` when neither is there."""
+    if (run / "report.json").is_file():
+        return dict(json.loads((run / "report.json").read_text())["evaluations"])
+    files = {name: run / "eval" / f"{stem}.json" for name, stem in EVAL_FILES.items()}
+    if not all(path.is_file() for path in files.values()):
+        return None
+    return {name: json.loads(path.read_text())["metrics"] for name, path in files.items()}
+
+
 def rows(out: Path) -> list[dict]:
     """One row per (run, variant) with the gaps to the run's original (dense) model."""
     table = []
-    for report_path in sorted(out.glob("*/report.json")):
-        report = json.loads(report_path.read_text())
-        evaluations = dict(report["evaluations"])
-        variants = report_path.parent / "variants.json"
+    for run in sorted(p for p in out.iterdir() if p.is_dir()):
+        evaluations = evaluations_of(run)
+        if evaluations is None:
+            continue
+        report_path = run / "report.json"
+        variants = run / "variants.json"
         if variants.is_file():
             evaluations.update(json.loads(variants.read_text()))
         original = evaluations.pop("original (dense)")
