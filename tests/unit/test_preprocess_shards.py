@@ -474,11 +474,11 @@ def test_progress_moves_with_each_batch_and_each_phase_is_said(tmp_path, monkeyp
     """The bar counts documents as batches finish (not only at a shard's end): the reports
     sum to the run's documents and tokens; indexing, tokenizer training and the shard plan
     each print a line."""
-    from focus_pretrain.data import shards
+    from focus_pretrain.data import shard_writer
 
     reports: list[tuple[int, int]] = []
-    monkeypatch.setattr(shards, "_BATCH_DOCUMENTS", 8)
-    monkeypatch.setattr(shards, "_report", lambda *counts: reports.append(counts))
+    monkeypatch.setattr(shard_writer, "_BATCH_DOCUMENTS", 8)
+    monkeypatch.setattr(shard_writer, "_report", lambda *counts: reports.append(counts))
     stats = preprocess_corpus(["demo:80"], tmp_path / "out", None, vocab_size=300, progress=True)
     assert len(reports) == 11 and all(records == 8 for records, _ in reports[:10])
     assert sum(r for r, _ in reports) == stats["documents"] == 80
