@@ -223,6 +223,10 @@ class Backend:
         unavailable: ``unavailable(request) -> str | None``: for a request ``priority`` turns
             down, the specific reason and fix, when there is one more helpful than "not
             available here".
+        ring_modes: the patterns its ring step computes (``None``: its capabilities' modes).
+        ring_priority: how the ring's ``auto`` ranks its ring step for a request (``None``:
+            :attr:`priority`; returning ``None``: never automatic in the ring), so that the
+            ring's ``auto`` and the model's read this one table (:func:`select_ring_block`).
     """
 
     name: str
@@ -231,6 +235,8 @@ class Backend:
     priority: Callable[[AttentionRequest], int | None]
     ring_block: str | None = None
     unavailable: Callable[[AttentionRequest], str | None] | None = None
+    ring_modes: frozenset[str] | None = None
+    ring_priority: Callable[[AttentionRequest], int | None] | None = None
 
     def refusal(self, request: AttentionRequest) -> str | None:
         """Why this backend cannot run ``request`` exactly (``None``: it can)."""
@@ -288,6 +294,24 @@ def training_backend_names() -> tuple[str, ...]:
 def ring_backend_names() -> tuple[str, ...]:
     """``"auto"`` and the backends a ring step computes (those with a ``ring_block``)."""
     return ("auto", *(b.name for b in _BACKENDS.values() if b.ring_block is not None))
+
+
+def select_ring_block(request: AttentionRequest) -> str:
+    """The ring's ``auto``: the ring step kernel (:attr:`Backend.ring_block`) of the backend
+    whose ring step computes ``request`` (:attr:`Backend.ring_modes`, its capabilities) and
+    ranks highest (:attr:`Backend.ring_priority`, else its priority); the reference's
+    ``blockwise`` step runs everything."""
+    ranked = []
+    for backend in _BACKENDS.values():
+        modes = backend.ring_modes or backend.capabilities.modes
+        if backend.ring_block is None or request.kind not in modes:
+            continue
+        if backend.capabilities.refusal(request) is not None:
+            continue
+        rank = (backend.ring_priority or backend.priority)(request)
+        if rank is not None:
+            ranked.append((rank, backend.name))
+    return _BACKENDS[max(ranked)[1]].ring_block
 
 
 def select_backend(name: str, request: AttentionRequest) -> Backend:

@@ -105,6 +105,7 @@ register_backend(
         flex_focus_attention,
         Capabilities(_ALL_MODES, devices=_CPU_CUDA, gradients_on=frozenset({"cuda"})),
         _flex_priority,
+        "flex",  # the ring's fused step on CUDA (compiled FlexAttention with a block mask)
     )
 )
 register_backend(
@@ -133,5 +134,7 @@ register_backend(
         _triton_priority,
         "triton",
         _triton_unavailable,
+        ring_modes=frozenset({"soft", "local"}),  # its ring step: the soft gate and windows
+        ring_priority=lambda r: None,  # in the ring by name only (its tiles: whole sequences)
     )
 )

@@ -196,9 +196,12 @@ def context_parallel_attention(
 
 def ring_block_kernel(backend: str) -> str:
     """The ring steps' per-block kernel for the attention ``backend`` a recipe names: the one
-    it names, never another. ``"reference"``: the reference's exact blockwise PyTorch
-    attention (on CUDA too); ``"triton"``: the fused Triton kernels (soft and sliding-window
-    steps); ``"auto"``: the ring's own choice (FlexAttention on CUDA, blockwise elsewhere).
+    it names, never another (its ``ring_block`` in the backend table). ``"reference"``: the
+    reference's exact blockwise PyTorch attention (on CUDA too); ``"flex"``: FlexAttention with
+    a block mask; ``"triton"``: the fused Triton kernels (soft and sliding-window steps);
+    ``"auto"``: the table's choice for each call
+    (:func:`~focus_pretrain.focus.backends.select_ring_block`: FlexAttention on CUDA, blockwise
+    elsewhere).
 
     Raises:
         ValueError: a backend that has no per-block form in the ring.

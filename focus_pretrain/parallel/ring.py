@@ -12,9 +12,11 @@ block's positions, memberships and document starts
 (:func:`~focus_pretrain.parallel.ring_kernels.flex_attend_block`); ``"blockwise"`` runs
 :func:`focus_pretrain.focus.reference.attend_block` (explicit positions, PyTorch) in query-row
 chunks of at most :data:`SCORE_BUDGET` scores. Both give the same ``(out, lse)`` up to
-rounding. ``"auto"`` (default) takes ``"flex"`` on CUDA (compiled, fp16/bf16/fp32) and
-``"blockwise"`` elsewhere. The backward runs ``"flex"`` only on CUDA: on CPU (no FlexAttention
-backward) it recomputes every block blockwise, also after an eager ``"flex"`` forward.
+rounding. ``"auto"`` (default) reads the backend table, as the model's ``auto`` does
+(:func:`~focus_pretrain.focus.backends.select_ring_block`): ``"flex"`` on CUDA (compiled,
+fp16/bf16/fp32) and ``"blockwise"`` elsewhere. The backward runs ``"flex"`` only on CUDA:
+on CPU (no FlexAttention backward) it recomputes every block blockwise, also after an eager
+``"flex"`` forward.
 ``"triton"`` (soft and sliding-window steps; a model with ``focus.backend: triton``) runs each
 step, forward and backward, through the fused Triton kernels
 (:func:`~focus_pretrain.parallel.ring_kernels.triton_attend_block`).
@@ -68,6 +70,7 @@ from focus_pretrain.parallel.ring_kernels import (
     RING_BLOCK_KERNELS,
     backward_block_kernel,
     resolve_block_kernel,
+    ring_request,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
 from focus_pretrain.validation import check_int
@@ -305,7 +308,13 @@ def ring_focus_attention(
     :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
     check_int("sinks", sinks, low=0)
-    kernel = resolve_block_kernel(block_kernel, q)
+    request = ring_request(
+        q, k, mode=mode, top_k=top_k, local_only=local_only, window=window,
+        softcap=softcap is not None, sinks=sinks, documents=documents is not None,
+        needs_grad=torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
+    )  # fmt: skip
+    kernel = resolve_block_kernel(block_kernel, q, request)
     if kernel == "triton" and mode in ("hard", "hard_gated") and not local_only:
         raise ValueError(
             f"block_kernel 'triton' runs soft and sliding-window steps, not {mode!r}; use "

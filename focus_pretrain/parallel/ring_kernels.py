@@ -45,7 +45,13 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from focus_pretrain.focus import flex, soft_triton
-from focus_pretrain.focus.backends import AttentionPattern, BlockFn, BlockSide
+from focus_pretrain.focus.backends import (
+    AttentionPattern,
+    AttentionRequest,
+    BlockFn,
+    BlockSide,
+    select_ring_block,
+)
 from focus_pretrain.focus.flex import (
     DEFAULT_BLOCK,
     block_mask_from_predicates,
@@ -58,16 +64,45 @@ from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rul
 from focus_pretrain.focus.pattern_blocks import block_predicates, summarise_blocks
 from focus_pretrain.focus.reference import attend_block
 
-FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # compiled FlexAttention's
+
+def ring_request(
+    q: Tensor,
+    k: Tensor | None = None,
+    *,
+    mode: str = "soft",
+    top_k: int = 1,
+    local_only: bool = False,
+    window: int = 128,
+    softcap: bool = False,
+    sinks: int = 0,
+    documents: bool = False,
+    needs_grad: bool | None = None,
+) -> AttentionRequest:
+    """What one ring step asks of a block kernel: this rank's queries ``q`` ``[b, s_loc, H, D]``
+    (and keys ``k``, default ``q``'s shape) under the pattern; ``needs_grad`` default: whether
+    autograd will differentiate through ``q`` or ``k``."""
+    k = q if k is None else k
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return AttentionRequest(
+        device=q.device.type, dtype=q.dtype, batch=q.shape[0], seq=q.shape[1],
+        heads=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[-1], mode=mode, top_k=top_k,
+        local_only=local_only, window=window, softcap=softcap, needs_grad=needs_grad,
+        sinks=sinks, documents=documents,
+    )  # fmt: skip
 
 
-def resolve_block_kernel(block_kernel: str, q: Tensor) -> str:
-    """The kernel of the ring's forward steps: ``"flex"`` or ``"blockwise"``.
+def resolve_block_kernel(
+    block_kernel: str, q: Tensor, request: AttentionRequest | None = None
+) -> str:
+    """The kernel of the ring's forward steps: ``"blockwise"``, ``"flex"`` or ``"triton"``.
 
-    ``"auto"``: the fused FlexAttention kernel when ``q`` (``[b, s, H, D]``) is on CUDA in
-    fp16/bf16/fp32 and Triton is importable (compiled), else the blockwise
-    :func:`~focus_pretrain.focus.reference.attend_block`. ``"flex"`` on CPU runs FlexAttention
-    eagerly (exact, forward only: for tests)."""
+    ``"auto"`` reads the backend table (:func:`~focus_pretrain.focus.backends.select_ring_block`
+    on ``request``, default :func:`ring_request` of ``q``): the fused FlexAttention kernel where
+    the ``flex`` backend is available (CUDA, fp16/bf16/fp32, Triton importable: compiled), else
+    the reference's blockwise :func:`~focus_pretrain.focus.reference.attend_block`; ``triton``
+    only by name. ``"flex"`` on CPU runs FlexAttention eagerly (exact, forward only: for
+    tests)."""
     if block_kernel not in BLOCK_KERNELS:
         raise ValueError(f"block_kernel must be one of {BLOCK_KERNELS}, got {block_kernel!r}")
     if block_kernel == "triton" and not (
@@ -80,8 +115,7 @@ def resolve_block_kernel(block_kernel: str, q: Tensor) -> str:
         )
     if block_kernel != "auto":
         return block_kernel
-    fused = q.is_cuda and q.dtype in FLEX_DTYPES and flex.flex_available_on("cuda")
-    return "flex" if fused else "blockwise"
+    return select_ring_block(request if request is not None else ring_request(q))
 
 
 def flex_backward_on(device: torch.device) -> bool:

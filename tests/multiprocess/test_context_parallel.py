@@ -89,7 +89,7 @@ def test_ring_refuses_what_it_cannot_compute(cp_results):
     _, per_rank = cp_results
     for result in per_rank:
         refusals = result["refusals"]
-        assert "backend 'flex' cannot run inside the ring" in refusals["backend"]
+        assert "backend 'decomposed' cannot run inside the ring" in refusals["backend"]
         assert "v contains NaN or inf values" in refusals["nan"]
         assert "must be the document starts of the full sequence" in refusals["ids"]
         assert "must be the document starts of the full sequence" in refusals["a2a_ids"]

@@ -156,7 +156,7 @@ def ring_refusals(case: dict, group) -> dict[str, str]:
     ids = shard_sequence(torch.arange(case["s"]) // 2, 0, size, rank).expand(q.shape[0], -1)
     errors = {}
     for name, extra, inputs in (
-        ("backend", dict(backend="flex"), (q, k, v)),
+        ("backend", dict(backend="decomposed"), (q, k, v)),
         ("nan", dict(check_finite=True), (q, k, v.clone().fill_(float("nan")))),
         ("ids", dict(documents=ids), (q, k, v)),
         ("a2a_ids", dict(documents=ids, cp_mode="a2a"), (q, k, v)),

@@ -213,8 +213,9 @@ def test_the_ring_runs_the_backend_the_recipe_names():
 
     assert ring_block_kernel("reference") == "blockwise"
     assert ring_block_kernel("triton") == "triton"
+    assert ring_block_kernel("flex") == "flex"
     assert ring_block_kernel("auto") == "auto"
-    for other in ("flex", "decomposed", "fast"):
+    for other in ("decomposed", "segments", "sdpa", "fast"):
         with pytest.raises(ValueError, match=rf"backend '{other}' cannot run inside the ring"):
             ring_block_kernel(other)
 

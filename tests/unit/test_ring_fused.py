@@ -27,6 +27,7 @@ from focus_pretrain.parallel.ring_kernels import (
     flex_attend_block,
     fused_call,
     resolve_block_kernel,
+    ring_request,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
 from tests.helpers import random_probs, random_qkv
@@ -220,6 +221,10 @@ def test_block_kernel_selection():
     recomputes blockwise); an unknown kernel is refused (before any process group is used)."""
     q = torch.zeros(1, 4, 2, 8)
     assert resolve_block_kernel("auto", q) == "blockwise"
+    for mode in ("soft", "hard", "hard_gated"):  # with and without gradients
+        for grad in (False, True):
+            request = ring_request(q, mode=mode, top_k=2, sinks=3, documents=True, needs_grad=grad)
+            assert resolve_block_kernel("auto", q, request) == "blockwise"
     assert resolve_block_kernel("flex", q) == "flex"
     assert resolve_block_kernel("blockwise", q) == "blockwise"
     assert backward_block_kernel("flex", q) == "blockwise"
@@ -337,7 +342,7 @@ def test_fused_ring_step_gradients_equal_blockwise_on_gpu(name, dtype):
     Documents as long relative to the sequence as in the CPU cases (96 tokens): at the CPU
     cases' rate, 12-token documents leave no gated pair across the two blocks (zero
     assignment gradients, seen on an H200)."""
-    assert resolve_block_kernel("auto", torch.zeros(1, device="cuda")) == "flex"
+    assert resolve_block_kernel("auto", torch.zeros(1, 4, 2, 64, device="cuda")) == "flex"
     seq = 1200
     case = dict(CASES[name])
     if "docs" in case:
