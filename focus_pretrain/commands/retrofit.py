@@ -22,8 +22,9 @@ runs/retrofit-NAME):
                (groups/: plots, typical tokens); report.json, loss.png, loss_by_position.png
 
 It ends with one line on the hard model (what the export infers with) against the original:
-its loss gap, and past --max-hard-gap (default 0.05 nats) that the retrofit is not good
-enough, with what to change (attention sinks, more steps, top-2, a wider window, more groups).
+its loss gap, and past --max-hard-gap (default 0.05 nats) or, on far-evidence tokens,
+--max-far-gap (default 0.1) that the retrofit is not good enough, with what to change
+(attention sinks, more steps, top-2, a wider window, more groups).
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
@@ -80,6 +81,10 @@ def _arguments():
         "--max-hard-gap", type=float, default=0.05, metavar="NATS",
         help="the most the hard model's validation loss may exceed the original's before the "
         "report says the retrofit is not good enough (and what to change)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-far-gap", type=float, default=0.1, metavar="NATS",
+        help="the same on far-evidence tokens (whose evidence lies beyond the window)",
     )  # fmt: skip
     parser.add_argument(
         "--force", action="store_true", help="replace an earlier retrofit's output at --out"
@@ -256,8 +261,10 @@ def main() -> None:
     with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any work
         if args.steps is not None and args.steps < 1:
             raise InputError(f"--steps must be at least 1, got {args.steps}")
-        if not args.max_hard_gap >= 0:  # NaN too
-            raise InputError(f"--max-hard-gap must be a number >= 0, got {args.max_hard_gap}")
+        for option in ("max_hard_gap", "max_far_gap"):
+            if not getattr(args, option) >= 0:  # NaN too
+                flag = "--" + option.replace("_", "-")
+                raise InputError(f"{flag} must be a number >= 0, got {getattr(args, option)}")
         if args.groups < 2 or args.window < 1 or args.report_samples < 1:
             raise InputError(
                 "--groups must be at least 2, --window and --report-samples at least 1 (got "
@@ -280,7 +287,7 @@ def main() -> None:
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
     report_json = json.loads((out / "groups" / "report.json").read_text())
-    quality = hard_gap(evaluations, args.max_hard_gap)  # VARIANTS["original (dense)"] vs hard
+    quality = hard_gap(evaluations, args.max_hard_gap, far_threshold=args.max_far_gap)
     report = write_report(out, meta, evaluations, report_json, quality)
     print(f"retrofit done: {report}")
     print(f"focus-pretrain retrofit: {gap_line(quality)}", flush=True)

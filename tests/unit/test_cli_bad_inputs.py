@@ -498,6 +498,11 @@ RETROFIT = rows(  # every input is checked before --out is touched
         "max-hard-gap",
     ),
     (
+        ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{out}/r", "--max-far-gap", "nan"],
+        "--max-far-gap must be a number >= 0, got nan",
+        "max-far-gap",
+    ),
+    (
         ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{out}/r"],
         "has no model.safetensors",
         "no-weights",

@@ -37,3 +37,31 @@ def test_a_gap_within_the_threshold_says_so(hard, threshold):
     line = gap_line(quality)
     assert line.endswith(f"(within --max-hard-gap {threshold:g})")
     assert "not good enough" not in line and "beyond the window" not in line
+
+
+def _with_far(original: float, hard: float, far_original: float, far_hard: float) -> dict:
+    evaluations = _evaluations(original, hard)
+    evaluations["original (dense)"]["loss_far_evidence"] = far_original
+    evaluations["retrofit, hard"]["loss_far_evidence"] = far_hard
+    return evaluations
+
+
+def test_a_far_evidence_gap_past_its_own_threshold_is_called_out():
+    """E7's Python-docs row: +0.040 on all tokens (within 0.05) but +0.292 on far-evidence
+    tokens: not good enough, naming --max-far-gap (and only it)."""
+    quality = hard_gap(_with_far(2.454, 2.494, 2.106, 2.398), 0.05, far_threshold=0.1)
+    assert quality["too_large"] and quality["past"] == ["--max-far-gap 0.1 (far evidence)"]
+    line = gap_line(quality)
+    assert "far evidence +0.292" in line and "above --max-far-gap 0.1 (far evidence);" in line
+    assert "--max-hard-gap" not in line and "--sinks 4" in line
+    both = hard_gap(_with_far(2.0, 2.2, 2.0, 2.5), 0.05, far_threshold=0.1)
+    assert "above --max-hard-gap 0.05 and --max-far-gap 0.1 (far evidence)" in gap_line(both)
+
+
+@pytest.mark.parametrize("far_hard, far_threshold", [(2.19, 0.1), (2.9, None), (2.4, 0.5)])
+def test_a_far_evidence_gap_within_its_threshold_or_unchecked_passes(far_hard, far_threshold):
+    quality = hard_gap(_with_far(2.0, 2.01, 2.1, far_hard), 0.05, far_threshold=far_threshold)
+    assert not quality["too_large"] and quality["past"] == []
+    line = gap_line(quality)
+    limits = "--max-hard-gap 0.05" + (f", --max-far-gap {far_threshold:g}" if far_threshold else "")
+    assert line.endswith(f"(within {limits})"), line
