@@ -88,7 +88,9 @@ def test_one_command_retrofit(tmp_path, family, precision, objective):
     quality, evaluations = report["quality"], report["evaluations"]  # the hard model's gap
     gap = evaluations["retrofit, hard"]["loss"] - evaluations["original (dense)"]["loss"]
     assert quality["gap"]["loss"] == pytest.approx(gap) and quality["threshold"] == 0.05
-    assert quality["too_large"] == (gap > 0.05)
+    far = quality["gap"]["loss_far_evidence"]  # None: no far-evidence token in validation
+    assert quality["far_threshold"] == 0.1
+    assert quality["too_large"] == (gap > 0.05 or (far is not None and far > 0.1))
     verdict = "not good enough" if quality["too_large"] else "within --max-hard-gap 0.05"
     assert verdict in done.stdout.splitlines()[-1] and verdict in (out / "report.md").read_text()
 
