@@ -45,6 +45,10 @@ class DataConfig:
             Gemma's and Llama 3's do; nothing for a SentencePiece model), ``true`` (its BOS
             id) or ``false`` (nothing). Token files made elsewhere are taken as they are under
             ``auto`` and checked against the prefix they record otherwise.
+        bos_every_sample: every training and validation sample (a window of ``seq_length``
+            tokens, which mostly begins inside a document) begins with that prefix too, as
+            lm-eval's rolling windows begin with the BOS: what a model that was always shown
+            its BOS first (Gemma) needs; nothing changes when the prefix is empty.
         seq_length: tokens per training sample.
         split: train/valid/test split of each source's documents, e.g. ``"98,2,0"``.
         cache_dir: where token files, tokenizers and Megatron's index caches go.
@@ -74,6 +78,7 @@ class DataConfig:
     tokenizer: str | None = None
     vocab_size: int = 1024
     add_bos: bool | str = "auto"
+    bos_every_sample: bool = False
     seq_length: int = 512
     split: str = "98,2,0"
     cache_dir: str = "data/cache"
@@ -354,6 +359,9 @@ def build_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
         document_mask=config.document_mask,
+        sample_prefix=tuple(tokenizer.document_prefix(config.add_bos))
+        if config.bos_every_sample
+        else (),
         reset_document_positions=config.reset_position_ids,
         mask_eod_loss=config.eod_mask_loss,
         min_document_tokens=config.min_document_tokens,

@@ -10,7 +10,9 @@ Python and build an ``s x s`` mask; here every field is a vectorised ``[s]`` ten
   (:mod:`focus_pretrain.model.packing`);
 * ``position_ids`` (and ``rope_positions``): positions restarting at every document start;
 * ``loss_mask``: 0 where the *input* token is EOD (the prediction of the next document's first
-  token from the previous document), Megatron's ``eod_mask_loss``.
+  token from the previous document), Megatron's ``eod_mask_loss``;
+* with ``data.bos_every_sample``, every sample (a window that may begin inside a document)
+  begins with the tokenizer's BOS, as lm-eval's rolling windows do (:func:`prefixed_sample`).
 
 :class:`DocumentGPTDataset` also drops short documents and repeats long ones in the training
 split (:func:`select_documents`) before Megatron builds its sample index; validation keeps its
@@ -19,6 +21,7 @@ documents as they are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +82,28 @@ def document_fields(
     return out
 
 
+def prefixed_sample(
+    sample: dict[str, Tensor], prefix: Sequence[int], pad: int
+) -> dict[str, Tensor]:
+    """``sample`` (Megatron's ``tokens``, ``labels``, ``loss_mask``, each ``[s]``) as a window
+    that begins with ``prefix`` (the tokenizer's BOS): the window's text shifts right by
+    ``len(prefix)`` (its last tokens drop out), the text's first token is now predicted (from
+    the prefix; weight 1 unless it is padding), the prefix's own tokens are not; a new dict.
+    A sample that already begins with ``prefix`` (a document's start) is kept as it is."""
+    tokens, labels = sample["tokens"], sample["labels"]
+    head = torch.tensor(list(prefix), dtype=tokens.dtype)
+    p, s = len(head), tokens.shape[-1]
+    if p == 0 or torch.equal(tokens[:p], head):
+        return dict(sample)
+    text = torch.cat([tokens[:1], labels])  # [s + 1]: the window's tokens
+    weights = torch.cat([(tokens[:1] != pad).float(), sample["loss_mask"].float()])  # [s + 1]
+    stream = torch.cat([head, text])[: s + 1]  # [s + 1]: prefix first
+    stream_weights = torch.cat([torch.zeros(p), weights])[: s + 1]  # of predicting stream[i]
+    out = dict(sample)
+    out.update(tokens=stream[:s], labels=stream[1:], loss_mask=stream_weights[1:])
+    return out
+
+
 def select_documents(
     lengths: np.ndarray,
     indices: np.ndarray,
@@ -112,6 +137,7 @@ class DocumentDatasetConfig(GPTDatasetConfig):
     Megatron's cache key, so changing one rebuilds the sample index)."""
 
     document_mask: bool = False
+    sample_prefix: tuple[int, ...] = ()  # data.bos_every_sample: what every sample begins with
     reset_document_positions: bool = False
     mask_eod_loss: bool = False
     min_document_tokens: int = 0
@@ -175,8 +201,11 @@ class DocumentGPTDataset(GPTDataset):
 
     def __getitem__(self, idx) -> dict[str, Tensor]:
         config = self.config
+        sample = super().__getitem__(idx)
+        if config.sample_prefix:
+            sample = prefixed_sample(sample, config.sample_prefix, config.tokenizer.pad)
         return document_fields(
-            super().__getitem__(idx),
+            sample,
             config.tokenizer.eod,
             document_mask=config.document_mask,
             reset_position_ids=config.reset_document_positions,

@@ -201,3 +201,75 @@ def test_inspection_samples_begin_as_training_documents(tmp_path):
     (text,) = text_samples([tmp_path / "a.txt"], tok, 128, None, prefix)
     assert text.ids.tolist() == [tok.bos, *tok.encode(TEXTS[0])]
     assert np.all(text.ids.numpy() < tok.vocab_size)
+
+
+def megatron_like_sample(text: list[int], pad: int, masked: tuple[int, ...] = ()) -> dict:
+    """What Megatron's GPTDataset returns for the ``s + 1`` window ``text``."""
+    import torch
+
+    window = torch.tensor(text)
+    loss_mask = (window[1:] != pad).float()
+    loss_mask[list(masked)] = 0.0
+    s = len(text) - 1
+    return {"tokens": window[:-1], "labels": window[1:], "loss_mask": loss_mask,
+            "position_ids": torch.arange(s)}  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix", [(7,), (7, 8)])
+def test_a_prefixed_sample_is_the_window_shifted_behind_the_prefix(prefix):
+    """Brute force over a window: the new sample reads prefix + window, predicts the window's
+    first token from the prefix, keeps each text token's loss weight, drops the prefix's
+    own predictions and the last tokens; a window that already begins with it is kept."""
+    from focus_pretrain.data.documents import prefixed_sample
+
+    pad, s = 99, 12
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, pad, pad]  # s + 1 tokens, padded at the end
+    sample = megatron_like_sample(text, pad, masked=(4,))  # e.g. an EOD-masked prediction
+    out = prefixed_sample(sample, prefix, pad)
+    stream = [*prefix, *text][: s + 1]
+    weight = {j: 1.0 for j in range(len(text))}  # of predicting text[j]
+    weight.update({j + 1: float(sample["loss_mask"][j]) for j in range(s)})
+    for i in range(s):
+        assert int(out["tokens"][i]) == stream[i] and int(out["labels"][i]) == stream[i + 1]
+        expected = 0.0 if i + 1 < len(prefix) else weight[i + 1 - len(prefix)]
+        assert float(out["loss_mask"][i]) == expected, i
+    assert out["position_ids"].tolist() == list(range(s))
+    already = megatron_like_sample([*prefix, *text][: s + 1], pad)
+    kept = prefixed_sample(already, prefix, pad)
+    assert all(kept[k] is already[k] for k in already)
+    assert prefixed_sample(sample, (), pad)["tokens"] is sample["tokens"]
+
+
+def test_every_sample_begins_with_the_bos_when_asked(tmp_path):
+    """``data.bos_every_sample`` on a BOS-adding tokenizer: every training and validation
+    sample begins with it and stays a consistent next-token sample; off, windows begin
+    anywhere; on a tokenizer that adds nothing, nothing changes."""
+    from focus_pretrain.data.datasets import DataConfig, build_datasets, prepare_data
+
+    path = hf_tokenizer(tmp_path / "tok", "<bos> $A")
+    tok = Tokenizer(path)
+
+    def samples(**more) -> list[dict]:
+        config = DataConfig(
+            sources=["demo:30"], tokenizer=str(path), seq_length=48, split="80,20,0",
+            cache_dir=str(tmp_path / "c"), **more,
+        )  # fmt: skip
+        _, prefixes = prepare_data(config)
+        train, valid = build_datasets(config, tok, prefixes, train_samples=24, valid_samples=6)
+        return [train[i] for i in range(len(train))] + [valid[i] for i in range(len(valid))]
+
+    plain, every = samples(), samples(bos_every_sample=True)
+    assert sum(int(x["tokens"][0]) != tok.bos for x in plain) > len(plain) // 2
+    assert len(every) == len(plain) and all(int(x["tokens"][0]) == tok.bos for x in every)
+    for x, y in zip(plain, every, strict=True):
+        assert x["labels"][:-1].tolist() == x["tokens"][1:].tolist()
+        assert y["labels"][:-1].tolist() == y["tokens"][1:].tolist()
+        if int(x["tokens"][0]) != tok.bos:  # the same window, behind the BOS
+            assert y["tokens"][1:].tolist() == x["tokens"][:-1].tolist()
+    no_bos = hf_tokenizer(tmp_path / "plain-tok", None)
+    plain_tok = Tokenizer(no_bos)
+    config = DataConfig(sources=["demo:30"], tokenizer=str(no_bos), seq_length=48,
+                        cache_dir=str(tmp_path / "c2"), bos_every_sample=True)  # fmt: skip
+    _, prefixes = prepare_data(config)
+    train, _ = build_datasets(config, plain_tok, prefixes, train_samples=8, valid_samples=2)
+    assert any(int(train[i]["tokens"][0]) != plain_tok.bos for i in range(len(train)))
