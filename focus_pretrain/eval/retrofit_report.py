@@ -24,8 +24,8 @@ GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
 # what to change when the hard model falls short (the retrofit command's options and keys)
 GAP_LEVERS = (
     "keep the first tokens visible (--sinks 4, if lower), train the routers longer (--steps), "
-    "keep two groups per token (--set model.focus.top_k=2), widen the window (--window) or use "
-    "more groups (--groups)"
+    "distil the original (--set train.objective=distill), keep two groups per token "
+    "(--set model.focus.top_k=2), widen the window (--window) or use more groups (--groups)"
 )
 
 
