@@ -387,7 +387,7 @@ BENCH = rows(
 
 TINY = str(ROOT / "configs" / "tiny.yaml")
 RING = ["--set", "parallel.cp_mode=ring"]
-FLEX = ["--set", "model.focus.inference_backend=flex"]
+NO_RING_STEP = ["--set", "model.focus.inference_backend=decomposed"]  # no per-block form
 EMPTY_LATEST = "run.output_dir={in}/run_empty_latest"
 TRAIN = rows(  # refused before the trainer starts (the trainer's own: test_checkpoint_faults)
     "train",
@@ -417,8 +417,8 @@ TRAIN = rows(  # refused before the trainer starts (the trainer's own: test_chec
         "cp-a2a",
     ),
     (
-        ["--config", TINY, "--set", "parallel.context_parallel_size=2", *RING, *FLEX],
-        "model.focus.inference_backend 'flex' cannot run inside the ring",
+        ["--config", TINY, "--set", "parallel.context_parallel_size=2", *RING, *NO_RING_STEP],
+        "model.focus.inference_backend 'decomposed' cannot run inside the ring",
         "ring-backend",
     ),
     ([], "the following arguments are required: --config", "no-recipe"),
