@@ -50,6 +50,7 @@ from torch import nn
 
 from focus_pretrain.checkpoint.read import checkpoint_config
 from focus_pretrain.config import Config
+from focus_pretrain.errors import InputError
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.tp_rules import COLUMN, GLU, REPLICATED, ROW, rules_for, shard, unshard
 from focus_pretrain.storage.safe_load import (
@@ -141,10 +142,9 @@ def convert_to_universal(checkpoint: str | os.PathLike, workers: int | None = No
             f"{ckpt} was saved without ZeRO (parallel.zero_stage=0); train.load_universal "
             "converts ZeRO checkpoints (stages 1-3) only"
         )
-    work = ckpt / ".tmp-universal"
-    shutil.rmtree(work, ignore_errors=True)
+    work = _scratch(ckpt)
     source = work / "source"  # the checkpoint's own files only (the converter walks subfolders)
-    source.mkdir(parents=True)
+    source.mkdir()
     for path in ckpt.iterdir():
         if path.is_file() and path.suffix == ".pt":
             _link_or_sanitize(path, source / path.name)
@@ -166,6 +166,30 @@ def convert_to_universal(checkpoint: str | os.PathLike, workers: int | None = No
     os.replace(work / UNIVERSAL_DIR, out)
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+SCRATCH_MARK = ".focus-pretrain-scratch"  # what makes a ``.tmp-universal`` ours to delete
+
+
+def _scratch(ckpt: Path) -> Path:
+    """An empty ``ckpt/.tmp-universal`` for a conversion, marked as ours. A leftover of an
+    interrupted conversion (it holds the mark) is cleared; a directory of that name without
+    the mark is someone else's: refused, untouched.
+
+    Raises:
+        InputError: naming the directory and the fix.
+    """
+    work = ckpt / ".tmp-universal"
+    if work.exists():
+        if not (work / SCRATCH_MARK).is_file():
+            raise InputError(
+                f"{work} exists but was not made by a focus-pretrain conversion; move it out "
+                "of the checkpoint and convert again"
+            )
+        shutil.rmtree(work)
+    work.mkdir()
+    (work / SCRATCH_MARK).touch()
+    return work
 
 
 @contextlib.contextmanager

@@ -143,3 +143,33 @@ def test_merged_shards_are_the_whole_tensor():
             assert torch.equal(unshard(pieces, kind), full), (kind, size)
     glu = [shard(full, "glu", rank, 2) for rank in range(2)]
     assert not torch.equal(torch.cat(glu), full)  # a plain concatenation would be wrong
+
+
+def test_a_conversion_deletes_only_its_own_scratch_directory(tmp_path):
+    """``convert_to_universal``'s deletions: a checkpoint it cannot convert (ZeRO stage 0) is
+    refused before anything is touched; a ``.tmp-universal`` it did not make (no mark) is
+    refused and left as it was; its own leftover of an interrupted conversion is cleared."""
+    from focus_pretrain.checkpoint import reshard
+    from focus_pretrain.errors import InputError
+
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    save_config(_config("parallel.zero_stage=0"), ckpt / "config.yaml")
+    foreign = ckpt / ".tmp-universal"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="saved without ZeRO"):
+        reshard.convert_to_universal(ckpt)
+    assert (foreign / "notes.txt").read_text() == "the user's"
+    with pytest.raises(InputError, match=r"\.tmp-universal exists but was not made by"):
+        reshard._scratch(ckpt)
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+    (foreign / "notes.txt").unlink()
+    with pytest.raises(InputError, match="was not made by"):  # empty but unmarked: not ours
+        reshard._scratch(ckpt)
+    (foreign / reshard.SCRATCH_MARK).touch()  # an interrupted conversion of ours
+    (foreign / "source").mkdir()
+    (foreign / "source" / "partial.pt").write_bytes(b"half")
+    work = reshard._scratch(ckpt)
+    assert work == foreign and sorted(p.name for p in work.iterdir()) == [reshard.SCRATCH_MARK]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".tmp-universal", "config.yaml"]
