@@ -300,6 +300,7 @@ def preprocess_corpus(
         json.loads((out / f"{shard_name(k)}.json").read_text()) for k in range(len(shards))
     ]
     manifest = _manifest(units, indexes, shard_stats, settings, Tokenizer(tokenizer))
+    manifest["document_prefix"] = document_prefix  # what every document of the shards begins with
     _write_json(out / MANIFEST, manifest)  # last: the directory is complete once it exists
     stats = _run_stats(out, workers, len(shards), written, manifest, seconds, tokenizer)
     _write_json(out / STATS, stats)
@@ -412,7 +413,6 @@ def _manifest(
             "vocab_size": tok.vocab_size,
             "eod": tok.eod,
         },
-        "document_prefix": tok.document_prefix(settings["add_bos"]),
         "dtype": token_dtype(tok.vocab_size).__name__,
         "text_key": settings["text_key"],
         "shard_documents": settings["shard_documents"],
