@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from focus_pretrain.focus.attention import _request, focus_attention
 from focus_pretrain.focus.backends import AttentionPattern, get_backend
 from focus_pretrain.focus.gate_forms import dot_gate_call
 from focus_pretrain.focus.pattern import pattern_density
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.router import Routing
 
 CHECK_TOKENS = 2048  # prefix whose output and gradients are checked against the reference
@@ -61,24 +63,15 @@ def _trains(name: str, leaves: list[Tensor], case: tuple, cfg, log) -> bool:
     except ValueError:
         return False
     q, k, v, probs = leaves
-    local_only, window, scale = False, cfg.window, cfg.head_dim**-0.5
+    settings = FocusPattern(window=cfg.window, mode=mode, top_k=top_k, gate_form=gate_form)
     if gate_form == "dot":
-        call = dot_gate_call(
-            q, k, v, probs, mode=mode, window=window, gate_lambda=10.0, scale=scale
-        )
-        q, k, v, mode, local_only, window = (
-            call.q,
-            call.k,
-            call.v,
-            call.mode,
-            call.local_only,
-            call.window,
-        )
-    pattern = AttentionPattern(
-        window=window, mode=mode, local_only=local_only, gate_lambda=10.0, softcap=None,
-        scale=scale, probs=probs, groups=probs.shape[-1], top_k=top_k,
-    )  # fmt: skip
-    reason = backend.refusal(_request(q, k, v, pattern, top_k, return_lse=False))
+        call = dot_gate_call(q, k, v, probs, settings)
+        q, k, v, settings = call.q, call.k, call.v, call.pattern
+    scale = cfg.head_dim**-0.5
+    pattern = AttentionPattern.of(
+        replace(settings, scale=scale), probs=probs, groups=probs.shape[-1]
+    )
+    reason = backend.refusal(_request(q, k, v, pattern, return_lse=False))
     if reason is not None:
         log(f"{name} {_label(case)} training step skipped: it does not take {reason}")
     return reason is None

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.bench.report import DTYPES, markdown, median_ms
+from focus_pretrain.focus.backends import AttentionPattern
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs
 from focus_pretrain.focus.router import Routing
@@ -86,7 +87,7 @@ class _Step:
     positions: Tensor
     block: list[Tensor]
     soft: bool
-    options: dict
+    pattern: AttentionPattern  # the settings of every ring step (scale resolved)
     merged: tuple[Tensor, Tensor] | None = None
     d_out: Tensor | None = None
 
@@ -117,20 +118,19 @@ def _build_step(cfg: RingBenchConfig, seq: int, mode: str, step: str, gen) -> _S
         member = Routing(q_probs).membership(cfg.top_k)  # [b, s_loc]
         member_k = Routing(k_probs).membership(cfg.top_k)
     q_probs, k_probs = q_probs.to(dtype), k_probs.to(dtype)
-    options = dict(
-        window=cfg.window, mode=mode, gate_lambda=cfg.gate_lambda, softcap=None,
-        scale=cfg.head_dim**-0.5, local_only=False, sinks=cfg.sinks, kernel="blockwise",
+    pattern = AttentionPattern(
+        window=cfg.window, mode=mode, gate_lambda=cfg.gate_lambda, scale=cfg.head_dim**-0.5,
+        sinks=cfg.sinks,
     )  # fmt: skip
     block = ring._block(k, v, k_pos, k_probs if soft else None, member_k, k_docs)
-    return _Step(q, q_probs if soft else None, member, q_docs, q_pos, block, soft, options)
+    return _Step(q, q_probs if soft else None, member, q_docs, q_pos, block, soft, pattern)
 
 
 def _forward(step: _Step, kernel: str) -> tuple[Tensor, Tensor] | None:
-    options = dict(step.options, kernel=kernel)
     with torch.no_grad():
         return ring._attend(
             step.q, step.probs, step.member, step.docs, step.positions, step.block, step.soft,
-            options, None,
+            ring.RingPlan(step.pattern, kernel), None,
         )  # fmt: skip
 
 
@@ -138,7 +138,7 @@ def _backward(step: _Step, kernel: str) -> list[Tensor]:
     out, lse = step.merged
     return ring._block_grads(
         step.q, step.probs, step.member, step.docs, step.positions, step.block, step.soft,
-        dict(step.options, kernel=kernel), out, lse, step.d_out,
+        ring.RingPlan(step.pattern, kernel), out, lse, step.d_out,
     )  # fmt: skip
 
 

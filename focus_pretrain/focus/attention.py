@@ -45,6 +45,9 @@ is there (flash-attn, or PyTorch's ``varlen_attn`` without soft-capping; measure
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -58,10 +61,11 @@ from focus_pretrain.focus.backends import (
     select_backend,
 )
 from focus_pretrain.focus.builtin_backends import CPU_DECOMPOSED_MIN_SEQ
-from focus_pretrain.focus.gate_forms import GATE_FORMS, attend_with_dot_gate
-from focus_pretrain.focus.pattern import PATTERN_MODES, compute_dtype, document_starts
+from focus_pretrain.focus.gate_forms import attend_with_dot_gate
+from focus_pretrain.focus.pattern import compute_dtype, document_starts
+from focus_pretrain.focus.pattern_settings import FocusPattern, with_settings
 from focus_pretrain.focus.router import Routing
-from focus_pretrain.validation import check_choice, check_int, check_positive
+from focus_pretrain.validation import check_int
 
 __all__ = [
     "CPU_DECOMPOSED_MIN_SEQ",
@@ -69,6 +73,7 @@ __all__ = [
     "AttentionRequest",
     "Backend",
     "Capabilities",
+    "FocusPattern",
     "available_backends",
     "focus_attention",
     "register_backend",
@@ -81,20 +86,13 @@ def focus_attention(
     k: Tensor,
     v: Tensor,
     routing: Routing | Tensor | None = None,
+    pattern: FocusPattern | None = None,
     *,
-    window: int = 128,
-    mode: str = "soft",
-    top_k: int = 1,
     backend: str = "auto",
-    gate_lambda: float = 10.0,
-    softcap: float | None = None,
-    scale: float | None = None,
-    local_only: bool = False,
     return_lse: bool = False,
     check_finite: bool = True,
-    sinks: int = 0,
     documents: Tensor | None = None,
-    gate_form: str = "sigmoid",
+    **settings: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal Focus attention.
 
@@ -103,77 +101,73 @@ def focus_attention(
         k, v: ``[batch, seq, heads_kv, head_dim]`` with ``heads % heads_kv == 0``.
         routing: the layer's :class:`Routing` (or its soft assignments ``[batch, seq, K]``);
             may be ``None`` only with ``local_only=True``.
-        window: local window ``w >= 0``: keys with ``0 <= i - j <= w`` are always attended.
-        mode: ``"soft"`` (training, soft gate), ``"hard"`` (inference, top-k groups) or
-            ``"hard_gated"`` (sparse training: the hard pattern, gated beyond the window).
-        top_k: groups per token in the hard modes, ``1 <= top_k <= K``.
+        pattern: the pattern to compute, a :class:`~focus_pretrain.focus.pattern_settings.
+            FocusPattern` (default: its defaults).
+        settings: any of :class:`FocusPattern`'s settings by name, in place of ``pattern``'s
+            own: ``window`` (local window ``w >= 0``: keys with ``0 <= i - j <= w`` are always
+            attended; default 128), ``mode`` (``"soft"``: training, soft gate; ``"hard"``:
+            inference, top-k groups; ``"hard_gated"``: sparse training, the hard pattern gated
+            beyond the window), ``top_k`` (groups per token in the hard modes, ``1 <= top_k <=
+            K``), ``gate_lambda`` (the soft gate's sharpness), ``gate_form`` (``"sigmoid"``, the
+            paper's gate beyond the window, or ``"dot"``: ``gate_lambda * g_i . g_j`` on every
+            allowed pair, as extra head-dim channels, :mod:`~focus_pretrain.focus.gate_forms`),
+            ``sinks`` (``S >= 0``: keys at positions ``< S`` are attended by every later query,
+            with no gate in soft mode, also in ``local_only`` layers), ``softcap`` (Gemma-2
+            logit soft-capping ``c``, :func:`~focus_pretrain.focus.pattern.soft_cap`, before the
+            pattern), ``scale`` (default ``1 / sqrt(head_dim)``), ``local_only`` (a
+            sliding-window-only layer).
         backend: ``"auto"`` or one of :func:`available_backends`.
-        gate_lambda: sharpness of the soft gate (soft mode).
-        softcap: Gemma-2 logit soft-capping ``c`` (:func:`~focus_pretrain.focus.pattern.soft_cap`),
-            applied before the pattern.
-        scale: score scale, default ``1 / sqrt(head_dim)``.
-        local_only: sliding-window-only layer.
         return_lse: also return the per-query log-sum-exp ``[batch, seq, heads]`` (fp32).
         check_finite: raise ``ValueError`` on NaN/inf inputs (a device sync on GPU).
-        sinks: attention sinks ``S >= 0``: keys at positions ``< S`` are attended by every
-            (later) query, with no gate in soft mode, also in ``local_only`` layers.
         documents: ``[batch, seq]`` integer document ids of packed sequences: a token whose id
             differs from the previous token's starts a new document. Queries attend only keys
             of their own document, and the sinks are the first ``S`` tokens of each document.
             Start positions (:func:`~focus_pretrain.focus.pattern.document_starts`) are valid
             ids. ``None``: one document per sequence.
-        gate_form: ``"sigmoid"`` (the paper's gate, beyond the window) or ``"dot"``
-            (``gate_lambda * g_i . g_j`` on every allowed pair, as extra head-dim channels:
-            :mod:`~focus_pretrain.focus.gate_forms`); no effect with ``local_only``.
 
     Returns:
         ``out`` ``[batch, seq, heads, head_dim]`` in ``q.dtype`` (and ``lse`` if asked).
 
     Raises:
-        ValueError: before any backend runs, on a bad shape or argument, on mixed dtypes
+        TypeError: a keyword that is neither an argument nor a setting.
+        ValueError: before any backend runs, on a bad shape or setting, on mixed dtypes
             (:func:`check_dtypes`: one dtype for ``q``, ``k``, ``v``; routing probabilities
             at most as precise as their compute dtype, e.g. fp32 with bf16) and, with
             ``check_finite``, on NaN/inf inputs; and when the named ``backend`` cannot run the
             call (the reason is named; nothing is substituted).
     """
+    pattern = with_settings(pattern, settings, caller="focus_attention")
     probs = routing.probs if isinstance(routing, Routing) else routing
-    _validate(
-        q, k, v, probs, window=window, mode=mode, top_k=top_k, gate_lambda=gate_lambda,
-        softcap=softcap, scale=scale, local_only=local_only, check_finite=check_finite,
-    )  # fmt: skip
-    check_int("sinks", sinks, low=0)
-    check_choice("gate_form", gate_form, GATE_FORMS)
-    if gate_form == "dot" and not local_only:
+    _validate(q, k, v, probs, pattern, check_finite=check_finite)
+    if pattern.gate_form == "dot" and not pattern.local_only:
         return attend_with_dot_gate(
-            focus_attention, q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda,
-            scale=scale, return_lse=return_lse, top_k=top_k, backend=backend, softcap=softcap,
-            check_finite=False, sinks=sinks, documents=documents,
+            focus_attention, q, k, v, probs, pattern, return_lse=return_lse, backend=backend,
+            check_finite=False, documents=documents,
         )  # fmt: skip
     if documents is not None:
         check_documents(documents, q)
         documents = document_starts(documents)  # [b, s] int64
     member = None
     routing_groups = 0 if probs is None else probs.shape[-1]
-    if local_only:
+    if pattern.local_only:
         probs = None
-    elif mode == "hard":
-        member = Routing(probs).membership(top_k)  # [b, s] int64
+    elif pattern.mode == "hard":
+        member = Routing(probs).membership(pattern.top_k)  # [b, s] int64
         probs = None
-    elif mode == "hard_gated":
-        member = Routing(probs).membership(top_k)  # [b, s] int64 (the choice: not differentiated)
-    pattern = AttentionPattern(
-        window=window, mode=mode, local_only=local_only, gate_lambda=gate_lambda,
-        softcap=softcap, scale=q.shape[-1] ** -0.5 if scale is None else scale, sinks=sinks,
-        probs=probs, member=member, documents=documents,
-        groups=0 if local_only else routing_groups, top_k=top_k,
+    elif pattern.mode == "hard_gated":  # the choice: not differentiated
+        member = Routing(probs).membership(pattern.top_k)  # [b, s] int64
+    scale = q.shape[-1] ** -0.5 if pattern.scale is None else pattern.scale
+    call = AttentionPattern.of(
+        replace(pattern, scale=scale), probs=probs, member=member, documents=documents,
+        groups=0 if pattern.local_only else routing_groups,
     )  # fmt: skip
-    chosen = select_backend(backend, _request(q, k, v, pattern, top_k, return_lse))
-    out, lse = chosen.fn(q, k, v, pattern)
+    chosen = select_backend(backend, _request(q, k, v, call, return_lse))
+    out, lse = chosen.fn(q, k, v, call)
     return (out, lse) if return_lse else out
 
 
 def _request(
-    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, top_k: int, return_lse: bool
+    q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, return_lse: bool
 ) -> AttentionRequest:
     """What the call asks of a backend (shapes ``[b, s, H|Hkv, D]``, device, dtype, pattern)."""
     return AttentionRequest(
@@ -185,7 +179,7 @@ def _request(
         heads_kv=k.shape[2],
         head_dim=q.shape[3],
         mode=pattern.mode,
-        top_k=top_k,
+        top_k=pattern.top_k,
         local_only=pattern.local_only,
         window=pattern.window,
         softcap=pattern.softcap is not None,
@@ -202,14 +196,8 @@ def _validate(
     k: Tensor,
     v: Tensor,
     probs: Tensor | None,
+    pattern: FocusPattern,
     *,
-    window: int,
-    mode: str,
-    top_k: int,
-    gate_lambda: float,
-    softcap: float | None,
-    scale: float | None,
-    local_only: bool,
     check_finite: bool,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -232,13 +220,8 @@ def _validate(
             raise ValueError(f"k/v {what} must equal q's {what} ({want}), got {got}")
     if hkv < 1 or h % hkv != 0:
         raise ValueError(f"heads ({h}) must be divisible by heads_kv ({hkv})")
-    check_int("window", window, low=0)
-    check_choice("mode", mode, PATTERN_MODES)
-    check_positive("gate_lambda", gate_lambda)
-    if softcap is not None:
-        check_positive("softcap", softcap)
-    if scale is not None:
-        check_positive("scale", scale)
+    pattern.check()
+    local_only = pattern.local_only
     if probs is None:
         if not local_only:
             raise ValueError("routing is required unless local_only=True (a sliding-window layer)")
@@ -248,7 +231,9 @@ def _validate(
             raise ValueError(f"routing.probs must be [batch={b}, seq={s}, K], got {shape}")
         if probs.device != q.device:
             raise ValueError(f"routing.probs must be on {q.device}, got {probs.device}")
-        check_int("top_k", top_k, low=1, high=probs.shape[-1], high_name="K (number of groups)")
+        check_int(
+            "top_k", pattern.top_k, low=1, high=probs.shape[-1], high_name="K (number of groups)"
+        )
     check_dtypes(q, k, v, None if local_only else probs)
     if check_finite:
         raise_if_not_finite(q=q, k=k, v=v, **{"routing.probs": None if local_only else probs})

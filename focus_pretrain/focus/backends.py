@@ -25,49 +25,41 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from focus_pretrain.focus.pattern_settings import FocusPattern
+
 # local: a sliding-window layer (no routing); hard_gated: the hard pattern with the soft gate on
 # its routed pairs (sparse training)
 MODES = ("soft", "hard", "hard_gated", "local")
 
 
 @dataclass(frozen=True)
-class AttentionPattern:
-    """The Focus pattern one call computes (:mod:`focus_pretrain.focus.pattern`), validated by
-    :func:`~focus_pretrain.focus.attention.focus_attention`.
+class AttentionPattern(FocusPattern):
+    """The Focus pattern one call computes (:mod:`focus_pretrain.focus.pattern`): its settings
+    (:class:`~focus_pretrain.focus.pattern_settings.FocusPattern`: window, mode, ``top_k``, the
+    gate's parameters, sinks, soft-capping, ``scale`` resolved to a number) and the call's
+    tensors, validated by :func:`~focus_pretrain.focus.attention.focus_attention`. Built with
+    :meth:`of`.
 
     Attributes:
-        window: the local window ``w >= 0``.
-        mode: ``"soft"``, ``"hard"`` or ``"hard_gated"`` (ignored when ``local_only``).
-        local_only: a sliding-window layer: the window and the sinks only.
-        gate_lambda: the soft gate's sharpness; softcap: logit soft-capping or ``None``.
-        scale: the score scale.
-        sinks: attention sinks ``S >= 0`` (the first ``S`` tokens of each document).
         probs: ``[b, s, K]`` soft assignments (soft and hard_gated modes), else ``None``.
         member: ``[b, s]`` int64 membership bitmasks (hard and hard_gated modes), else
             ``None``.
         documents: ``[b, s]`` int64 document starts, or ``None`` (one document per sample).
-        groups: ``K``, the number of groups (0 for a sliding-window layer); top_k: groups per
-            token in hard mode. Static ints: they bound the group-sorted layout's segment
-            table (:func:`~focus_pretrain.focus.sorted_layout.segment_slots`).
+        groups: ``K``, the number of groups (0 for a sliding-window layer); with ``top_k``, a
+            static int that bounds the group-sorted layout's segment table
+            (:func:`~focus_pretrain.focus.sorted_layout.segment_slots`).
     """
 
-    window: int
-    mode: str
-    local_only: bool
-    gate_lambda: float
-    softcap: float | None
-    scale: float
-    sinks: int = 0
     probs: Tensor | None = None
     member: Tensor | None = None
     documents: Tensor | None = None
     groups: int = 0
-    top_k: int = 1
 
-    @property
-    def kind(self) -> str:
-        """``"local"``, ``"soft"``, ``"hard"`` or ``"hard_gated"``: what the pattern is."""
-        return "local" if self.local_only else self.mode
+    @classmethod
+    def of(cls, settings: FocusPattern, **tensors) -> AttentionPattern:
+        """``settings`` with the call's ``tensors`` (``probs``, ``member``, ``documents``,
+        ``groups``)."""
+        return cls(**settings.settings(), **tensors)
 
 
 BackendFn = Callable[[Tensor, Tensor, Tensor, AttentionPattern], tuple[Tensor, Tensor]]

@@ -8,12 +8,15 @@ builds this dataclass from the ``focus:`` section). Defaults follow the paper's 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from focus_pretrain.focus import backends as registry
 from focus_pretrain.focus import builtin_backends  # noqa: F401  (fills the registry)
-from focus_pretrain.focus.gate_forms import GATE_FORMS, dot_gate_pattern
+from focus_pretrain.focus.gate_forms import dot_gate_pattern
+from focus_pretrain.focus.pattern_settings import GATE_FORMS, PATTERN_FIELDS, FocusPattern
 from focus_pretrain.focus.router import BALANCE_MODES, MAX_GROUPS
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
@@ -148,6 +151,14 @@ class FocusConfig:
         self._check_inference_backend()
         self._check_training_backend()
 
+    def pattern(self, **changes: Any) -> FocusPattern:
+        """The attention pattern's settings of this recipe: every
+        :class:`~focus_pretrain.focus.pattern_settings.FocusPattern` field this config has by
+        the same name (window, top_k, the gate's parameters, sinks), with ``changes`` (a
+        layer's own: mode, window, sinks, softcap, scale, local_only) in their place."""
+        shared = {name: getattr(self, name) for name in PATTERN_FIELDS if name in CONFIG_FIELDS}
+        return FocusPattern(**{**shared, **changes})
+
     @property
     def training_pattern(self) -> str:
         """The attention mode sparse or soft training computes (after any warm-up):
@@ -195,3 +206,6 @@ class FocusConfig:
             f"{get_backend(name).capabilities.describe()} only, got top_k={self.top_k}, "
             f"inference_mode={self.inference_mode!r}; use 'auto' or one of {others}"
         )
+
+
+CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(FocusConfig))

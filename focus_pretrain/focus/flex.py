@@ -56,15 +56,13 @@ except ImportError:  # pragma: no cover - older PyTorch
 
 from focus_pretrain.focus.backends import AttentionPattern
 from focus_pretrain.focus.compiled import dispatch_mode_on, fused_on_cuda, raise_recompile_limit
+from focus_pretrain.focus.flex_mods import gate_score_mod, softcap_mod
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import (
-    at_least_fp32,
     compute_dtype,
     groups_intersect,
     member_bits,
     pair_rule,
-    soft_cap,
-    soft_gate,
 )
 from focus_pretrain.focus.pattern_blocks import (
     block_bounds,
@@ -72,6 +70,7 @@ from focus_pretrain.focus.pattern_blocks import (
     ranges_overlap,
     summarise_blocks,
 )
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
 
 DEFAULT_BLOCK = 128  # FlexAttention's sparse block size
@@ -317,28 +316,6 @@ def causal_block_mask(
     return _static_mask(("causal", seq_len, block, str(device)), mask_mod, build)
 
 
-def score_constant(value: float | None, like: Tensor) -> Tensor | None:
-    """A float for a ``score_mod`` as a captured 0-dim tensor (``like``'s compute dtype and
-    device). A Python float in the closure would become a symbolic float for dynamo once it
-    changes between calls (floats are not specialised), which FlexAttention's tracing refuses."""
-    if value is None:
-        return None
-    return torch.full((), value, dtype=compute_dtype(like.dtype), device=like.device)
-
-
-def softcap_mod(softcap: float | None, like: Tensor):
-    """Soft-capping (:func:`~focus_pretrain.focus.pattern.soft_cap`) as a ``score_mod``
-    (``None`` without)."""
-    cap = score_constant(softcap, like)
-    if cap is None:
-        return None
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return soft_cap(score, cap)
-
-    return score_mod
-
-
 def same_group(
     q: Tensor,
     k: Tensor,
@@ -364,34 +341,24 @@ def same_group_gated(
     v: Tensor,
     layout: GroupSortedLayout,
     probs: Tensor,
+    pattern: FocusPattern,
     *,
-    window: int,
-    sinks: int,
-    gate_lambda: float,
-    scale: float,
-    softcap: float | None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """:func:`same_group` with the soft gate on the pairs beyond the window whose key is not a
     sink (the hard_gated mode's routed pairs): ``[T, H|Hkv, D]`` and the packed soft assignments
-    ``probs [T, K]`` -> ``([T, H, D], [T, H])``; differentiable in ``probs`` through the gate."""
-    g_q, g_k = gate_tables(probs[None])  # K x [1, T] each: one table per group and side
-    cap, lam = score_constant(softcap, q), score_constant(gate_lambda, q)
+    ``probs [T, K]`` -> ``([T, H, D], [T, H])``; differentiable in ``probs`` through the gate.
+    ``pattern``: the window, sinks, gate, soft-capping and (resolved) scale."""
     position = layout.position  # [T] position in the sample (pairs are of one sample)
     doc = layout.document
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = soft_cap(score, cap)
-        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
-        k_doc = None if doc is None or not sinks else doc[kv_idx]
-        _, near = pair_rule(
-            position[q_idx], position[kv_idx], window=window, sinks=sinks, k_doc=k_doc
-        )
-        return score + torch.where(near, torch.zeros_like(gate), gate)
-
+    score_mod = gate_score_mod(
+        pattern, probs[None], None, q,
+        q_pos=lambda b, i: position[i], k_pos=lambda b, i: position[i],
+        k_doc=None if doc is None else lambda b, i: doc[i],
+    )  # fmt: skip
     mask = same_group_block_mask(layout, block)
     out, lse = _call(
-        q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=score_mod
+        q[None], k[None], v[None], block_mask=mask, scale=pattern.scale, score_mod=score_mod
     )  # [1, T, H, D], [1, T, H]
     return out[0], lse[0]
 
@@ -421,59 +388,26 @@ def band(
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=softcap_mod(softcap, q))
 
 
-def gate_tables(probs_q: Tensor, probs_k: Tensor | None = None) -> tuple[list, list]:
-    """The soft assignments of the queries ``probs_q [b, Lq, K]`` and of the keys ``probs_k
-    [b, Lk, K]`` (default: the same) as ``K`` query-side and ``K`` key-side tables ``[b, L]``
-    (at least fp32), each its own tensor: compiled FlexAttention cannot differentiate a
-    ``score_mod`` that indexes one tensor twice (torch 2.11: "multiple indexing operations on
-    the same tensor that requires gradients"), so every table is read once."""
-    g_q = at_least_fp32(probs_q)
-    g_k = g_q if probs_k is None else at_least_fp32(probs_k)
-    num_groups = g_q.shape[-1]
-    tables_q = [g_q[..., c].contiguous() for c in range(num_groups)]  # K x [b, Lq]
-    tables_k = [g_k[..., c].clone(memory_format=torch.contiguous_format) for c in range(num_groups)]
-    return tables_q, tables_k
-
-
-def pair_gate(g_q: list, g_k: list, lam: Tensor, b, q_idx, kv_idx) -> Tensor:
-    """Inside a ``score_mod``: the gate (:func:`~focus_pretrain.focus.pattern.soft_gate`) of
-    the pair ``(q_idx, kv_idx)`` of sample ``b``, from :func:`gate_tables`' per-group tables."""
-    affinity = g_q[0][b, q_idx] * g_k[0][b, kv_idx]
-    for c in range(1, len(g_q)):
-        affinity = affinity + g_q[c][b, q_idx] * g_k[c][b, kv_idx]
-    return soft_gate(affinity, lam)
-
-
 def soft(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     probs: Tensor,
+    pattern: FocusPattern,
     *,
-    window: int,
-    gate_lambda: float,
-    scale: float,
-    softcap: float | None,
-    sinks: int = 0,
     documents: Tensor | None = None,
     block: int = DEFAULT_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``,
     applied beyond the window to keys that are not sinks (positions ``>= sinks``, counted from
     the document start with ``documents [b, n]``, which also confine each query to its
-    document)."""
-    g_q, g_k = gate_tables(probs)  # K x [b, n] each: one table per group and side
-    cap, lam = score_constant(softcap, q), score_constant(gate_lambda, q)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = soft_cap(score, cap)
-        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
-        k_doc = None if documents is None or not sinks else documents[b, kv_idx]
-        _, near = pair_rule(q_idx, kv_idx, window=window, sinks=sinks, k_doc=k_doc)
-        return score + torch.where(near, torch.zeros_like(gate), gate)  # the mask is causal
-
+    document). ``pattern``: the window, sinks, gate, soft-capping and (resolved) scale."""
+    score_mod = gate_score_mod(
+        pattern, probs, None, q, q_pos=lambda b, i: i, k_pos=lambda b, i: i,
+        k_doc=None if documents is None else lambda b, i: documents[b, i],
+    )  # fmt: skip
     mask = causal_block_mask(q.shape[1], q.device, block, documents=documents)
-    return _call(q, k, v, block_mask=mask, scale=scale, score_mod=score_mod)
+    return _call(q, k, v, block_mask=mask, scale=pattern.scale, score_mod=score_mod)
 
 
 def flex_focus_attention(
@@ -490,18 +424,13 @@ def flex_focus_attention(
     if pattern.local_only:
         return band(q, k, v, member=None, **band_kwargs)
     if pattern.mode == "soft":
-        return soft(
-            q, k, v, pattern.probs, window=pattern.window, gate_lambda=pattern.gate_lambda,
-            scale=scale, softcap=softcap, sinks=pattern.sinks, documents=documents, block=block,
-        )  # fmt: skip
+        return soft(q, k, v, pattern.probs, pattern, documents=documents, block=block)
     layout = GroupSortedLayout.of_pattern(pattern)
     packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
     if pattern.mode == "hard_gated":  # sparse training: the routed pairs gated
         out_a, lse_a = same_group_gated(
-            *packed, layout, layout.pack(pattern.probs), window=pattern.window,
-            sinks=pattern.sinks, gate_lambda=pattern.gate_lambda, scale=scale, softcap=softcap,
-            block=block,
-        )  # fmt: skip
+            *packed, layout, layout.pack(pattern.probs), pattern, block=block
+        )
     else:
         out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]

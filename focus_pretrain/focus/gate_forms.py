@@ -28,14 +28,23 @@ Experiment E6 (docs/experiments.md) compares the two forms.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from focus_pretrain.focus.pattern import UNLIMITED_WINDOW
+from focus_pretrain.focus.pattern_settings import GATE_FORMS, FocusPattern
 
-GATE_FORMS = ("sigmoid", "dot")
+__all__ = [
+    "CHANNEL_MULTIPLE",
+    "GATE_FORMS",
+    "DotGateCall",
+    "attend_with_dot_gate",
+    "dot_gate_call",
+    "dot_gate_channels",
+    "dot_gate_pattern",
+]
 CHANNEL_MULTIPLE = 8  # the extra channels are padded to a multiple of 8 (flash kernels' rule)
 
 
@@ -46,10 +55,10 @@ class DotGateCall:
     Attributes:
         q, k, v: ``[b, s, H|Hkv, D + P]``: the channels appended (``v``: zeros).
         probs: the routing to pass (``None`` for the soft pattern: no routing is read).
-        mode: ``"hard"`` (the hard pattern, either hard mode) or ``"soft"``.
-        window: the call's window (unlimited for the soft pattern).
-        local_only: ``True`` for the soft pattern (plain causal attention).
-        scale: the original call's score scale (the head dim grew, the scale must not).
+        pattern: the call's pattern: the hard pattern (either hard mode) with the original
+            window, or plain causal attention (the soft pattern: ``local_only``, an unlimited
+            window); the ``sigmoid`` form (no gate of its own) and the original call's score
+            scale (the head dim grew, the scale must not).
         head_dim: ``D``: the output's width to keep (``out[..., :D]``).
     """
 
@@ -57,10 +66,7 @@ class DotGateCall:
     k: Tensor
     v: Tensor
     probs: Tensor | None
-    mode: str
-    window: int
-    local_only: bool
-    scale: float
+    pattern: FocusPattern
     head_dim: int
 
 
@@ -96,30 +102,26 @@ def dot_gate_channels(
 
 
 def dot_gate_call(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    probs: Tensor,
-    *,
-    mode: str,
-    window: int,
-    gate_lambda: float,
-    scale: float | None,
+    q: Tensor, k: Tensor, v: Tensor, probs: Tensor, pattern: FocusPattern
 ) -> DotGateCall:
-    """The call that computes Focus attention of ``mode`` (``"soft"``, ``"hard"`` or
+    """The call that computes Focus attention of ``pattern`` (mode ``"soft"``, ``"hard"`` or
     ``"hard_gated"``) with the ``dot`` gate form: the channels of :func:`dot_gate_channels`,
     and the soft pattern as plain causal attention, either hard mode as the hard pattern.
 
     Args:
         q: ``[b, s, H, D]``; k, v: ``[b, s, Hkv, D]``; probs: ``[b, s, K]``.
-        scale: the score scale, ``None`` for ``1 / sqrt(D)``.
+        pattern: the call's settings (``scale``: ``None`` for ``1 / sqrt(D)``).
     """
     head_dim = q.shape[-1]
-    scale = head_dim**-0.5 if scale is None else scale
-    q, k, v = dot_gate_channels(q, k, v, probs, gate_lambda=gate_lambda, scale=scale)
-    if dot_gate_pattern(mode) == "local":
-        return DotGateCall(q, k, v, None, "soft", UNLIMITED_WINDOW, True, scale, head_dim)
-    return DotGateCall(q, k, v, probs, "hard", window, False, scale, head_dim)
+    scale = head_dim**-0.5 if pattern.scale is None else pattern.scale
+    q, k, v = dot_gate_channels(q, k, v, probs, gate_lambda=pattern.gate_lambda, scale=scale)
+    rewritten = dict(scale=scale, gate_form="sigmoid", local_only=False)
+    if dot_gate_pattern(pattern.mode) == "local":
+        rewritten.update(mode="soft", window=UNLIMITED_WINDOW, local_only=True)
+        probs = None
+    else:
+        rewritten.update(mode="hard")
+    return DotGateCall(q, k, v, probs, replace(pattern, **rewritten), head_dim)
 
 
 def attend_with_dot_gate(
@@ -128,28 +130,19 @@ def attend_with_dot_gate(
     k: Tensor,
     v: Tensor,
     probs: Tensor,
+    pattern: FocusPattern,
     *,
-    mode: str,
-    window: int,
-    gate_lambda: float,
-    scale: float | None,
     return_lse: bool = False,
     **kwargs,
 ):
-    """``attend(q, k, v, probs, **options)`` (``focus_attention``'s signature) computing the
-    ``dot`` form of a call of ``mode``: the rewritten call of :func:`dot_gate_call`, its output
-    cut back to ``D`` channels. ``[b, s, H, D]`` out (and the log-sum-exp with ``return_lse``);
-    ``kwargs`` go to ``attend`` unchanged (backend, top_k, softcap, sinks, documents, ...)."""
-    call = dot_gate_call(
-        q, k, v, probs, mode=mode, window=window, gate_lambda=gate_lambda, scale=scale
-    )
-    kwargs.pop("local_only", None)  # a routed call's (False): the rewritten call sets its own
+    """``attend(q, k, v, probs, pattern, **options)`` (``focus_attention``'s signature)
+    computing the ``dot`` form of ``pattern``: the rewritten call of :func:`dot_gate_call`, its
+    output cut back to ``D`` channels. ``[b, s, H, D]`` out (and the log-sum-exp with
+    ``return_lse``); ``kwargs`` go to ``attend`` unchanged (backend, documents, ...)."""
+    call = dot_gate_call(q, k, v, probs, pattern)
     if return_lse:
         kwargs["return_lse"] = True
-    out = attend(
-        call.q, call.k, call.v, call.probs, mode=call.mode, window=call.window,
-        local_only=call.local_only, scale=call.scale, gate_lambda=gate_lambda, **kwargs,
-    )  # fmt: skip  # [b, s, H, D + P]
+    out = attend(call.q, call.k, call.v, call.probs, call.pattern, **kwargs)  # [b, s, H, D + P]
     if return_lse:
         return out[0][..., : call.head_dim], out[1]  # [b, s, H, D + P] -> [b, s, H, D]
     return out[..., : call.head_dim]  # [b, s, H, D + P] -> [b, s, H, D]

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.focus.backends import AttentionPattern
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.soft_triton_launch import (
     BackwardState,
     Launch,
@@ -253,12 +254,8 @@ def attend(
     v: Tensor,
     probs_q: Tensor | None,
     probs_k: Tensor | None,
+    pattern: FocusPattern,
     *,
-    window: int,
-    gate_lambda: float,
-    scale: float,
-    softcap: float | None = None,
-    sinks: int = 0,
     doc_q: Tensor | None = None,
     doc_k: Tensor | None = None,
     pos_q: Tensor | None = None,
@@ -273,6 +270,8 @@ def attend(
         q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]`` (one dtype, ``D`` in :data:`HEAD_DIMS`).
         probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (the same tensor for
             self-attention), or ``None`` for a sliding-window layer.
+        pattern: the window, the gate, soft-capping, the sinks and the scale (a number; its
+            mode is the caller's: the assignments given or not say soft or sliding window).
         doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts (global positions), or ``None``.
         pos_q, pos_k: ``[Lq]``/``[b, Lq]`` and ``[Lk]``/``[b, Lk]`` increasing global
             positions (a ring step's blocks), or ``None``: one sequence, positions ``0..L-1``
@@ -286,9 +285,11 @@ def attend(
         gets ``out = 0`` and ``lse = -inf``.
     """
     _check_launch(q, k, probs_q)
+    softcap = None if pattern.softcap is None else float(pattern.softcap)
     out, lse = torch.ops.focus_pretrain.soft_attention_forward(
-        q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(window), float(gate_lambda),
-        None if softcap is None else float(softcap), float(scale), int(sinks), bool(packed),
+        q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(pattern.window),
+        float(pattern.gate_lambda), softcap, float(pattern.scale), int(pattern.sinks),
+        bool(packed),
     )  # fmt: skip
     return out, lse.transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
 
@@ -318,10 +319,10 @@ def soft_gated_attention(
         ``(out [b, n, H, D] in q.dtype, lse [b, n, H] fp32)``; ``out`` is differentiable in
         ``q``, ``k``, ``v`` and ``probs``.
     """
-    return attend(
-        q, k, v, probs, probs, window=window, gate_lambda=gate_lambda, scale=scale,
-        softcap=softcap, sinks=sinks, doc_q=documents, doc_k=documents,
-    )  # fmt: skip
+    pattern = FocusPattern(
+        window=window, gate_lambda=gate_lambda, scale=scale, softcap=softcap, sinks=sinks
+    )
+    return attend(q, k, v, probs, probs, pattern, doc_q=documents, doc_k=documents)
 
 
 def triton_focus_attention(
@@ -331,8 +332,6 @@ def triton_focus_attention(
     sliding-window layers; not the hard one."""
     if not pattern.local_only and (pattern.mode != "soft" or pattern.probs is None):
         raise ValueError("the triton backend computes the soft pattern, not the hard one")
-    return soft_gated_attention(
-        q, k, v, None if pattern.local_only else pattern.probs, window=pattern.window,
-        gate_lambda=pattern.gate_lambda, scale=pattern.scale, softcap=pattern.softcap,
-        sinks=pattern.sinks, documents=pattern.documents,
-    )  # fmt: skip
+    probs = None if pattern.local_only else pattern.probs
+    docs = pattern.documents
+    return attend(q, k, v, probs, probs, pattern, doc_q=docs, doc_k=docs)

@@ -24,6 +24,8 @@ heads, head_dim]``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -57,10 +59,10 @@ def sorted_top1_attention(
     q_p, k_p, v_p = (layout.pack(t)[None] for t in (q, k, v))  # [1, b * n, H|Hkv, D]
     gated = pattern.mode == "hard_gated"
     probs = layout.pack(pattern.probs)[None] if gated else None  # [1, T, K] differentiable
+    # the same-group pairs: gated beyond the window and the sinks (hard_gated), or all of them
+    same = pattern if gated else replace(pattern, window=layout.seq, sinks=0)
     out, lse = attend(
-        q_p, k_p, v_p, probs, probs, window=pattern.window if gated else layout.seq,
-        gate_lambda=pattern.gate_lambda, scale=pattern.scale, softcap=pattern.softcap,
-        sinks=pattern.sinks if gated else 0, doc_q=start, doc_k=start, pos_q=rule_pos,
+        q_p, k_p, v_p, probs, probs, same, doc_q=start, doc_k=start, pos_q=rule_pos,
         pos_k=rule_pos, packed=True,
     )  # fmt: skip  # [1, T, H, D], [1, T, H]
     same_group = (layout.unpack(out[0]), layout.unpack(lse[0]))  # [b, n, H, D], [b, n, H]

@@ -154,22 +154,18 @@ class FocusCoreAttention(MegatronModule):
                     "focus_pretrain.parallel.apply_context_parallel(model, group, cp_mode)"
                 )
             attention = self.attention_fn
+        pattern = self.focus.pattern(
+            window=window, mode=mode, local_only=local_only, softcap=self.softcap,
+            scale=self.softmax_scale, sinks=self.sinks,
+        )  # fmt: skip  # the recipe's settings, this layer's window, sinks and scale
         out = attention(
             q,
             k,
             v,
             routing,
-            window=window,
-            mode=mode,
-            top_k=self.focus.top_k,
-            gate_lambda=self.focus.gate_lambda,
-            softcap=self.softcap,
-            gate_form=self.focus.gate_form,
-            scale=self.softmax_scale,
-            local_only=local_only,
+            pattern,
             check_finite=self.focus.check_finite,
             backend=self.focus.backend if mode != "hard" else self.focus.inference_backend,
-            **({"sinks": self.sinks} if self.sinks else {}),
             **({"documents": documents} if documents is not None else {}),
         )  # [b, s, np, d]
         return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]

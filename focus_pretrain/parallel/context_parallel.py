@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from torch import Tensor
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.backends import get_backend, ring_backend_names
 from focus_pretrain.focus.gate_forms import attend_with_dot_gate
+from focus_pretrain.focus.pattern_settings import PATTERN_FIELDS, FocusPattern, with_settings
 from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
 from focus_pretrain.parallel.config import check_cp_heads, check_cp_seq_length
 from focus_pretrain.parallel.ring import RingStats, check_document_starts, ring_focus_attention
@@ -99,6 +101,7 @@ def a2a_focus_attention(
     k: Tensor,
     v: Tensor,
     probs: Tensor | None,
+    pattern: FocusPattern | None = None,
     *,
     group: dist.ProcessGroup,
     documents: Tensor | None = None,
@@ -107,8 +110,8 @@ def a2a_focus_attention(
     """Ulysses context parallelism: ``[b, s_loc, H, D]`` -> ``[b, s_loc, H, D]``.
 
     ``documents``: ``[b, s_loc]`` int64 document starts of this rank's tokens, all-gathered to
-    ``[b, S]`` in global order. ``attention_kwargs`` go to :func:`focus_attention` (window,
-    mode, top_k, backend, ...).
+    ``[b, S]`` in global order. ``pattern`` and ``attention_kwargs`` go to
+    :func:`focus_attention` (the pattern's settings, backend, check_finite, ...).
     """
     cp_size = dist.get_world_size(group)
     heads = q.shape[2]
@@ -122,7 +125,7 @@ def a2a_focus_attention(
             documents, documents[..., None, None], torch.arange(total, device=documents.device)
         )
     out = focus_attention(
-        q_h, k_h, v_h, routing, documents=documents, **attention_kwargs
+        q_h, k_h, v_h, routing, pattern, documents=documents, **attention_kwargs
     )  # [b, S, H/CP, D]
     return _heads_to_seq(out, group)
 
@@ -132,12 +135,14 @@ def context_parallel_attention(
     k: Tensor,
     v: Tensor,
     probs: Tensor | None,
+    pattern: FocusPattern | None = None,
     *,
     group: dist.ProcessGroup,
     cp_mode: str,
     stats: RingStats | None = None,
     documents: Tensor | None = None,
-    **attention_kwargs,
+    backend: str = "auto",
+    **options: Any,
 ) -> Tensor:
     """Focus attention of this rank's tokens over the whole (sharded) sequence.
 
@@ -145,6 +150,10 @@ def context_parallel_attention(
         q: ``[b, s_loc, H, D]``; k, v: ``[b, s_loc, Hkv, D]`` (this rank's zigzag shard).
         probs: ``[b, s_loc, K]`` soft assignments of this rank's tokens, or ``None``
             (``local_only``).
+        pattern: the pattern to compute (a :class:`~focus_pretrain.focus.pattern_settings.
+            FocusPattern`); ``options`` may name any of its settings in place of its own, as
+            for :func:`focus_attention`. The ``dot`` gate form's channels are appended to this
+            rank's tokens before the exchange.
         group: the context-parallel process group.
         cp_mode: ``"a2a"`` or ``"ring"``.
         stats: a :class:`~focus_pretrain.parallel.ring.RingStats` to count skipped ring blocks.
@@ -154,22 +163,22 @@ def context_parallel_attention(
             per-token ids (they cannot be normalised per shard); ``None``: one document per
             sequence. The ring checks them against its positions
             (:func:`~focus_pretrain.parallel.ring.check_document_starts`).
-        attention_kwargs: as :func:`focus_attention` (window, mode, top_k, gate_lambda,
-            gate_form (``"dot"``: the channels appended to this rank's tokens before the
-            exchange; then ``mode``, ``window``, ``gate_lambda`` and ``scale`` must be given),
-            softcap, scale, local_only, check_finite, sinks, backend; the ring computes every block
-            with the exact per-block attention, so it takes only the backends
-            :func:`~focus_pretrain.focus.backends.ring_backend_names`).
+        backend: as for :func:`focus_attention`; the ring computes every block with the exact
+            per-block attention, so it takes only the backends
+            :func:`~focus_pretrain.focus.backends.ring_backend_names`.
+        options: the pattern's settings by name, ``check_finite``, and the ring's
+            ``block_kernel``.
 
     Returns:
         ``[b, s_loc, H, D]``.
     """
-    dot = attention_kwargs.pop("gate_form", "sigmoid") == "dot"
-    if dot and not attention_kwargs.get("local_only"):  # mode, window, gate_lambda, scale given
-        options = dict(group=group, cp_mode=cp_mode, stats=stats, documents=documents)
+    settings = {name: options.pop(name) for name in PATTERN_FIELDS if name in options}
+    pattern = with_settings(pattern, settings, caller="context_parallel_attention")
+    if pattern.gate_form == "dot" and not pattern.local_only:
+        call = dict(group=group, cp_mode=cp_mode, stats=stats, documents=documents)
         return attend_with_dot_gate(
-            functools.partial(context_parallel_attention, **options), q, k, v, probs,
-            **attention_kwargs,
+            functools.partial(context_parallel_attention, **call), q, k, v, probs, pattern,
+            backend=backend, **options,
         )  # fmt: skip
     cp_size = dist.get_world_size(group)
     check_cp_seq_length(q.shape[1] * cp_size, cp_size)
@@ -177,20 +186,19 @@ def context_parallel_attention(
     if documents is not None:
         documents = check_document_starts(documents, q)  # [b, s_loc] int64
     if cp_mode == "a2a":
-        attention_kwargs.pop("block_kernel", None)  # the ring's per-block kernel: no ring here
+        options.pop("block_kernel", None)  # the ring's per-block kernel: no ring here
         return a2a_focus_attention(
-            q, k, v, probs, group=group, documents=documents, **attention_kwargs
+            q, k, v, probs, pattern, group=group, documents=documents, backend=backend, **options
         )
-    backend = attention_kwargs.pop("backend", "auto")
     kernel = ring_block_kernel(backend)
-    given = attention_kwargs.setdefault("block_kernel", kernel)
+    given = options.setdefault("block_kernel", kernel)
     if kernel != "auto" and given != kernel:
         raise ValueError(
             f"backend {backend!r} runs the ring's {kernel!r} block kernel, not "
             f"block_kernel={given!r}: name one of them"
         )
     return ring_focus_attention(
-        q, k, v, probs, group=group, stats=stats, documents=documents, **attention_kwargs
+        q, k, v, probs, pattern, group=group, stats=stats, documents=documents, **options
     )
 
 
@@ -246,11 +254,11 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, cp_
     cp_size = dist.get_world_size(group)
     stats = RingStats()
 
-    def attention(q, k, v, routing, documents: Tensor | None = None, **kwargs) -> Tensor:
+    def attention(q, k, v, routing, pattern=None, documents=None, **kwargs) -> Tensor:
         probs = routing.probs if isinstance(routing, Routing) else routing
         return context_parallel_attention(
-            q, k, v, probs, group=group, cp_mode=cp_mode, stats=stats, documents=documents,
-            **kwargs,
+            q, k, v, probs, pattern, group=group, cp_mode=cp_mode, stats=stats,
+            documents=documents, **kwargs,
         )  # fmt: skip
 
     def route_options(local_len: int) -> dict:

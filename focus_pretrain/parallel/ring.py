@@ -53,7 +53,8 @@ Layout: ``[batch, seq_local, heads, head_dim]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,7 @@ from focus_pretrain.focus.backends import AttentionPattern, BlockSide
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32
 from focus_pretrain.focus.pattern_blocks import block_has_pair
+from focus_pretrain.focus.pattern_settings import FocusPattern, with_settings
 from focus_pretrain.focus.reference import attend_block
 from focus_pretrain.parallel.ring_kernels import (
     RING_BLOCK_KERNELS,
@@ -73,7 +75,6 @@ from focus_pretrain.parallel.ring_kernels import (
     ring_request,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
-from focus_pretrain.validation import check_int
 
 SCORE_BUDGET = 1 << 26  # scores (fp32: 256 MiB) one ring step holds at a time
 FUSED_KERNELS = {  # one call per step
@@ -109,15 +110,15 @@ def _wait(requests: list) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, probs, member, positions, docs, group, options, stats):
+    def forward(ctx, q, k, v, probs, member, positions, docs, group, plan, stats):
         size = dist.get_world_size(group)
-        gated = _gated(options)  # the assignments travel and get gradients (soft, hard_gated)
+        gated = _gated(plan)  # the assignments travel and get gradients (soft, hard_gated)
         block = _block(k, v, positions, probs if gated else None, member, docs)
         out = lse = None
         computed = []  # per step: was the visiting block attended (backward skips the same)
         for step in range(size):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
-            result = _attend(q, probs, member, docs, positions, block, gated, options, stats)
+            result = _attend(q, probs, member, docs, positions, block, gated, plan, stats)
             computed.append(result is not None)
             if result is not None:
                 out, lse = result if out is None else merge_by_lse((out, lse), result)
@@ -126,13 +127,13 @@ class _RingAttention(torch.autograd.Function):
         if out is None:  # cannot happen: a rank's own block holds its diagonal
             raise RuntimeError("ring attention computed no block")
         ctx.save_for_backward(q, k, v, probs, member, positions, docs, out, lse)
-        ctx.group, ctx.options, ctx.gated, ctx.computed = group, options, gated, computed
+        ctx.group, ctx.plan, ctx.gated, ctx.computed = group, plan, gated, computed
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, probs, member, positions, docs, out, lse = ctx.saved_tensors
-        group, options, gated = ctx.group, ctx.options, ctx.gated
+        group, plan, gated = ctx.group, ctx.plan, ctx.gated
         size = dist.get_world_size(group)
         block = _block(k, v, positions, probs if gated else None, member, docs)
         grads = [torch.zeros_like(at_least_fp32(t)) for t in (k, v)]  # accumulators
@@ -145,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
             requests, incoming = _exchange(block, group) if step < size - 1 else ([], None)
             if ctx.computed[step]:
                 shares = _block_grads(
-                    q, probs, member, docs, positions, block, gated, options, out, lse, d_out
+                    q, probs, member, docs, positions, block, gated, plan, out, lse, d_out
                 )
                 d_q += shares[0]
                 for acc, g in zip(grads, shares[1:-1] if gated else shares[1:], strict=True):
@@ -162,10 +163,18 @@ class _RingAttention(torch.autograd.Function):
         return d_q.to(q.dtype), d_k, d_v, d_p, None, None, None, None, None, None
 
 
-def _gated(options: dict) -> bool:
+class RingPlan(NamedTuple):
+    """What every ring step computes: the pattern's settings (``scale`` resolved; the blocks
+    carry the tokens' data) and the per-block kernel's name."""
+
+    pattern: AttentionPattern
+    kernel: str
+
+
+def _gated(plan: RingPlan) -> bool:
     """Whether the gate applies (soft, or hard_gated: sparse training), so that the soft
     assignments travel with their block and get gradients."""
-    return options["mode"] in ("soft", "hard_gated") and not options["local_only"]
+    return plan.pattern.kind in ("soft", "hard_gated")
 
 
 def _block(k, v, positions, probs, member, docs) -> list[Tensor]:
@@ -190,24 +199,24 @@ def _row_chunks(q: Tensor, keys: int) -> list[slice]:
     return [slice(start, min(n, start + rows)) for start in range(0, n, rows)]
 
 
-def _attend(q, probs, member, docs, positions, block, gated, options, stats):
+def _attend(q, probs, member, docs, positions, block, gated, plan, stats):
     """This rank's queries against one visiting block: ``(out, lse)`` or ``None`` (skipped)."""
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
         block, gated, member is not None, docs is not None
     )
     if not block_has_pair(
-        positions, pos_b, options["window"], member_q=member, member_k=member_b,
-        local_only=options["local_only"], sinks=options["sinks"], q_doc=docs,
+        positions, pos_b, plan.pattern.window, member_q=member, member_k=member_b,
+        local_only=plan.pattern.local_only, sinks=plan.pattern.sinks, q_doc=docs,
     ):  # fmt: skip
         if stats is not None:
             stats.skipped += 1
         return None
     if stats is not None:
         stats.computed += 1
-    pattern, keys = _block_pattern(options), BlockSide(pos_b, probs_b, member_b, docs_b)
+    pattern, keys = plan.pattern, BlockSide(pos_b, probs_b, member_b, docs_b)
     queries = BlockSide(positions, probs if gated else None, member, docs)
-    if options["kernel"] in FUSED_KERNELS:  # one fused call: no score memory to bound
-        return FUSED_KERNELS[options["kernel"]](q, k_b, v_b, pattern, queries, keys)
+    if plan.kernel in FUSED_KERNELS:  # one fused call: no score memory to bound
+        return FUSED_KERNELS[plan.kernel](q, k_b, v_b, pattern, queries, keys)
     outs, lses = [], []
     for rows in _row_chunks(q, k_b.shape[1]):  # bounded score memory, not a group loop
         out, lse = attend_block(q[:, rows], k_b, v_b, pattern, _rows(queries, rows), keys)
@@ -216,7 +225,7 @@ def _attend(q, probs, member, docs, positions, block, gated, options, stats):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _block_grads(q, probs, member, docs, positions, block, gated, options, out, lse, d_out):
+def _block_grads(q, probs, member, docs, positions, block, gated, plan, out, lse, d_out):
     """This rank's queries against one (attended) block: ``[dq, dk, dv]`` (gated: ``+
     [dprobs_k, dprobs_q]``), at least fp32; recomputed by the backward kernel
     (:func:`~focus_pretrain.parallel.ring_kernels.backward_block_kernel`), the gradient through
@@ -224,7 +233,7 @@ def _block_grads(q, probs, member, docs, positions, block, gated, options, out, 
     k_b, v_b, pos_b, probs_b, member_b, docs_b = _unpack(
         block, gated, member is not None, docs is not None
     )
-    kernel = backward_block_kernel(options["kernel"], q)
+    kernel = backward_block_kernel(plan.kernel, q)
     fused = kernel in FUSED_KERNELS
     attend = FUSED_KERNELS.get(kernel, attend_block)
     d_q = torch.zeros_like(at_least_fp32(q))
@@ -241,7 +250,7 @@ def _block_grads(q, probs, member, docs, positions, block, gated, options, out, 
         )
         keys = BlockSide(pos_b, leaves[3] if gated else None, member_b, docs_b)
         with torch.enable_grad():
-            out_b, lse_b = attend(*leaves[:3], _block_pattern(options), queries, keys)
+            out_b, lse_b = attend(*leaves[:3], plan.pattern, queries, keys)
             weight = torch.exp(lse_b - lse[:, rows])  # [b, rows, H]: the block's share
             grad_out = d_out[:, rows] * weight[..., None]
             mine = at_least_fp32(out_b) - at_least_fp32(out[:, rows])
@@ -259,12 +268,6 @@ def _block_grads(q, probs, member, docs, positions, block, gated, options, out, 
     return [d_q, d_k, d_v] + ([d_pk, d_pq] if gated else [])
 
 
-def _block_pattern(options: dict) -> AttentionPattern:
-    """The pattern's parameters for the per-block kernels (the sides carry the tokens' data)."""
-    keys = ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
-    return AttentionPattern(**{key: options[key] for key in keys})
-
-
 def _rows(side: BlockSide, rows: slice) -> BlockSide:
     """The query side restricted to ``rows`` (``[Lq] -> [rows]``, ``[b, Lq, ...]`` likewise)."""
     return BlockSide(
@@ -277,40 +280,47 @@ def ring_focus_attention(
     k: Tensor,
     v: Tensor,
     probs: Tensor | None,
+    pattern: FocusPattern | None = None,
     *,
     group: dist.ProcessGroup,
     positions: Tensor | None = None,
-    window: int = 128,
-    mode: str = "soft",
-    top_k: int = 1,
-    gate_lambda: float = 10.0,
-    softcap: float | None = None,
-    scale: float | None = None,
-    local_only: bool = False,
     check_finite: bool = False,
     stats: RingStats | None = None,
-    sinks: int = 0,
     documents: Tensor | None = None,
     block_kernel: str = "auto",
+    **settings: Any,
 ) -> Tensor:
     """Ring context parallelism: this rank's ``[b, s_loc, H, D]`` queries over all K/V.
 
+    ``pattern`` and ``settings``: the pattern to compute, as for
+    :func:`~focus_pretrain.focus.focus_attention` (a
+    :class:`~focus_pretrain.focus.pattern_settings.FocusPattern`, any of its settings by
+    name in place of its own; ``gate_form`` must be ``"sigmoid"``: the ``dot`` form is
+    rewritten before, :func:`~focus_pretrain.parallel.context_parallel_attention`).
     ``positions`` ``[s_loc]``: global positions of this rank's tokens (default: the zigzag
     shard of :func:`~focus_pretrain.parallel.sharding.zigzag_positions`). Each block runs the
     exact per-block attention; ``check_finite`` rejects NaN/inf in this rank's inputs; mixed
-    dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`. ``sinks``:
-    the first ``sinks`` tokens of the sequence (of each document) are visible to every later
-    query (of their document): attention sinks. ``documents``: ``[b, s_loc]`` integer document
-    *starts* of this rank's tokens (its shard of ``document_starts`` of the full sequence),
-    checked against ``positions`` (:func:`check_document_starts`); ``None``: one document.
+    dtypes are refused as by :func:`~focus_pretrain.focus.attention.check_dtypes`. Sinks: the
+    first ``sinks`` tokens of the sequence (of each document) are visible to every later
+    query (of their document). ``documents``: ``[b, s_loc]`` integer document *starts* of
+    this rank's tokens (its shard of ``document_starts`` of the full sequence), checked
+    against ``positions`` (:func:`check_document_starts`); ``None``: one document.
     ``block_kernel``: ``"auto"``, ``"blockwise"``, ``"flex"`` or ``"triton"`` (soft and
     sliding-window steps), each step's kernel (see the module docstring;
     :func:`~focus_pretrain.parallel.ring_kernels.resolve_block_kernel`).
     """
-    check_int("sinks", sinks, low=0)
+    pattern = with_settings(pattern, settings, caller="ring_focus_attention")
+    pattern.check()
+    if pattern.gate_form != "sigmoid" and not pattern.local_only:
+        raise ValueError(
+            f"ring_focus_attention computes the sigmoid gate form, got gate_form="
+            f"{pattern.gate_form!r}; call context_parallel_attention (it rewrites the dot form)"
+        )
+    mode, local_only = pattern.mode, pattern.local_only
     request = ring_request(
-        q, k, mode=mode, top_k=top_k, local_only=local_only, window=window,
-        softcap=softcap is not None, sinks=sinks, documents=documents is not None,
+        q, k, mode=mode, top_k=pattern.top_k, local_only=local_only, window=pattern.window,
+        softcap=pattern.softcap is not None, sinks=pattern.sinks,
+        documents=documents is not None,
         needs_grad=torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
     )  # fmt: skip
@@ -334,15 +344,12 @@ def ring_focus_attention(
     if local_only:
         probs = None
     elif mode in ("hard", "hard_gated"):  # the selection carries no gradient (the gate does)
-        member = Routing(probs.detach()).membership(top_k)  # [b, s_loc]
-    options = dict(
-        window=window, mode=mode, gate_lambda=gate_lambda, softcap=softcap,
-        scale=q.shape[-1] ** -0.5 if scale is None else scale, local_only=local_only,
-        sinks=sinks, kernel=kernel,
-    )  # fmt: skip
-    gated = mode in ("soft", "hard_gated") and not local_only
+        member = Routing(probs.detach()).membership(pattern.top_k)  # [b, s_loc]
+    scale = q.shape[-1] ** -0.5 if pattern.scale is None else pattern.scale
+    plan = RingPlan(AttentionPattern.of(replace(pattern, scale=scale)), kernel)
+    gated = _gated(plan)
     return _RingAttention.apply(
-        q, k, v, probs if gated else None, member, positions, documents, group, options, stats,
+        q, k, v, probs if gated else None, member, positions, documents, group, plan, stats,
     )  # fmt: skip
 
 

@@ -52,15 +52,9 @@ from focus_pretrain.focus.backends import (
     BlockSide,
     select_ring_block,
 )
-from focus_pretrain.focus.flex import (
-    DEFAULT_BLOCK,
-    block_mask_from_predicates,
-    gate_tables,
-    pair_gate,
-    score_constant,
-    softcap_mod,
-)
-from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rule, soft_cap
+from focus_pretrain.focus.flex import DEFAULT_BLOCK, block_mask_from_predicates
+from focus_pretrain.focus.flex_mods import gate_score_mod, softcap_mod
+from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rule
 from focus_pretrain.focus.pattern_blocks import block_predicates, summarise_blocks
 from focus_pretrain.focus.reference import attend_block
 
@@ -240,24 +234,6 @@ def _mask_mod(q: _Side, k: _Side, kind: str, window: int, sinks: int):
     return mask_mod
 
 
-def _gate_mod(q: _Side, k: _Side, probs_q: Tensor, probs_k: Tensor, *, gate_lambda: float,
-              softcap: float | None, window: int, sinks: int):  # fmt: skip
-    """Soft mode's ``score_mod``: soft-capping, then the gate beyond the window (sinks
-    excepted), reading the assignments ``[b, L, K]`` by index."""
-    g_q, g_k = gate_tables(probs_q, probs_k)  # K x [b, Lq], K x [b, Lk]: each read once
-    cap, lam = score_constant(softcap, g_q[0]), score_constant(gate_lambda, g_q[0])
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        score = soft_cap(score, cap)
-        gate = pair_gate(g_q, g_k, lam, b, q_idx, kv_idx)
-        k_doc = None if k.doc is None or not sinks else k.doc[b, kv_idx]
-        q_pos, k_pos = _at(q.pos, b, q_idx), _at(k.pos, b, kv_idx)
-        _, near = pair_rule(q_pos, k_pos, window=window, sinks=sinks, k_doc=k_doc)
-        return score + torch.where(near, torch.zeros_like(gate), gate)  # the mask is causal
-
-    return score_mod
-
-
 class FusedCall(NamedTuple):
     """What one fused call runs: ``q [b, Lq, H, D]``, ``k, v [b, Lk, Hkv, D]`` in kernel order,
     the block mask (with its ``mask_mod``), the ``score_mod``, ``q_order [b, Lq]`` (the caller's
@@ -319,9 +295,11 @@ def fused_call(
             probs_q = _take(probs_q, plan.q.order)  # [b, Lq, K]
         if plan.k.order is not None:
             probs_k = _take(probs_k, plan.k.order)  # [b, Lk, K]
-        score_mod = _gate_mod(
-            plan.q, plan.k, probs_q, probs_k, gate_lambda=pattern.gate_lambda,
-            softcap=pattern.softcap, window=window, sinks=sinks,
+        side_q, side_k = plan.q, plan.k
+        score_mod = gate_score_mod(
+            pattern, probs_q, probs_k, probs_q,
+            q_pos=lambda b, i: _at(side_q.pos, b, i), k_pos=lambda b, i: _at(side_k.pos, b, i),
+            k_doc=None if side_k.doc is None else lambda b, i: side_k.doc[b, i],
         )  # fmt: skip
     block_mask = block_mask_from_predicates(
         plan.candidate, plan.full, mask_mod, block, q.shape[1], k.shape[1]
@@ -375,10 +353,8 @@ def triton_attend_block(
     if not local and pattern.mode != "soft":
         raise ValueError("block_kernel 'triton' runs soft and sliding-window steps; use 'auto'")
     return soft_triton.attend(
-        q, k, v, None if local else queries.probs, None if local else keys.probs,
-        window=pattern.window, gate_lambda=pattern.gate_lambda, scale=pattern.scale,
-        softcap=pattern.softcap, sinks=pattern.sinks, doc_q=queries.doc, doc_k=keys.doc,
-        pos_q=queries.pos, pos_k=keys.pos,
+        q, k, v, None if local else queries.probs, None if local else keys.probs, pattern,
+        doc_q=queries.doc, doc_k=keys.doc, pos_q=queries.pos, pos_k=keys.pos,
     )  # fmt: skip
 
 

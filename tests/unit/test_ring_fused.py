@@ -280,11 +280,10 @@ def assert_step_gradients_agree(
         key: val.to(device) if isinstance(val, Tensor) else val for key, val in kwargs.items()
     }
     soft = kwargs["mode"] in ("soft", "hard_gated") and not kwargs["local_only"]
-    keys = ("window", "mode", "gate_lambda", "softcap", "scale", "local_only", "sinks")
-    options = {key: kwargs[key] for key in keys}
+    pattern = block_call(args, kwargs)[3]
     block = ring._block(k, v, kwargs["k_pos"], probs_k, member_k, doc_k)
     step = (q, probs_q, member_q, doc_q, kwargs["q_pos"], block, soft)
-    results = {kernel: ring._attend(*step, dict(options, kernel=kernel), None)
+    results = {kernel: ring._attend(*step, ring.RingPlan(pattern, kernel), None)
                for kernel in ("blockwise", fused)}  # fmt: skip
     assert backward_block_kernel(fused, q) == fused
     out_b, lse_b = results["blockwise"]
@@ -294,7 +293,7 @@ def assert_step_gradients_agree(
     out, lse = merge_by_lse(results["blockwise"], other)
     d_out = torch.randn(out.shape, generator=gen, device=device, dtype=out.dtype)
     grads = {
-        kernel: ring._block_grads(*step, dict(options, kernel=kernel), out, lse, d_out)
+        kernel: ring._block_grads(*step, ring.RingPlan(pattern, kernel), out, lse, d_out)
         for kernel in ("blockwise", fused)
     }
     tol = {torch.float64: 1e-10, torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]

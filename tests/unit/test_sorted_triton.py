@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from focus_pretrain.focus import Routing, focus_attention
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.soft_triton import (
     attend,
     cuda_refusal,
@@ -96,8 +97,8 @@ def _two_segments(nan_at: str, packed: bool) -> tuple[torch.Tensor, ...]:
     rule = start + torch.arange(n)[None] % 64 * 2  # [1, T] spread-out positions
     leaves = [t.requires_grad_(True) for t in (q, k, v)]
     out, lse = attend(
-        *leaves, probs, probs, window=16, gate_lambda=10.0, scale=d**-0.5, doc_q=start,
-        doc_k=start, pos_q=rule, pos_k=rule, packed=packed,
+        *leaves, probs, probs, FocusPattern(window=16, gate_lambda=10.0, scale=d**-0.5),
+        doc_q=start, doc_k=start, pos_q=rule, pos_k=rule, packed=packed,
     )  # fmt: skip
     grads = torch.autograd.grad(out.sum() + lse.sum(), leaves[1:])
     return out, *grads
@@ -130,7 +131,7 @@ def test_fp32_at_head_dim_256_is_refused_on_cuda_with_the_reason():
 def test_packed_needs_positions_and_document_starts():
     q, k, v = random_qkv(1, 8, 2, 2, 16, seed=1, dtype=torch.float32)
     with pytest.raises(ValueError, match="packed=True needs positions, document starts"):
-        attend(q, k, v, None, None, window=4, gate_lambda=1.0, scale=0.25, packed=True)
+        attend(q, k, v, None, None, FocusPattern(window=4, scale=0.25), packed=True)
 
 
 @pytest.mark.gpu

@@ -55,6 +55,10 @@ try:  # the fast exact backends, when the training package is installed
     from focus_pretrain.focus import focus_attention as _package_focus_attention
 except ImportError:  # standalone: the dense path below
     _package_focus_attention = None
+try:  # the settings a newer package's focus_attention takes by name (its FocusPattern)
+    from focus_pretrain.focus.pattern_settings import PATTERN_FIELDS as _PACKAGE_SETTINGS
+except ImportError:  # an older package names them in its signature
+    _PACKAGE_SETTINGS = ()
 
 from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
 from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
@@ -67,7 +71,7 @@ _PACKAGE_PARAMETERS = (
     else inspect.signature(_package_focus_attention).parameters
 )  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
 _PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
-_PACKAGE_GATE_FORMS = "gate_form" in _PACKAGE_PARAMETERS
+_PACKAGE_GATE_FORMS = "gate_form" in (*_PACKAGE_PARAMETERS, *_PACKAGE_SETTINGS)
 
 
 class FocusRouter(nn.Module):
