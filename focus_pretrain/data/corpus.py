@@ -25,7 +25,6 @@ import glob
 import hashlib
 import json
 import os
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
@@ -33,6 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from focus_pretrain.data.demo_corpus import demo_count, demo_document, is_demo_source
+from focus_pretrain.data.records import (
+    SKIP_HINT,
+    BadRecordError,
+    ReadOptions,
+    RecordCounts,
+    decode_utf8,
+    text_of,
+    text_string,
+)
 from focus_pretrain.data.stdlib_corpus import (
     is_stdlib_source,
     stdlib_cache_key,
@@ -41,16 +49,22 @@ from focus_pretrain.data.stdlib_corpus import (
 )
 from focus_pretrain.errors import InputError, MissingInputError
 
+__all__ = [  # BadRecordError, ReadOptions and RecordCounts: data.records', re-exported
+    "FILE_KINDS",
+    "BadRecordError",
+    "ReadOptions",
+    "RecordCounts",
+    "Unit",
+    "check_sizes",
+    "index_inputs",
+    "index_unit",
+    "read_all",
+    "read_unit",
+    "resolve_inputs",
+]
+
 FILE_KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 LINE_STRIDE = 1024  # a .jsonl index keeps the byte offset of every LINE_STRIDE-th line
-MAX_EXAMPLES = 10  # skipped records quoted in the stats
-SKIP_HINT = "or pass --skip-bad-records to skip (and count) such records"
-
-
-class BadRecordError(InputError):
-    """A record or input file that cannot become a document; the message names the file and
-    line (or row) and the fix (an :class:`~focus_pretrain.errors.InputError`: one line and
-    status 2 from the commands)."""
 
 
 @dataclass(frozen=True)
@@ -67,23 +81,6 @@ class Unit:
     kind: str
     name: str
     fingerprint: str
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How records become documents.
-
-    Attributes:
-        text_key: the field (column) holding a record's text.
-        skip_bad_records: skip and count bad records instead of raising.
-        seed: the demo corpus's seed.
-        split: the split of a hub or saved ``datasets`` dataset.
-    """
-
-    text_key: str = "text"
-    skip_bad_records: bool = False
-    seed: int = 0
-    split: str = "train"
 
 
 def _file_unit(path: Path) -> Unit:
@@ -229,24 +226,6 @@ def _index_parquet(path: str, key: str) -> dict[str, Any]:
 # -- reading ---------------------------------------------------------------------------------
 
 
-class RecordCounts:
-    """What reading skipped: bad records by kind (``skipped``), ``blank_lines``, and the first
-    :data:`MAX_EXAMPLES` bad records' messages."""
-
-    def __init__(self) -> None:
-        self.skipped: Counter[str] = Counter()
-        self.blank_lines = 0
-        self.examples: list[str] = []
-
-    def bad(self, kind: str, message: str, fix: str, options: ReadOptions) -> None:
-        """Count a bad record, or raise :class:`BadRecordError` (``message; fix``)."""
-        if not options.skip_bad_records:
-            raise BadRecordError(f"{message}; {fix} {SKIP_HINT}")
-        self.skipped[kind] += 1
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(message)
-
-
 def read_unit(
     unit: Unit,
     index: dict[str, Any],
@@ -271,13 +250,13 @@ def read_unit(
         for i in range(start, stop, step):
             yield files[i].read_text(encoding="utf-8", errors="replace")
     elif unit.kind == "txt":
-        text = _decode(Path(unit.name).read_bytes(), f"{unit.name}", 1, options, counts)
+        text = decode_utf8(Path(unit.name).read_bytes(), f"{unit.name}", 1, options, counts)
         if text is not None:
             yield text
     elif unit.kind == "json" and index.get("layout") == "array":
         records = _json_array(unit.name)
         for i in range(start, stop, step):
-            text = _text_of(records[i], f"{unit.name}: record {i + 1}", options, counts)
+            text = text_of(records[i], f"{unit.name}: record {i + 1}", options, counts)
             if text is not None:
                 yield text
     elif unit.kind in ("jsonl", "json"):
@@ -291,7 +270,7 @@ def read_unit(
             for row, value in enumerate(rows, start=first):
                 if (row - start) % step:
                     continue
-                text = _string(value, f"{unit.name}: row {row + 1}", options, counts)
+                text = text_string(value, f"{unit.name}: row {row + 1}", options, counts)
                 if text is not None:
                     yield text
 
@@ -312,7 +291,7 @@ def _read_lines(
             if (number - 1 - start) % step:
                 continue
             where = f"{path}:{number}"
-            line = _decode(raw, where, None, options, counts)
+            line = decode_utf8(raw, where, None, options, counts)
             if line is None:
                 continue
             if not line.strip():
@@ -328,78 +307,9 @@ def _read_lines(
                     options,
                 )
                 continue
-            text = _text_of(record, where, options, counts)
+            text = text_of(record, where, options, counts)
             if text is not None:
                 yield text
-
-
-def _decode(
-    raw: bytes, where: str, first_line: int | None, options: ReadOptions, counts: RecordCounts
-) -> str | None:
-    """``raw`` as UTF-8 (strict); with ``first_line``, ``where`` is a file whose line and
-    column of the bad byte are added to the message."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line_start = raw.rfind(b"\n", 0, error.start) + 1
-        column = error.start - line_start + 1
-        if first_line is not None:
-            line = first_line + raw.count(b"\n", 0, error.start)
-            where = f"{where}:{line}"
-        counts.bad(
-            "invalid_utf8",
-            f"{where}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {column})",
-            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8),",
-            options,
-        )
-        return None
-
-
-def _text_of(record: Any, where: str, options: ReadOptions, counts: RecordCounts) -> str | None:
-    key = options.text_key
-    if not isinstance(record, dict):
-        counts.bad(
-            "not_an_object",
-            f"{where}: the record is a JSON {type(record).__name__}, not an object",
-            f"every record must be an object with a {key!r} string field;",
-            options,
-        )
-        return None
-    if key not in record:
-        fields = ", ".join(sorted(map(str, record))[:10]) or "none"
-        counts.bad(
-            "missing_field",
-            f"{where}: the record has no {key!r} field (its fields: {fields})",
-            "pass --text-key FIELD if the text is in another field,",
-            options,
-        )
-        return None
-    return _string(record[key], where, options, counts)
-
-
-def _string(value: Any, where: str, options: ReadOptions, counts: RecordCounts) -> str | None:
-    if isinstance(value, bytes):
-        return _decode(value, where, None, options, counts)
-    if not isinstance(value, str):
-        kind = "null" if value is None else type(value).__name__
-        counts.bad(
-            "not_a_string",
-            f"{where}: field {options.text_key!r} is {kind}, not a string",
-            "give every record a text string,",
-            options,
-        )
-        return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        counts.bad(
-            "invalid_utf8",
-            f"{where}: the text holds a lone surrogate (\\u{ord(value[error.start]):04x})",
-            "fix the escaped character,",
-            options,
-        )
-        return None
-    return value
 
 
 _CACHE: dict[str, Any] = {}  # per process: the last inputs opened (file lists, arrays, ...)
@@ -449,7 +359,7 @@ def _read_parquet(
             if (row - start) % step:
                 continue
             value = column[row - first].as_py()
-            text = _string(value, f"{path}: row {row + 1}", options, counts)
+            text = text_string(value, f"{path}: row {row + 1}", options, counts)
             if text is not None:
                 yield text
 
