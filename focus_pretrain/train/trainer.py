@@ -14,7 +14,6 @@ under ``deepspeed``, ``torchrun``, ``srun`` or plain ``python``.
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -42,8 +41,10 @@ from focus_pretrain.parallel.launch import ParallelLayout
 from focus_pretrain.parallel.mpu import MegatronMPU
 from focus_pretrain.parallel.sequence_parallel import reduce_sequence_parallel_grads
 from focus_pretrain.storage.checkpoint_files import read_latest
-from focus_pretrain.storage.files import RunLock, write_atomic
+from focus_pretrain.storage.files import RunLock
+from focus_pretrain.train.announce import announce_end, announce_start
 from focus_pretrain.train.bad_steps import BadStepPolicy, GradientWatch, TooManyBadSteps, skippable
+from focus_pretrain.train.exit_status import write_exit_status
 from focus_pretrain.train.focus_stats import (
     attention_density,
     discard_balance,
@@ -355,7 +356,7 @@ class Trainer:
             self.layout.world_size,
             peak_tflops(config.train.peak_tflops),
         )
-        self._announce()
+        announce_start(self)
         self.logger.total_steps = config.train.steps
         self._clock = (time.perf_counter(), self.step)  # this launch's start: elapsed, ETA
         try:
@@ -442,84 +443,12 @@ class Trainer:
             "save_s": interval.get("save_s", 0.0),
         }
 
-    def _announce(self) -> None:
-        """The start line and the ``start`` record of ``metrics.jsonl``."""
-        layout, counts = self.layout, self.counts
-        start = {
-            "step": self.step,
-            "resumed": self.resumed_step is not None,
-            "dp": layout.data_parallel_size,
-            "tp": layout.tensor_parallel_size,
-            "cp": layout.context_parallel_size,
-            "grad_accum": self.grad_accum,
-            "objective": self.objective.name,
-            **counts,
-        }
-        if self.recipe_changes:
-            start["recipe_changes"] = {k: [old, new] for k, old, new in self.recipe_changes}
-        self.logger.event("start", **start)
-        if layout.is_main:
-            where = f"resuming at step {self.step}" if self.resumed_step is not None else "starting"
-            print(
-                f"focus-pretrain: {counts['trainable']:,} trainable / {counts['frozen']:,} "
-                f"frozen parameters ({counts['router']:,} router), the optimizer holds "
-                f"{counts['optimized']:,}, dp={layout.data_parallel_size}, "
-                f"tp={layout.tensor_parallel_size}, cp={layout.context_parallel_size}, "
-                f"grad_accum={self.grad_accum}; {where}",
-                flush=True,
-            )
-            for key, old, new in self.recipe_changes:  # allowed by train.allow_changes
-                print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
-            self._announce_sparse_training()
-            if self.objective.name != "lm":
-                print(
-                    f"focus-pretrain: objective {self.objective.name}: KL from the frozen original "
-                    "(this model with Focus bypassed, one extra forward per micro-batch without "
-                    f"gradients, T={self.objective.temperature}"
-                    + (f", weight {self.objective.weight}" if self.objective.name == "mix" else "")
-                    + "); TFLOP/s and MFU count the Focus model's pass only",
-                    flush=True,
-                )
-
-    def _announce_sparse_training(self) -> None:
-        """With ``focus.training_mode: hard``: what it trains on, and how FLOPs are counted."""
-        focus = self.config.model.focus
-        if not focus.enabled or focus.training_mode != "hard":
-            return
-        warmup = (
-            f" after {focus.soft_warmup_steps} soft-gate steps" if focus.soft_warmup_steps else ""
-        )
-        counted = (
-            "every causal pair (not counted under context parallelism)"
-            if self.layout.context_parallel_size > 1
-            else "the pairs computed (attention_density: their share of the causal pairs)"
-        )
-        print(
-            f"focus-pretrain: sparse training{warmup}: attention on the hard top-{focus.top_k} "
-            f"pattern, gated; TFLOP/s and MFU count {counted}",
-            flush=True,
-        )
-
     def _finish(self) -> dict[str, Any]:
         """The end line, the ``end`` record, and the result."""
         latest, stopped = self.checkpointer.latest, self.stop.agreed
         self.logger.event("end", step=self.step, stopped_by_signal=stopped, checkpoint=str(latest))
         if self.layout.is_main:
-            where = f"checkpoint {latest}"
-            if self.config.train.tensorboard:
-                where += f"; TensorBoard: tensorboard --logdir {self.output_dir / 'tensorboard'}"
-            if stopped is not None:
-                print(
-                    f"focus-pretrain: stopped by signal {stopped} at step {self.step}; {where}; "
-                    "resume with the same command",
-                    flush=True,
-                )
-            else:
-                print(
-                    f"focus-pretrain: done at step {self.step}; {where}; to train further, "
-                    "rerun the same command with a larger train.steps (it resumes there)",
-                    flush=True,
-                )
+            announce_end(self, latest, stopped)
             write_exit_status(stopped, self.step)
         return {
             "step": self.step,
@@ -529,27 +458,6 @@ class Trainer:
             "output_dir": str(self.output_dir),
             "stopped_by_signal": stopped,
         }
-
-
-EXIT_STATUS_ENV = "FOCUS_EXIT_STATUS_FILE"
-
-
-def write_exit_status(stopped: int | None, step: int, failed: str | None = None) -> None:
-    """If ``$FOCUS_EXIT_STATUS_FILE`` names a file, write (atomically) how the run ended:
-    ``stopped_by_signal N STEP``, ``done STEP`` or ``failed REASON STEP`` (``bad_steps``).
-    Cluster scripts read it, e.g. ``launchers/slurm.sh`` requeues the job only after a stop by
-    signal (its pre-timeout SIGTERM), not when training is done (both exit with status 0) nor
-    after a failure."""
-    path = os.environ.get(EXIT_STATUS_ENV)
-    if not path:
-        return
-    if failed is not None:
-        text = f"failed {failed} {step}\n"
-    elif stopped is not None:
-        text = f"stopped_by_signal {int(stopped)} {step}\n"
-    else:
-        text = f"done {step}\n"
-    write_atomic(Path(path), text)
 
 
 def pretrain(config: Config) -> dict[str, Any]:
