@@ -19,6 +19,7 @@ from focus_pretrain.focus.pattern import (
     pattern_density,
     soft_gate,
 )
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.router import (
     FocusRouter,
     GroupLoad,
@@ -31,6 +32,7 @@ from focus_pretrain.focus.router import (
 __all__ = [
     "Backend",
     "FocusConfig",
+    "FocusPattern",
     "FocusRouter",
     "GroupLoad",
     "Routing",
