@@ -32,7 +32,7 @@ from focus_pretrain.focus.pattern_settings import FocusPattern
 MODES = ("soft", "hard", "hard_gated", "local")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionPattern(FocusPattern):
     """The Focus pattern one call computes (:mod:`focus_pretrain.focus.pattern`): its settings
     (:class:`~focus_pretrain.focus.pattern_settings.FocusPattern`: window, mode, ``top_k``, the
@@ -54,6 +54,10 @@ class AttentionPattern(FocusPattern):
     member: Tensor | None = None
     documents: Tensor | None = None
     groups: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scale is None:  # a backend multiplies by it: resolved by the caller
+            raise ValueError("AttentionPattern needs a number for scale (e.g. head_dim ** -0.5)")
 
     @classmethod
     def of(cls, settings: FocusPattern, **tensors) -> AttentionPattern:

@@ -28,7 +28,7 @@ from focus_pretrain.validation import check_choice, check_int, check_positive
 GATE_FORMS = ("sigmoid", "dot")  # the soft gate's forms (focus_pretrain.focus.gate_forms)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FocusPattern:
     """Which Focus pattern an attention call computes (defaults: :func:`focus_attention`'s).
 

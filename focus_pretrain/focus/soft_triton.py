@@ -270,8 +270,9 @@ def attend(
         q: ``[b, Lq, H, D]``; k, v: ``[b, Lk, Hkv, D]`` (one dtype, ``D`` in :data:`HEAD_DIMS`).
         probs_q, probs_k: ``[b, Lq|Lk, K]`` soft assignments (the same tensor for
             self-attention), or ``None`` for a sliding-window layer.
-        pattern: the window, the gate, soft-capping, the sinks and the scale (a number; its
-            mode is the caller's: the assignments given or not say soft or sliding window).
+        pattern: the window, the gate, soft-capping, the sinks and the scale (``None``:
+            ``1 / sqrt(D)``); its mode is the caller's: the assignments given or not say soft or
+            sliding window.
         doc_q, doc_k: ``[b, Lq|Lk]`` int64 document starts (global positions), or ``None``.
         pos_q, pos_k: ``[Lq]``/``[b, Lq]`` and ``[Lk]``/``[b, Lk]`` increasing global
             positions (a ring step's blocks), or ``None``: one sequence, positions ``0..L-1``
@@ -286,9 +287,10 @@ def attend(
     """
     _check_launch(q, k, probs_q)
     softcap = None if pattern.softcap is None else float(pattern.softcap)
+    scale = q.shape[-1] ** -0.5 if pattern.scale is None else float(pattern.scale)
     out, lse = torch.ops.focus_pretrain.soft_attention_forward(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(pattern.window),
-        float(pattern.gate_lambda), softcap, float(pattern.scale), int(pattern.sinks),
+        float(pattern.gate_lambda), softcap, scale, int(pattern.sinks),
         bool(packed),
     )  # fmt: skip
     return out, lse.transpose(1, 2)  # [b, H, Lq] -> [b, Lq, H]
