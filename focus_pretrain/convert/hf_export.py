@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,14 @@ from focus_pretrain.checkpoint.read import (
     trained_tp_shards,
 )
 from focus_pretrain.config import Config
+from focus_pretrain.convert.export_files import (
+    ADAPTER_MARKER,
+    EXPORT_MARKER,
+    MODELING_DIR,
+    SHIPPED_MODELING_FILES,
+    check_export_dir,
+    shipped_code_digests,
+)
 from focus_pretrain.convert.hf_import import load_hf_tensors
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
@@ -38,18 +45,27 @@ from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import family as family_description
 from focus_pretrain.model.tp_rules import Geometry, unshard
 from focus_pretrain.storage.checkpoint_files import LATEST, tokenizer_copy
-from focus_pretrain.storage.files import check_output_dir, partial_dir, replace_dir
+from focus_pretrain.storage.files import partial_dir, replace_dir
 
-MODELING_DIR = Path(__file__).with_name("hf_modeling")
+__all__ = [  # MODELING_DIR, SHIPPED_MODELING_FILES, check_export_dir: convert.export_files'
+    "EXPORTED_FOCUS_FIELDS",
+    "MODELING_DIR",
+    "SHIPPED_MODELING_FILES",
+    "attach_focus_adapter",
+    "check_export_dir",
+    "export_hf",
+    "export_router_adapter",
+    "hf_config_dict",
+    "hf_export_config",
+    "hf_export_model",
+    "hf_state_dict",
+    "load_modeling",
+    "save_export",
+    "shipped_classes",
+    "with_retrofit_originals",
+]
+
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
-# the remote code an export ships (loaded by ``trust_remote_code``; imports only torch/transformers)
-SHIPPED_MODELING_FILES = (
-    "configuration_focus.py",
-    "modeling_focus.py",
-    "focus_cache.py",
-    "focus_rules.py",
-    "focus_static.py",
-)
 
 
 def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:
@@ -285,60 +301,6 @@ def hf_export_model(model_cfg: ModelConfig, tensors: dict[str, Tensor], tokenize
     if model_cfg.tied:
         model.tie_weights()
     return model
-
-
-EXPORT_MARKER = "focus_export.json"
-ADAPTER_MARKER = "focus_adapter.json"
-# what an export from before the marker listed its files wrote (besides the marker)
-_EARLIER_EXPORT_FILES = (
-    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *SHIPPED_MODELING_FILES,
-)  # fmt: skip
-
-
-def _files_written(out: Path, marker: str) -> set[str] | None:
-    """The entries an earlier export into ``out`` wrote (its marker's ``files``; for an
-    export from before that list existed, the names an export writes), ``None`` when the
-    marker is unreadable."""
-    try:
-        record = json.loads((out / marker).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
-        return None
-    if isinstance(record.get("files"), list):
-        return {str(name) for name in record["files"]}
-    return {p.name for p in out.iterdir() if any(fnmatch(p.name, g) for g in _EARLIER_EXPORT_FILES)}
-
-
-def check_export_dir(
-    out_dir: str | os.PathLike,
-    overwrite: bool,
-    inputs: list[tuple] = (),
-    marker: str = EXPORT_MARKER,
-) -> None:
-    """Refuse an output directory an export may not write (before any work): a file; one
-    that is, holds or lies inside one of the export's ``inputs``; a non-empty one without
-    ``overwrite`` (``--force``); with it, one that is not an earlier export (no ``marker``)
-    or holds files that export did not write (named). See :mod:`focus_pretrain.storage.files`."""
-    check_output_dir(
-        out_dir,
-        force=overwrite,
-        marker=marker,
-        what="export",
-        owned=lambda out: _files_written(out, marker),
-        inputs=inputs,
-    )
-
-
-def shipped_code_digests(directory: str | os.PathLike) -> dict[str, str]:
-    """sha256 of each shipped modeling file in ``directory`` (what ``trust_remote_code``
-    runs when the export is loaded)."""
-    return {
-        name: hashlib.sha256((Path(directory) / name).read_bytes()).hexdigest()
-        for name in SHIPPED_MODELING_FILES
-        if (Path(directory) / name).is_file()
-    }
 
 
 def save_export(
