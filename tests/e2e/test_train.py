@@ -430,14 +430,19 @@ def test_checkpoints_of_every_layout_hold_only_allowlisted_globals(
     TP=2, ZeRO-2, ZeRO-3, CPU offload, CP ring, TP x SP x CP) and of the ZeRO-3 run's universal
     form names no Python global outside ``storage.safe_load``'s allowlist, none of numpy's (the
     trainer stores numpy's RNG state as a list), and loads weights-only."""
-    from focus_pretrain.checkpoint.reshard import convert_to_universal
+    from focus_pretrain.checkpoint.reshard import UNIVERSAL_DIR, convert_to_universal
     from focus_pretrain.storage.safe_load import load_checkpoint_file, unsafe_globals
 
     layouts = ["tp2", "dp2", "dp2-zero3", "dp2-offload", "cp2-ring-zero3", "tp2-sp-cp2-ring"]
     runs_ = [one_process[1], *(layout_run(name)[1] for name in layouts)]
     folders = [max((run / "checkpoints").glob("step_*")) for run in runs_]
     zero3 = shutil.copytree(folders[3], tmp_path / folders[3].name)  # the shared run untouched
+    before = {p.name: p.stat().st_size for p in zero3.iterdir()}
     folders.append(convert_to_universal(zero3))
+    # the conversion deleted only its own scratch (.tmp-universal): every file of the input
+    # checkpoint is still there, unchanged in size, beside the new universal form
+    after = {p.name: p.stat().st_size for p in zero3.iterdir() if p.name != UNIVERSAL_DIR}
+    assert after == before and (zero3 / UNIVERSAL_DIR).is_dir()
     named: set[str] = set()
     files = [path for folder in folders for path in sorted(folder.rglob("*.pt"))]
     for path in files:
