@@ -156,7 +156,7 @@ def focus_attention(
         probs = None
     elif pattern.mode == "hard_gated":  # the choice: not differentiated
         member = Routing(probs).membership(pattern.top_k)  # [b, s] int64
-    scale = q.shape[-1] ** -0.5 if pattern.scale is None else pattern.scale
+    scale = pattern.scale_for(q.shape[-1])
     call = AttentionPattern.of(
         replace(pattern, scale=scale), probs=probs, member=member, documents=documents,
         groups=0 if pattern.local_only else routing_groups,

@@ -113,7 +113,7 @@ def dot_gate_call(
         pattern: the call's settings (``scale``: ``None`` for ``1 / sqrt(D)``).
     """
     head_dim = q.shape[-1]
-    scale = head_dim**-0.5 if pattern.scale is None else pattern.scale
+    scale = pattern.scale_for(head_dim)
     q, k, v = dot_gate_channels(q, k, v, probs, gate_lambda=pattern.gate_lambda, scale=scale)
     rewritten = dict(scale=scale, gate_form="sigmoid", local_only=False)
     if dot_gate_pattern(pattern.mode) == "local":

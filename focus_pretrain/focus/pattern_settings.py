@@ -75,6 +75,11 @@ class FocusPattern:
         if self.scale is not None:
             check_positive("scale", self.scale)
 
+    def scale_for(self, head_dim: int) -> float:
+        """The score scale of a call with ``head_dim``-wide heads: ``scale``, or
+        ``1 / sqrt(head_dim)`` when it is ``None``."""
+        return head_dim**-0.5 if self.scale is None else float(self.scale)
+
     def settings(self) -> dict[str, Any]:
         """``{name: value}`` of every setting (the fields of :class:`FocusPattern` only, also
         on a subclass): what :func:`with_settings` and a subclass's constructor take."""

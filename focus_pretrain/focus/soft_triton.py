@@ -287,7 +287,7 @@ def attend(
     """
     _check_launch(q, k, probs_q)
     softcap = None if pattern.softcap is None else float(pattern.softcap)
-    scale = q.shape[-1] ** -0.5 if pattern.scale is None else float(pattern.scale)
+    scale = pattern.scale_for(q.shape[-1])
     out, lse = torch.ops.focus_pretrain.soft_attention_forward(
         q, k, v, probs_q, probs_k, doc_q, doc_k, pos_q, pos_k, int(pattern.window),
         float(pattern.gate_lambda), softcap, scale, int(pattern.sinks),

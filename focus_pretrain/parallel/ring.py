@@ -345,7 +345,7 @@ def ring_focus_attention(
         probs = None
     elif mode in ("hard", "hard_gated"):  # the selection carries no gradient (the gate does)
         member = Routing(probs.detach()).membership(pattern.top_k)  # [b, s_loc]
-    scale = q.shape[-1] ** -0.5 if pattern.scale is None else pattern.scale
+    scale = pattern.scale_for(q.shape[-1])
     plan = RingPlan(AttentionPattern.of(replace(pattern, scale=scale)), kernel)
     gated = _gated(plan)
     return _RingAttention.apply(
