@@ -2,20 +2,22 @@
 the distance profile of same-group pairs, typical tokens per group and stability across layers,
 as a markdown/JSON report with plots (``tools/inspect_groups.py``; docs/interpretability.md).
 
-The core (:mod:`~focus_pretrain.analysis.groups`) is plain functions over routing tensors
-``[b, s, K]``; :mod:`~focus_pretrain.analysis.capture` hooks a model's routers;
-:mod:`~focus_pretrain.analysis.pipeline` (which loads checkpoints, so it imports the trainer's
-loader) runs the whole inspection.
+The core (:mod:`~focus_pretrain.analysis.groups`, :mod:`~focus_pretrain.analysis.agreement`)
+is plain functions over routing tensors ``[b, s, K]``; :mod:`~focus_pretrain.analysis.capture`
+hooks a model's routers; :mod:`~focus_pretrain.analysis.pipeline` (which loads checkpoints
+through :mod:`focus_pretrain.checkpoint`) runs the whole inspection.
 """
 
+from focus_pretrain.analysis.agreement import (
+    align_layers,
+    best_matching,
+    matched_agreement,
+    normalized_mutual_information,
+)
 from focus_pretrain.analysis.capture import RouterCapture, find_routers
 from focus_pretrain.analysis.groups import (
     GroupStats,
-    align_layers,
-    best_matching,
     kept_pairs_by_distance,
-    matched_agreement,
-    normalized_mutual_information,
     random_density,
     random_pair_share,
     token_stability,

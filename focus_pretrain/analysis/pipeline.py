@@ -77,19 +77,11 @@ def inspect_groups(
             corpus; ``out_dir`` is a file.
         MissingInputError: a missing checkpoint, tokenizer or text file.
     """
-    if bool(texts) == bool(corpus):
-        raise InputError("give either --text FILE [FILE ...] or --corpus SOURCE (one of them)")
-    for path in texts:
-        if not Path(path).is_file():
-            raise MissingInputError(f"--text {path} does not exist: give an existing text file")
+    _check_sources(texts, corpus, out_dir)
     check_counts(
         {"--samples": samples, "--length": length, "--batch-size": batch_size,
          "--plot-tokens": plot_tokens, "--min-count": min_count, "--top-n": top_n}
     )  # fmt: skip
-    if corpus:
-        resolve_inputs([corpus])  # a missing file or a bad demo:N, before the model loads
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise InputError(f"--out {out_dir} is a file: give a directory for the report")
     check_inspectable(checkpoint, tokenizer)  # before the first progress line
     _say(progress, f"loading {checkpoint}")
     model = load_for_inspection(checkpoint, tokenizer=tokenizer, device=device)
@@ -137,6 +129,22 @@ def inspect_groups(
     write_plots(result, out, max_tokens=plot_tokens)
     _, md_path = write_report(result, out)
     return md_path
+
+
+def _check_sources(
+    texts: Sequence[str | os.PathLike], corpus: str | None, out_dir: str | os.PathLike
+) -> None:
+    """Exactly one of ``texts`` (existing files) and ``corpus`` (a readable source); ``out_dir``
+    not a file. Before the model loads."""
+    if bool(texts) == bool(corpus):
+        raise InputError("give either --text FILE [FILE ...] or --corpus SOURCE (one of them)")
+    for path in texts:
+        if not Path(path).is_file():
+            raise MissingInputError(f"--text {path} does not exist: give an existing text file")
+    if corpus:
+        resolve_inputs([corpus])  # a missing file or a bad demo:N, before the model loads
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise InputError(f"--out {out_dir} is a file: give a directory for the report")
 
 
 def _say(enabled: bool, message: str) -> None:

@@ -19,10 +19,11 @@ import pathlib
 from focus_pretrain.bench.config import DTYPE_NAMES, BenchConfig
 from focus_pretrain.cli import at_least, device, output_file, tool_parser
 from focus_pretrain.errors import exit_on_input_error
+from focus_pretrain.storage.files import write_atomic
 
 
-def main(argv: list[str] | None = None) -> None:
-    defaults = BenchConfig()
+def _parser(defaults: BenchConfig):
+    """The command line, its defaults from :class:`BenchConfig`."""
     parser = tool_parser(__doc__)
     parser.add_argument("--seq", type=at_least(1), nargs="+", default=defaults.seq)
     parser.add_argument("--groups", type=at_least(1), nargs="+", default=defaults.groups)
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--markdown", type=output_file, help="write the markdown table to this file"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser(BenchConfig())
     args = parser.parse_args(argv)
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.bench.attention import check_config, markdown_table, run_benchmark
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     def save_partial(rows: list[dict]) -> None:  # kept if a time limit stops the run
         if args.json:
             partial = {"environment": env, "rows": rows, "partial": True}
-            pathlib.Path(args.json).write_text(json.dumps(partial, indent=1))
+            write_atomic(pathlib.Path(args.json), json.dumps(partial, indent=1))
 
     run = lambda: run_benchmark(cfg, on_row=save_partial)  # noqa: E731
     run_and_report(env, run, markdown_table, args.json, args.markdown)

@@ -19,6 +19,8 @@ SHIPPED_MODELING_FILES = (
     "configuration_focus.py",
     "modeling_focus.py",
     "focus_cache.py",
+    "focus_inputs.py",
+    "focus_router.py",
     "focus_rules.py",
     "focus_static.py",
 )
@@ -29,7 +31,9 @@ ADAPTER_MARKER = "focus_adapter.json"
 # what an export from before the marker listed its files wrote (besides the marker)
 _EARLIER_EXPORT_FILES = (
     "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", *SHIPPED_MODELING_FILES,
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "configuration_focus.py", "modeling_focus.py", "focus_cache.py", "focus_rules.py",
+    "focus_static.py",  # the shipped code of then (fixed: later files are in the marker's list)
 )  # fmt: skip
 
 

@@ -260,11 +260,15 @@ def _export_inputs(ckpt: Path, config: Config, tokenizer: Path | None) -> list[t
 
 
 def shipped_classes(family: str) -> tuple[type, type]:
-    """``(Focus<stem>Config, Focus<stem>ForCausalLM)`` of the shipped modeling code for our
-    family ``family`` (``stem``: the description's ``class_stem``)."""
-    stem = family_description(family).class_stem
+    """``(Focus<hf_config_class>, Focus<hf_model_class>)`` of the shipped modeling code for our
+    family ``family`` (``FocusLlamaConfig``, ``FocusLlamaForCausalLM``): the shipped code makes
+    them from transformers' classes that the family's description names."""
+    description = family_description(family)
     modeling = load_modeling()
-    return getattr(modeling, f"Focus{stem}Config"), getattr(modeling, f"Focus{stem}ForCausalLM")
+    return (
+        modeling.focus_config_class(description.hf_config_class),
+        modeling.focus_model_class(description.hf_model_class),
+    )
 
 
 def hf_export_config(model_cfg: ModelConfig, tokenizer=None):

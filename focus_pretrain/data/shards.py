@@ -243,21 +243,10 @@ def preprocess_corpus(
     """
     started = time.perf_counter()
     options = options or ReadOptions()
-    if workers < 1 or shard_documents < 1:
-        raise InputError(
-            f"workers ({workers}) and shard_documents ({shard_documents}) must be >= 1"
-        )
     out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"{out} is a file: give a directory for the shards")
+    _check_request(out, workers, shard_documents, tokenizer, vocab_size, add_bos)
     units = resolve_inputs(inputs)
     trained = tokenizer is None
-    check_add_bos(add_bos)
-    if trained:
-        check_vocab_size(vocab_size)
-    else:
-        check_tokenizer_path(tokenizer)
-        Tokenizer(tokenizer).document_prefix(add_bos)  # a BOS asked of a tokenizer with none
     tokenizer = out / TOKENIZER if tokenizer is None else tokenizer
     plan = _load_plan(out, units, overwrite, trained) if out.is_dir() else None
     settings = {**asdict(options), "shard_documents": shard_documents, "format": FORMAT}
@@ -284,7 +273,8 @@ def preprocess_corpus(
         show=progress, line=f"{len(shards)} shard(s) of up to {shard_documents:,} records{finished}"
     )
     index_seconds = time.perf_counter() - started
-    document_prefix = Tokenizer(tokenizer).document_prefix(add_bos)
+    tokens = Tokenizer(tokenizer)
+    document_prefix = tokens.document_prefix(add_bos)
     written = run_shards(
         [(k, shards[k], str(out)) for k in pending],
         str(tokenizer),
@@ -299,12 +289,36 @@ def preprocess_corpus(
     shard_stats = [
         json.loads((out / f"{shard_name(k)}.json").read_text()) for k in range(len(shards))
     ]
-    manifest = _manifest(units, indexes, shard_stats, settings, Tokenizer(tokenizer))
+    manifest = _manifest(units, indexes, shard_stats, settings, tokens)
     manifest["document_prefix"] = document_prefix  # what every document of the shards begins with
     _write_json(out / MANIFEST, manifest)  # last: the directory is complete once it exists
     stats = _run_stats(out, workers, len(shards), written, manifest, seconds, tokenizer)
     _write_json(out / STATS, stats)
     return stats
+
+
+def _check_request(
+    out: Path,
+    workers: int,
+    shard_documents: int,
+    tokenizer: str | os.PathLike | None,
+    vocab_size: int,
+    add_bos: bool | str,
+) -> None:
+    """Refuse bad counts, a file as the output, a missing tokenizer or a bad vocabulary size,
+    and a BOS asked of a tokenizer with none (``InputError``), before anything is read."""
+    if workers < 1 or shard_documents < 1:
+        raise InputError(
+            f"workers ({workers}) and shard_documents ({shard_documents}) must be >= 1"
+        )
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out} is a file: give a directory for the shards")
+    check_add_bos(add_bos)
+    if tokenizer is None:
+        check_vocab_size(vocab_size)
+    else:
+        check_tokenizer_path(tokenizer)
+        Tokenizer(tokenizer).document_prefix(add_bos)  # a BOS asked of a tokenizer with none
 
 
 def _reconcile_plan(out: Path, plan: dict | None, settings: dict, trained: bool) -> dict | None:

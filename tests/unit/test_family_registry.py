@@ -12,7 +12,7 @@ import sys
 import pytest
 import transformers
 
-from focus_pretrain.convert.hf_export import hf_config_dict, shipped_classes
+from focus_pretrain.convert.hf_export import hf_config_dict, load_modeling, shipped_classes
 from focus_pretrain.convert.hf_import import check_compatible
 from focus_pretrain.model import FAMILIES, ModelConfig
 from focus_pretrain.model.families import REGISTRY, Family, family, hf_family
@@ -36,7 +36,7 @@ def test_every_family_file_registers_exactly_its_family():
     assert modules == set(REGISTRY) == set(FAMILIES)
     assert FAMILIES[:2] == ("gpt2", "llama")  # release order (error messages list them so)
     assert len({f.hf_model_type for f in REGISTRY.values()}) == len(REGISTRY)
-    assert len({f.class_stem for f in REGISTRY.values()}) == len(REGISTRY)
+    assert len({f.hf_model_class for f in REGISTRY.values()}) == len(REGISTRY)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -78,18 +78,28 @@ def test_hf_names_resolve_in_transformers_and_the_shipped_code(name):
     assert focus_config.model_type == f"focus_{description.hf_model_type}"
     assert focus_model.config_class is focus_config
     assert hf_family(description.hf_model_type) is description
-    shipped = sys.modules[focus_config.__module__].FAMILY_CLASSES  # the shipped code's table
-    assert shipped[description.class_stem] == (
-        description.hf_config_class,
-        description.hf_model_class,
-    )
+    # the names an export's auto_map writes resolve in the shipped modules, to the same classes
+    modeling = sys.modules[focus_model.__module__]
+    configuration = sys.modules[focus_config.__module__]
+    assert getattr(modeling, f"Focus{description.hf_model_class}") is focus_model
+    assert getattr(configuration, f"Focus{description.hf_config_class}") is focus_config
+    assert focus_config.__name__ == f"Focus{description.hf_config_class}"
 
 
-def test_the_shipped_table_has_exactly_the_registered_families():
-    from focus_pretrain.convert.hf_export import _shipped_configuration
-
-    stems = {f.class_stem for f in REGISTRY.values()}
-    assert set(_shipped_configuration().FAMILY_CLASSES) == stems
+def test_the_shipped_code_makes_classes_only_from_transformers_classes():
+    """A name that is not ``Focus`` + a transformers config or causal LM class is an
+    ``AttributeError`` (hasattr/getattr with a default keep working), naming what is missing."""
+    modeling = load_modeling()
+    configuration = sys.modules[modeling.checked_focus.__module__]
+    for module, name in (
+        (modeling, "FocusNoSuchFamilyForCausalLM"),
+        (configuration, "FocusNoSuchFamilyConfig"),
+        (modeling, "FocusBertModel"),  # a transformers class, but not a causal LM
+        (modeling, "something_else"),
+    ):
+        assert not hasattr(module, name)
+        with pytest.raises(AttributeError, match=name):
+            getattr(module, name)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

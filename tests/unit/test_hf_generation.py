@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from focus_pretrain.convert.hf_export import load_modeling
+from focus_pretrain.convert.hf_export import load_modeling, shipped_classes
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 
 pytestmark = pytest.mark.hf  # also run against other transformers (tools/hf_compat.py)
@@ -58,7 +58,7 @@ FAMILY_EXTRAS = {
 
 def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
     settings = {"num_groups": 4, "window": 3, "top_k": 1, "inference_backend": "auto", **focus}
-    config_cls = getattr(modeling, f"Focus{family}Config")
+    config_cls, model_cls = shipped_classes(family.lower())
     if family == "GPT2":
         config = config_cls(
             focus=settings, n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=256
@@ -76,7 +76,7 @@ def focus_model(family: str = "Llama", **focus) -> torch.nn.Module:
         config = config_cls(focus=settings, **{**arch, **FAMILY_EXTRAS.get(family, {})})
     config.pad_token_id = config.bos_token_id = config.eos_token_id = 0
     torch.manual_seed(0)
-    model = getattr(modeling, f"Focus{family}ForCausalLM")(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -12,6 +12,7 @@ loaded back with ``trust_remote_code`` like an export.
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
@@ -117,7 +118,8 @@ def test_the_document_mask_matters_and_the_packed_paths_agree(monkeypatch):
         fast = model(ids, position_ids=positions).logits
         model.config.focus["inference_backend"] = "dense"
         dense = model(ids, position_ids=positions).logits
-        monkeypatch.setattr(modeling, "packed_documents", lambda *args: None)
+        inputs = sys.modules[modeling.capture_documents.__module__]  # focus_inputs
+        monkeypatch.setattr(inputs, "packed_documents", lambda *args: None)
         merged = model(ids, position_ids=positions).logits
     torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
     assert (merged - dense).abs().max() > 1e-3

@@ -43,21 +43,11 @@ def _require_transformers() -> None:
 
 _require_transformers()
 
-# The families this code knows, one line each: Focus<stem>Config and Focus<stem>ForCausalLM
-# subclass transformers' config and causal-LM classes named here (model_type
-# ``focus_<its model_type>``); the classes are generated below and in modeling_focus.py. The
-# family descriptions of focus_pretrain (``class_stem``, ``hf_config_class``,
-# ``hf_model_class``) name the same (tested).
-FAMILY_CLASSES = {
-    "GPT2": ("GPT2Config", "GPT2LMHeadModel"),
-    "Llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "Mistral": ("MistralConfig", "MistralForCausalLM"),
-    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "Olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),  # the text-only Gemma-3
-}
+# The families: not listed here. ``Focus<Base>`` (``FocusLlamaConfig``) is generated on first
+# use (:func:`__getattr__`) as a subclass of transformers' ``<Base>`` with the ``focus`` dict and
+# model_type ``focus_<its model_type>``; modeling_focus.py does the same for the causal LMs. An
+# export's ``auto_map`` names the classes of its family (focus_pretrain's family description
+# names the base classes), so a new family needs no line in the shipped code.
 
 FOCUS_DEFAULTS = {
     "enabled": True,
@@ -213,13 +203,13 @@ def _with_focus(self, focus, kwargs, base) -> None:
     base.__init__(self, **kwargs)
 
 
-def _focus_config_class(stem: str, base: type) -> type:
-    """``Focus<stem>Config``: the family's config ``base`` plus the ``focus`` dict."""
+def _focus_config_class(base: type) -> type:
+    """``Focus<base>``: the family's config class ``base`` plus the ``focus`` dict."""
 
     def __init__(self, focus: dict | None = None, **kwargs) -> None:
         _with_focus(self, focus, kwargs, base)
 
-    name = f"Focus{stem}Config"
+    name = f"Focus{base.__name__}"
     namespace = {
         "model_type": f"focus_{base.model_type}",
         "__init__": __init__,
@@ -230,7 +220,25 @@ def _focus_config_class(stem: str, base: type) -> type:
     return type(base)(name, (base,), namespace)
 
 
-FOCUS_CONFIG_CLASSES: dict[str, type] = {}  # stem -> Focus<stem>Config
-for _stem, (_config_name, _) in FAMILY_CLASSES.items():
-    FOCUS_CONFIG_CLASSES[_stem] = _focus_config_class(_stem, getattr(transformers, _config_name))
-    globals()[f"Focus{_stem}Config"] = FOCUS_CONFIG_CLASSES[_stem]
+def focus_config_class(base_name: str) -> type:
+    """``Focus<base_name>``: transformers' config class ``base_name`` (``"LlamaConfig"``) with
+    the ``focus`` dict, made once per process (the same class on every call)."""
+    name = f"Focus{base_name}"
+    made = globals().get(name)
+    if made is None:
+        base = getattr(transformers, base_name, None)
+        if not (isinstance(base, type) and issubclass(base, transformers.PretrainedConfig)):
+            raise AttributeError(
+                f"{__name__} has no {name}: transformers {transformers.__version__} has no "
+                f"config class {base_name}"
+            )
+        made = globals()[name] = _focus_config_class(base)
+    return made
+
+
+def __getattr__(name: str) -> type:
+    """``Focus<X>Config`` for any transformers config class ``<X>Config`` (PEP 562: what an
+    export's ``auto_map`` and ``from configuration_focus import FocusLlamaConfig`` ask for)."""
+    if name.startswith("Focus") and name.endswith("Config") and name != "FocusConfig":
+        return focus_config_class(name.removeprefix("Focus"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,8 +34,8 @@ Packed inputs (as transformers detects them for flash-attention varlen): ``posit
 restart (a position that is not the previous one + 1 starts a new document) with
 ``attention_mask`` ``None`` or all ones. Every layer (Focus, window-only, a family's sliding
 window) then attends only inside each document, whose sinks are its own first ``S`` tokens, so
-each document gets the logits it gets alone (:func:`packed_documents`). Refused, with an error:
-restarting positions among the real tokens of a padded batch, packed inputs after cached
+each document gets the logits it gets alone (``focus_inputs.packed_documents``). Refused, with
+an error: restarting positions among the real tokens of a padded batch, packed inputs after cached
 tokens, and continuing a KV cache filled by a packed forward (``focus_cache.check_packed_cache``).
 """
 
@@ -45,10 +45,9 @@ import inspect
 import types
 
 import torch
-import torch.nn.functional as F
 import transformers
 from torch import Tensor, nn
-from transformers import AttentionInterface, AttentionMaskInterface, Cache
+from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 try:  # the fast exact backends, when the training package is installed
@@ -60,8 +59,15 @@ try:  # the settings a newer package's focus_attention takes by name (its FocusP
 except ImportError:  # an older package names them in its signature
     _PACKAGE_SETTINGS = ()
 
-from .configuration_focus import FAMILY_CLASSES, FOCUS_CONFIG_CLASSES, checked_focus
-from .focus_cache import check_packed_cache, focus_cache_layer, sparse_decode, store_routing
+from .configuration_focus import checked_focus, focus_config_class
+from .focus_cache import check_packed_cache, sparse_decode
+from .focus_inputs import (
+    Documents,
+    capture_documents,
+    capture_input,
+    real_spans,
+)
+from .focus_router import FocusRouter, allowed_by_mask, membership, route
 from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
 from .focus_static import static_focus_forward, static_focus_layer
 
@@ -72,140 +78,6 @@ _PACKAGE_PARAMETERS = (
 )  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
 _PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
 _PACKAGE_GATE_FORMS = "gate_form" in (*_PACKAGE_PARAMETERS, *_PACKAGE_SETTINGS)
-
-
-class FocusRouter(nn.Module):
-    """Per-layer router: ``[b, s, hidden] -> [b, s, K]`` group probabilities (fp32)."""
-
-    def __init__(self, hidden_size: int, focus: dict) -> None:
-        super().__init__()
-        self.focus = focus
-        self.proj = nn.Linear(hidden_size, focus["group_dim"], bias=False)
-        self.centroids = nn.Parameter(torch.randn(focus["num_groups"], focus["group_dim"]))
-        self.register_buffer("balance_offsets", torch.zeros(focus["num_groups"]))
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        dtype = torch.promote_types(hidden.dtype, torch.float32)
-        projected = F.linear(hidden.to(dtype), self.proj.weight.to(dtype))  # [b, s, d_g]
-        centroids = self.centroids.to(dtype)
-        if self.focus["normalize"]:
-            projected = F.normalize(projected, dim=-1)
-            centroids = F.normalize(centroids, dim=-1)
-        logits = projected @ centroids.t() / self.focus["tau"]  # [b, s, K]
-        return torch.softmax(logits + self.balance_offsets.to(dtype), dim=-1)
-
-
-def passed_cache(args: tuple, kwargs: dict) -> Cache | None:
-    """The KV cache among a module call's arguments, or ``None``: the one that is a
-    ``transformers.Cache``, whatever its keyword (``past_key_values`` up to transformers 5.23,
-    ``cache`` from 5.24) or position."""
-    for value in (*kwargs.values(), *args):
-        if isinstance(value, Cache):
-            return value
-    return None
-
-
-def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: the attention module's cache and, for a Focus layer, its input (what
-    the router reads)."""
-    if getattr(module, "router", None) is not None:
-        module._focus_hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    module._focus_cache = passed_cache(args, kwargs)
-    module._focus_cache_position = kwargs.get("cache_position")  # static caches before 5.x
-
-
-class _Documents:
-    """The packed documents of the running forward, shared by a model's attention modules."""
-
-    starts: Tensor | None = None  # [b, s] document starts, or None (one document per row)
-
-
-def packed_documents(
-    position_ids: Tensor | None, attention_mask: Tensor | None, b: int, s: int
-) -> Tensor | None:
-    """Document starts ``[b, s]`` (the position of each token's document's first token in the
-    row) of a packed batch, or ``None`` (one document per row).
-
-    A token starts a new document when its position id is not the previous token's + 1 (how
-    transformers finds packed sequences). Only with ``attention_mask`` ``None`` or all ones; a
-    4-D mask is the caller's own.
-
-    Raises:
-        ValueError: position ids restart among the real tokens of a padded row (the padding's
-            own positions are ignored: left-padded generation restarts there), or their count
-            is not the number of tokens.
-    """
-    if attention_mask is not None and not (
-        isinstance(attention_mask, Tensor) and attention_mask.dim() == 2
-    ):  # a 4-D mask, or a mapping of them (precomputed for a static cache), is the caller's own
-        return None
-    if position_ids is None or s < 2:
-        return None
-    if position_ids.shape[-1] != s:  # generate(use_cache=False) before transformers 5.2
-        raise ValueError(
-            f"position_ids give {position_ids.shape[-1]} positions for {s} tokens: pass one "
-            "per token (generate before transformers 5.2 does not extend position_ids without "
-            "a KV cache: upgrade transformers, generate with the cache, or without position_ids)"
-        )
-    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(b, s)  # [s]|[1, s] -> [b, s]
-    new = torch.ones(b, s, dtype=torch.bool, device=pos.device)
-    new[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # [b, s]
-    if not bool(new[:, 1:].any()):
-        return None
-    if attention_mask is not None and not bool(attention_mask[:, -s:].all()):
-        real = attention_mask[:, -s:].bool()  # [b, s]: the new tokens' real ones
-        for r in range(b):
-            if bool((pos[r][real[r]].diff() != 1).any()):
-                raise ValueError(
-                    "position_ids restart inside the real tokens of a padded row: packed "
-                    "documents with padding are not supported; pass packed rows with "
-                    "attention_mask=None (or all ones), or each document as its own padded row"
-                )
-        return None
-    index = torch.arange(s, device=pos.device).expand(b, s)  # [b, s]
-    return torch.where(new, index, 0).cummax(dim=1).values
-
-
-def _capture_documents(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of the base model: the packed documents of this forward."""
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-    inputs = bound.get("input_ids")
-    inputs = bound.get("inputs_embeds") if inputs is None else inputs
-    if inputs is None:
-        model.focus_documents.starts = None
-        return
-    b, s = inputs.shape[:2]
-    starts = packed_documents(bound.get("position_ids"), bound.get("attention_mask"), b, s)
-    model.focus_documents.starts = starts
-
-
-def _membership(probs: Tensor, top_k: int) -> Tensor:
-    groups = probs.topk(top_k, dim=-1).indices  # [b, s, top_k]
-    return (torch.ones_like(groups) << groups).sum(dim=-1)  # int64 bitmask
-
-
-def _allowed_by_mask(mask: Tensor | None, b: int, q_len: int, kv_len: int) -> Tensor | None:
-    """HF's 4D mask (bool ``[b|1, 1, q, kv]``, True = attend; or additive float) as a bool
-    ``[b, q, kv]``, or ``None`` when there is none (no padding)."""
-    if mask is None:
-        return None
-    if mask.dtype != torch.bool:
-        mask = mask == 0  # additive: 0 where attended, a large negative number elsewhere
-    return mask[:, 0, :, -kv_len:].expand(b, q_len, kv_len)
-
-
-def _route(module: nn.Module, allowed: Tensor | None, q_len: int, kv_len: int):
-    """Routing of all ``kv_len`` keys: ``(probs [b, kv, K], members [b, kv], valid [b, kv],
-    cache layer or None)``; the new tokens' routing is stored in the KV cache."""
-    focus = module.router.focus
-    probs = module.router(module._focus_hidden)  # [b, q, K]
-    members = _membership(probs, focus["top_k"])  # [b, q]
-    if allowed is None:
-        valid = torch.ones(members.shape, dtype=torch.bool, device=members.device)
-    else:  # a real token is a key its own row attends; padding is a key nobody attends
-        valid = allowed[:, :, kv_len - q_len :].any(dim=1)  # [b, q]
-    layer = focus_cache_layer(getattr(module, "_focus_cache", None), module.layer_idx)
-    return (*store_routing(layer, probs, members, valid, kv_len), layer)
 
 
 def _sinks(module: nn.Module) -> int:
@@ -255,8 +127,8 @@ def focus_attention_forward(
     """``query [b, H, q, d]``, ``key/value [b, G, kv, d]`` -> ``([b, q, H, d], None)``.
 
     ``attention_mask``: HF's mask (padding, packed sequences) or ``None``; queries that may
-    attend to no key (left padding) get a zero output. Packed documents (:func:`packed_documents`)
-    come from the base model's forward.
+    attend to no key (left padding) get a zero output. Packed documents
+    (``focus_inputs.packed_documents``) come from the base model's forward.
     """
     b, _, q_len, d = query.shape
     kv_len = key.shape[2]
@@ -269,14 +141,14 @@ def focus_attention_forward(
             module, static, query, key, value, attention_mask, scale, softcap, sliding_window, docs
         ), None
     check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
-    allowed = _allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
+    allowed = allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
     focus = checked_focus(router.focus if router is not None else module.config.focus)
     mode = "soft" if module.training else focus["inference_mode"]
     backend = focus["backend" if mode == "soft" else "inference_backend"]
     routing = None
     if router is not None:
-        routing = _route(module, allowed, q_len, kv_len)
+        routing = route(module, allowed, q_len, kv_len)
         layer = routing[3]
         decode = q_len == 1 and kv_len > 1 and layer is not None
         if decode and mode == "hard" and backend != "dense":
@@ -317,14 +189,14 @@ def _static(
             "supported: run packed documents with use_cache=False or the default dynamic cache"
         )
     b, _, q_len, _ = query.shape
-    allowed = _allowed_by_mask(attention_mask, b, q_len, key.shape[2])  # [b, q, L] or None
+    allowed = allowed_by_mask(attention_mask, b, q_len, key.shape[2])  # [b, q, L] or None
     router = getattr(module, "router", None)
     focus = checked_focus(router.focus if router is not None else module.config.focus)
     mode = "soft" if module.training else focus["inference_mode"]
     routing = None
     if router is not None:
         probs = router(module._focus_hidden)  # [b, q, K]
-        routing = (probs, _membership(probs, focus["top_k"]))  # [b, q, K], [b, q]
+        routing = (probs, membership(probs, focus["top_k"]))  # [b, q, K], [b, q]
     return static_focus_forward(
         layer,
         query,
@@ -444,7 +316,7 @@ def _fast_path(
     if docs is not None:  # packed rows have no padding (packed_documents)
         out = _package_focus_attention(q, k, v, probs, check_finite=False, documents=docs, **kwargs)
         return out.contiguous()  # [b, s, H, d]
-    spans = _real_spans(allowed, q.shape[0], q.shape[1], sliding_window)
+    spans = real_spans(allowed, q.shape[0], q.shape[1], sliding_window)
     if spans is None:
         return None
     if spans == "all":
@@ -466,26 +338,6 @@ def _fast_path(
     return out  # [b, s, H, d]
 
 
-def _real_spans(allowed: Tensor | None, b: int, s: int, sliding_window: int | None):
-    """``"all"`` (no padding), per-row ``(start, end)`` of the real tokens when they are
-    contiguous (left or right padding), or ``None`` (another mask: packed sequences)."""
-    if allowed is None:
-        return "all"
-    valid = allowed.any(dim=1)  # [b, s]
-    causal = torch.ones(s, s, dtype=torch.bool, device=allowed.device).tril()
-    if sliding_window is not None:  # the mask of a sliding-window layer has the window too
-        causal = causal.triu(-(sliding_window - 1))
-    spans = []
-    for r in range(b):
-        real = torch.nonzero(valid[r]).flatten()
-        start, end = (int(real[0]), int(real[-1]) + 1) if real.numel() else (0, 0)
-        expected = causal & valid[r][None]  # HF's mask of a padded causal sequence
-        if end - start != real.numel() or not torch.equal(allowed[r], expected):
-            return None
-        spans.append((start, end))
-    return "all" if all(sp == (0, s) for sp in spans) else spans
-
-
 AttentionInterface.register("focus", focus_attention_forward)
 AttentionMaskInterface.register("focus", sdpa_mask)  # bool masks (padding), None when causal
 
@@ -502,11 +354,11 @@ def _attach_routers(model: nn.Module, config) -> None:
     config._attn_implementation = "focus"
     focus = config.focus
     base = model.transformer if hasattr(model, "transformer") else model.model
-    base.focus_documents = _Documents()
-    base.register_forward_pre_hook(_capture_documents, with_kwargs=True)
+    base.focus_documents = Documents()
+    base.register_forward_pre_hook(capture_documents, with_kwargs=True)
     for module in _attention_modules(model):
         module.focus_documents = base.focus_documents
-        module.register_forward_pre_hook(_capture_input, with_kwargs=True)
+        module.register_forward_pre_hook(capture_input, with_kwargs=True)
         if getattr(module, "sliding_window", None) is not None or not focus.get("enabled", True):
             continue
         if focus.get("window_only"):
@@ -532,16 +384,17 @@ def _keep_focus_attention(self, attn_implementation, *args, **kwargs):
     return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
 
 
-def _focus_model_class(stem: str, base: type, config_class: type) -> type:
-    """``Focus<stem>ForCausalLM``: the family's causal LM ``base`` with Focus routers."""
+def _focus_model_class(base: type) -> type:
+    """``Focus<base>``: the family's causal LM ``base`` with Focus routers; its config class is
+    ``Focus<base's config class>`` (``FocusLlamaForCausalLM`` -> ``FocusLlamaConfig``)."""
 
     def __init__(self, config) -> None:
         base.__init__(self, config)
         _attach_routers(self, config)
 
-    name = f"Focus{stem}ForCausalLM"
+    name = f"Focus{base.__name__}"
     namespace = {
-        "config_class": config_class,
+        "config_class": focus_config_class(base.config_class.__name__),
         "__init__": __init__,
         "__module__": __name__,
         "__qualname__": name,
@@ -550,13 +403,36 @@ def _focus_model_class(stem: str, base: type, config_class: type) -> type:
     return type(base)(name, (base,), namespace)
 
 
-for _stem, (_, _model_name) in FAMILY_CLASSES.items():  # one class per family of the table
-    globals()[f"Focus{_stem}Config"] = FOCUS_CONFIG_CLASSES[_stem]  # importable from here too
-    globals()[f"Focus{_stem}ForCausalLM"] = _focus_model_class(
-        _stem,
-        getattr(transformers, _model_name),
-        FOCUS_CONFIG_CLASSES[_stem],
-    )
+def focus_model_class(base_name: str) -> type:
+    """``Focus<base_name>``: transformers' causal LM class ``base_name``
+    (``"LlamaForCausalLM"``, GPT-2's ``"GPT2LMHeadModel"``) with Focus routers, made once per
+    process (the same class on every call)."""
+    name = f"Focus{base_name}"
+    made = globals().get(name)
+    if made is None:
+        base = getattr(transformers, base_name, None)
+        if not (
+            isinstance(base, type)
+            and issubclass(base, transformers.PreTrainedModel)
+            and base_name.endswith(("ForCausalLM", "LMHeadModel"))
+        ):
+            raise AttributeError(
+                f"{__name__} has no {name}: transformers {transformers.__version__} has no "
+                f"causal LM class {base_name}"
+            )
+        made = globals()[name] = _focus_model_class(base)
+    return made
+
+
+def __getattr__(name: str) -> type:
+    """``Focus<X>ForCausalLM`` (``Focus<X>LMHeadModel``) for any transformers causal LM class,
+    and ``Focus<X>Config`` (importable from here too): PEP 562, what an export's ``auto_map``
+    and ``from modeling_focus import FocusLlamaForCausalLM`` ask for."""
+    if name.startswith("Focus") and name.endswith(("ForCausalLM", "LMHeadModel")):
+        return focus_model_class(name.removeprefix("Focus"))
+    if name.startswith("Focus") and name.endswith("Config") and name != "FocusConfig":
+        return focus_config_class(name.removeprefix("Focus"))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def attach_focus_adapter(model: nn.Module, adapter_dir) -> nn.Module:

@@ -67,8 +67,8 @@ class Family:
 
     HuggingFace (``convert/``, the shipped code); unset, Llama's
     (:meth:`_fill_llama_defaults`):
-        hf_model_type, hf_config_class, hf_model_class: transformers' names.
-        class_stem: the shipped classes are ``Focus<stem>Config`` / ``Focus<stem>ForCausalLM``.
+        hf_model_type, hf_config_class, hf_model_class: transformers' names; the shipped
+            classes are ``Focus<hf_config_class>`` / ``Focus<hf_model_class>``.
         layer_rules, top_rules: the key map (:mod:`~focus_pretrain.model.families.keymap`;
             ``{i}``: layer), ``lm_head`` added for untied models.
         config_from_hf: ``config.json`` (transformers defaults filled in) -> ``ModelConfig``
@@ -86,7 +86,6 @@ class Family:
     hf_model_type: str = ""
     hf_config_class: str = ""
     hf_model_class: str = ""
-    class_stem: str = ""
     layer_rules: tuple[Rule, ...] = ()
     top_rules: tuple[Rule, ...] = ()
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -135,10 +134,9 @@ class Family:
         from focus_pretrain.model.families import hf_config  # it reads descriptions: no cycle
         from focus_pretrain.model.families.keymap import EMBEDDING, final_norm, llama_layer
 
-        stem = self.class_stem or self.name.capitalize()
+        stem = self.name.capitalize()
         defaults = {
             "hf_model_type": self.name,
-            "class_stem": stem,
             "hf_config_class": f"{stem}Config",
             "hf_model_class": f"{stem}ForCausalLM",
             "layer_rules": llama_layer(),

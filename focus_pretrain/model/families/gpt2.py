@@ -99,8 +99,8 @@ GPT2 = register(
     Family(
         name="gpt2",
         released="2019-02-14",
+        hf_config_class="GPT2Config",
         hf_model_class="GPT2LMHeadModel",
-        class_stem="GPT2",
         layer_rules=LAYER,
         top_rules=TOP,
         config_from_hf=config_from_hf,
