@@ -86,6 +86,38 @@ def test_hf_names_resolve_in_transformers_and_the_shipped_code(name):
     assert focus_config.__name__ == f"Focus{description.hf_config_class}"
 
 
+def _code_names(source: str) -> set[str]:
+    """The names and string constants of ``source``'s code (comments and docstrings not)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+    }  # a bare string statement: a docstring
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name.rsplit(".", 1)[-1])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.update(() if id(node) in docstrings else re.findall(r"\w+", node.value))
+    return names
+
+
+def test_the_shipped_code_names_no_family():
+    """No registered family's transformers class is named in the shipped code: a new family
+    needs no line there (its export's auto_map names ``Focus<its classes>``)."""
+    from focus_pretrain.convert.hf_export import MODELING_DIR, SHIPPED_MODELING_FILES
+
+    names = set().union(
+        *(_code_names((MODELING_DIR / name).read_text()) for name in SHIPPED_MODELING_FILES)
+    )
+    classes = {c for f in REGISTRY.values() for c in (f.hf_config_class, f.hf_model_class)}
+    assert "AttentionInterface" in names  # the scan sees the code's names
+    assert not classes & names, sorted(classes & names)
+
+
 def test_the_shipped_code_makes_classes_only_from_transformers_classes():
     """A name that is not ``Focus`` + a transformers config or causal LM class is an
     ``AttributeError`` (hasattr/getattr with a default keep working), naming what is missing."""
