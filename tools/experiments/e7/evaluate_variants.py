@@ -1,12 +1,16 @@
 """The routers a retrofit trained, evaluated with other inference settings (no training): the
-hard pattern with and without attention sinks, top-2, a wider window. Writes
-RETROFIT_OUT/variants.json ({variant: metrics}); skips what is there already.
+hard pattern with and without attention sinks, top-2, the soft pattern, and the random-routing
+control at equal density ("shuffled": each router's output permuted along the sequence, each
+sample and layer its own permutation, so every group keeps its trained size in every sample but
+no token keeps its own group). Writes RETROFIT_OUT/variants.json ({variant: metrics}); skips
+what is there already.
 
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -18,7 +22,39 @@ VARIANTS = {  # name -> evaluate overrides of the trained checkpoint
         "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2"
     ],
     "soft, sinks 4": ["model.focus.inference_mode=soft", "model.focus.sinks=4"],
+    "hard, sinks 4, shuffled routing": ["model.focus.inference_mode=hard", "model.focus.sinks=4"],
+    "hard, sinks 4, top-2, shuffled routing": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2"
+    ],
 }  # fmt: skip
+SHUFFLE_SEED = 1234
+
+
+@contextlib.contextmanager
+def shuffled_routing(seed: int):
+    """While entered, every ``FocusRouter``'s routing ``[b, s, K]`` is permuted along ``s``
+    (a global forward hook, so it runs before the density meter's own hook and the attention
+    reads the same routing)."""
+    import torch
+
+    from focus_pretrain.focus import FocusRouter, Routing
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def permute(module, args, routing):
+        if not isinstance(module, FocusRouter):
+            return None
+        probs = routing.probs  # [b, s, K]
+        b, s, k = probs.shape
+        order = torch.stack([torch.randperm(s, generator=generator) for _ in range(b)])  # [b, s]
+        order = order.to(probs.device)[..., None].expand(b, s, k)  # [b, s, K]
+        return Routing(probs.gather(1, order))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(permute)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def main() -> None:
@@ -30,7 +66,9 @@ def main() -> None:
     for name, overrides in VARIANTS.items():
         if name in done:
             continue
-        result = evaluate_checkpoint(out / "run", overrides, out / "eval" / f"{name}.json")
+        shuffle = shuffled_routing(SHUFFLE_SEED) if "shuffled" in name else contextlib.nullcontext()
+        with shuffle:
+            result = evaluate_checkpoint(out / "run", overrides, out / "eval" / f"{name}.json")
         done[name] = result["metrics"]
         print(f"{name}: loss {result['metrics']['loss']:.4f}", flush=True)
         target.write_text(json.dumps(done, indent=1))
