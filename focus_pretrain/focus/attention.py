@@ -57,6 +57,7 @@ from focus_pretrain.focus.backends import (
     Backend,
     Capabilities,
     available_backends,
+    differentiated,
     register_backend,
     select_backend,
 )
@@ -170,25 +171,10 @@ def _request(
     q: Tensor, k: Tensor, v: Tensor, pattern: AttentionPattern, return_lse: bool
 ) -> AttentionRequest:
     """What the call asks of a backend (shapes ``[b, s, H|Hkv, D]``, device, dtype, pattern)."""
-    return AttentionRequest(
-        device=q.device.type,
-        dtype=q.dtype,
-        batch=q.shape[0],
-        seq=q.shape[1],
-        heads=q.shape[2],
-        heads_kv=k.shape[2],
-        head_dim=q.shape[3],
-        mode=pattern.mode,
-        top_k=pattern.top_k,
-        local_only=pattern.local_only,
-        window=pattern.window,
-        softcap=pattern.softcap is not None,
-        needs_grad=torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (q, k, v, pattern.probs)),
-        sinks=pattern.sinks,
-        documents=pattern.documents is not None,
-        needs_lse=return_lse,
-    )
+    return AttentionRequest.of(
+        q, k, pattern, needs_grad=differentiated(q, k, v, pattern.probs),
+        documents=pattern.documents is not None, needs_lse=return_lse,
+    )  # fmt: skip
 
 
 def _validate(

@@ -133,6 +133,32 @@ class AttentionRequest:
         """``"local"``, ``"soft"``, ``"hard"`` or ``"hard_gated"``."""
         return "local" if self.local_only else self.mode
 
+    @classmethod
+    def of(
+        cls,
+        q: Tensor,
+        k: Tensor,
+        pattern: FocusPattern,
+        *,
+        needs_grad: bool,
+        documents: bool = False,
+        needs_lse: bool = True,
+    ) -> AttentionRequest:
+        """What a call on ``q`` ``[b, s, H, D]`` and ``k`` ``[b, s_k, Hkv, D]`` under
+        ``pattern`` asks (the dispatcher's call, or one ring step)."""
+        return cls(
+            device=q.device.type, dtype=q.dtype, batch=q.shape[0], seq=q.shape[1],
+            heads=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], mode=pattern.mode,
+            top_k=pattern.top_k, local_only=pattern.local_only, window=pattern.window,
+            softcap=pattern.softcap is not None, needs_grad=needs_grad, sinks=pattern.sinks,
+            documents=documents, needs_lse=needs_lse,
+        )  # fmt: skip
+
+
+def differentiated(*tensors: Tensor | None) -> bool:
+    """Whether autograd will differentiate through any of ``tensors`` (``None`` skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
 
 @dataclass(frozen=True)
 class Capabilities:

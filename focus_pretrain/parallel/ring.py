@@ -62,7 +62,12 @@ from torch import Tensor
 
 from focus_pretrain.focus import Routing
 from focus_pretrain.focus.attention import check_documents, check_dtypes, raise_if_not_finite
-from focus_pretrain.focus.backends import AttentionPattern, BlockSide
+from focus_pretrain.focus.backends import (
+    AttentionPattern,
+    AttentionRequest,
+    BlockSide,
+    differentiated,
+)
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import at_least_fp32
 from focus_pretrain.focus.pattern_blocks import block_has_pair
@@ -72,7 +77,6 @@ from focus_pretrain.parallel.ring_kernels import (
     RING_BLOCK_KERNELS,
     backward_block_kernel,
     resolve_block_kernel,
-    ring_request,
 )
 from focus_pretrain.parallel.sharding import zigzag_positions
 
@@ -317,13 +321,9 @@ def ring_focus_attention(
             f"{pattern.gate_form!r}; call context_parallel_attention (it rewrites the dot form)"
         )
     mode, local_only = pattern.mode, pattern.local_only
-    request = ring_request(
-        q, k, mode=mode, top_k=pattern.top_k, local_only=local_only, window=pattern.window,
-        softcap=pattern.softcap is not None, sinks=pattern.sinks,
-        documents=documents is not None,
-        needs_grad=torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (q, k, v, probs)),
-    )  # fmt: skip
+    request = AttentionRequest.of(
+        q, k, pattern, needs_grad=differentiated(q, k, v, probs), documents=documents is not None
+    )
     kernel = resolve_block_kernel(block_kernel, q, request)
     if kernel == "triton" and mode in ("hard", "hard_gated") and not local_only:
         raise ValueError(

@@ -38,7 +38,7 @@ Layout: ``[batch, seq, heads, head_dim]``; GQA query head ``h`` reads KV head
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,12 +50,14 @@ from focus_pretrain.focus.backends import (
     AttentionRequest,
     BlockFn,
     BlockSide,
+    differentiated,
     select_ring_block,
 )
 from focus_pretrain.focus.flex import DEFAULT_BLOCK, block_mask_from_predicates
 from focus_pretrain.focus.flex_mods import gate_score_mod, softcap_mod
 from focus_pretrain.focus.pattern import groups_intersect, member_bits, pair_rule
 from focus_pretrain.focus.pattern_blocks import block_predicates, summarise_blocks
+from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.reference import attend_block
 
 
@@ -63,27 +65,19 @@ def ring_request(
     q: Tensor,
     k: Tensor | None = None,
     *,
-    mode: str = "soft",
-    top_k: int = 1,
-    local_only: bool = False,
-    window: int = 128,
     softcap: bool = False,
-    sinks: int = 0,
     documents: bool = False,
     needs_grad: bool | None = None,
+    **settings: Any,
 ) -> AttentionRequest:
     """What one ring step asks of a block kernel: this rank's queries ``q`` ``[b, s_loc, H, D]``
-    (and keys ``k``, default ``q``'s shape) under the pattern; ``needs_grad`` default: whether
-    autograd will differentiate through ``q`` or ``k``."""
+    (and keys ``k``, default ``q``'s shape) under the pattern of ``settings``
+    (:class:`~focus_pretrain.focus.pattern_settings.FocusPattern`'s by name); ``needs_grad``
+    default: whether autograd will differentiate through ``q`` or ``k``."""
     k = q if k is None else k
-    if needs_grad is None:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    return AttentionRequest(
-        device=q.device.type, dtype=q.dtype, batch=q.shape[0], seq=q.shape[1],
-        heads=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[-1], mode=mode, top_k=top_k,
-        local_only=local_only, window=window, softcap=softcap, needs_grad=needs_grad,
-        sinks=sinks, documents=documents,
-    )  # fmt: skip
+    pattern = FocusPattern(softcap=1.0 if softcap else None, **settings)
+    needs_grad = differentiated(q, k) if needs_grad is None else needs_grad
+    return AttentionRequest.of(q, k, pattern, needs_grad=needs_grad, documents=documents)
 
 
 def resolve_block_kernel(
