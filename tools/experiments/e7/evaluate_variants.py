@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,8 +27,14 @@ VARIANTS = {  # name -> evaluate overrides of the trained checkpoint
     "hard, sinks 4, top-2, shuffled routing": [
         "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2"
     ],
+    "hard, sinks 4, shuffled routing, seed 2": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4"
+    ],
+    "hard, sinks 4, shuffled routing, seed 3": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4"
+    ],
 }  # fmt: skip
-SHUFFLE_SEED = 1234
+SHUFFLE_SEED = 1234  # + N - 1 for a variant named "..., seed N"
 
 
 @contextlib.contextmanager
@@ -66,7 +73,9 @@ def main() -> None:
     for name, overrides in VARIANTS.items():
         if name in done:
             continue
-        shuffle = shuffled_routing(SHUFFLE_SEED) if "shuffled" in name else contextlib.nullcontext()
+        numbered = re.search(r", seed (\d+)$", name)
+        seed = SHUFFLE_SEED + (int(numbered[1]) - 1 if numbered else 0)
+        shuffle = shuffled_routing(seed) if "shuffled" in name else contextlib.nullcontext()
         with shuffle:
             result = evaluate_checkpoint(out / "run", overrides, out / "eval" / f"{name}.json")
         done[name] = result["metrics"]
