@@ -24,7 +24,7 @@ runs/retrofit-NAME):
 It ends with one line on the hard model (what the export infers with) against the original:
 its loss gap, and past --max-hard-gap (default 0.05 nats) or, on far-evidence tokens,
 --max-far-gap (default 0.1) that the retrofit is not good enough, with what to change
-(attention sinks, more steps, top-2, a wider window, more groups).
+(top-2, attention sinks, a wider window, distillation; more groups with top-2).
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
