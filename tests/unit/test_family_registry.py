@@ -118,6 +118,40 @@ def test_the_shipped_code_names_no_family():
     assert not classes & names, sorted(classes & names)
 
 
+def test_running_the_shipped_code_again_makes_its_classes_again(monkeypatch):
+    """transformers runs an export's module again, in the same namespace, when the code under
+    that module name changes (another export's): no class of the earlier run is reused, and
+    each model class's config class is its own run's."""
+    import importlib
+    import importlib.util
+
+    from focus_pretrain.convert.hf_export import MODELING_DIR
+
+    name = "focus_hf_modeling_rerun"  # a private copy: the shared one stays as it is
+    spec = importlib.util.spec_from_file_location(
+        name, MODELING_DIR / "__init__.py", submodule_search_locations=[str(MODELING_DIR)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, package)
+    spec.loader.exec_module(package)
+    modeling = importlib.import_module(f"{name}.modeling_focus")
+    configuration = importlib.import_module(f"{name}.configuration_focus")
+    monkeypatch.setitem(sys.modules, f"{name}.modeling_focus", modeling)
+    monkeypatch.setitem(sys.modules, f"{name}.configuration_focus", configuration)
+    first = modeling.FocusLlamaForCausalLM
+    assert modeling.FocusLlamaForCausalLM is first  # made once per run
+    modeling.FocusGemma3ForCausalLM = configuration.FocusGemma3Config = object  # older code's
+    importlib.reload(configuration)
+    importlib.reload(modeling)
+    again = modeling.FocusLlamaForCausalLM
+    assert again is not first
+    assert again.config_class is configuration.FocusLlamaConfig
+    assert again.config_class is not first.config_class
+    gemma = modeling.FocusGemma3ForCausalLM
+    assert gemma is not object and gemma.config_class is configuration.FocusGemma3TextConfig
+    assert configuration.FocusGemma3Config is not object
+
+
 def test_the_shipped_code_makes_classes_only_from_transformers_classes():
     """A name that is not ``Focus`` + a transformers config or causal LM class is an
     ``AttributeError`` (hasattr/getattr with a default keep working), naming what is missing."""
@@ -127,6 +161,8 @@ def test_the_shipped_code_makes_classes_only_from_transformers_classes():
         (modeling, "FocusNoSuchFamilyForCausalLM"),
         (configuration, "FocusNoSuchFamilyConfig"),
         (modeling, "FocusBertModel"),  # a transformers class, but not a causal LM
+        (modeling, "FocusAutoModelForCausalLM"),  # named like one, but no model class
+        (configuration, "FocusPretrainedConfig"),  # the base class: no family
         (modeling, "something_else"),
     ):
         assert not hasattr(module, name)

@@ -220,20 +220,31 @@ def _focus_config_class(base: type) -> type:
     return type(base)(name, (base,), namespace)
 
 
+# the classes made by this run of the module: fresh when transformers runs the module again
+# (another export's code under the same module name), so no class of an earlier run is reused;
+# an earlier run's classes left in the namespace (older code set them there) are removed
+_MADE: dict[str, type] = {}
+for _stale in [n for n in globals() if n.startswith("Focus") and n.endswith("Config")]:
+    del globals()[_stale]
+
+
 def focus_config_class(base_name: str) -> type:
     """``Focus<base_name>``: transformers' config class ``base_name`` (``"LlamaConfig"``) with
-    the ``focus`` dict, made once per process (the same class on every call)."""
+    the ``focus`` dict, made once per run of this module (the same class on every call)."""
     name = f"Focus{base_name}"
-    made = globals().get(name)
-    if made is None:
+    if name not in _MADE:
         base = getattr(transformers, base_name, None)
-        if not (isinstance(base, type) and issubclass(base, transformers.PretrainedConfig)):
+        if not (
+            isinstance(base, type)
+            and issubclass(base, transformers.PretrainedConfig)
+            and getattr(base, "model_type", "")  # a family's config, not the base class
+        ):
             raise AttributeError(
                 f"{__name__} has no {name}: transformers {transformers.__version__} has no "
-                f"config class {base_name}"
+                f"model family config class {base_name}"
             )
-        made = globals()[name] = _focus_config_class(base)
-    return made
+        _MADE[name] = _focus_config_class(base)
+    return _MADE[name]
 
 
 def __getattr__(name: str) -> type:

@@ -403,13 +403,23 @@ def _focus_model_class(base: type) -> type:
     return type(base)(name, (base,), namespace)
 
 
+# the classes made by this run of the module (fresh when transformers runs it again; an earlier
+# run's classes left in the namespace by older code are removed)
+_MADE_MODELS: dict[str, type] = {}
+for _stale in [
+    n
+    for n in globals()
+    if n.startswith("Focus") and n.endswith(("Config", "ForCausalLM", "LMHeadModel"))
+]:
+    del globals()[_stale]
+
+
 def focus_model_class(base_name: str) -> type:
     """``Focus<base_name>``: transformers' causal LM class ``base_name``
     (``"LlamaForCausalLM"``, GPT-2's ``"GPT2LMHeadModel"``) with Focus routers, made once per
-    process (the same class on every call)."""
+    run of this module (the same class on every call)."""
     name = f"Focus{base_name}"
-    made = globals().get(name)
-    if made is None:
+    if name not in _MADE_MODELS:
         base = getattr(transformers, base_name, None)
         if not (
             isinstance(base, type)
@@ -420,8 +430,8 @@ def focus_model_class(base_name: str) -> type:
                 f"{__name__} has no {name}: transformers {transformers.__version__} has no "
                 f"causal LM class {base_name}"
             )
-        made = globals()[name] = _focus_model_class(base)
-    return made
+        _MADE_MODELS[name] = _focus_model_class(base)
+    return _MADE_MODELS[name]
 
 
 def __getattr__(name: str) -> type:
