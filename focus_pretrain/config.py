@@ -68,7 +68,7 @@ class RunConfig:
 PRECISIONS = ("bf16", "fp16", "fp32")
 SCHEDULES = ("cosine", "linear", "constant")
 FREEZE_POLICIES = ("scratch", "retrofit", "centroids", "two_phase")
-OBJECTIVES = ("lm", "distill", "mix")  # train.objective (focus_pretrain.train.distill)
+OBJECTIVES = ("lm", "distill", "mix", "attention_mass")  # train.objective (train.loss)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,11 @@ class TrainConfig:
         objective: what a step minimises (:mod:`focus_pretrain.train.distill`): ``lm`` (the
             next-token loss), ``distill`` (KL from the frozen original, the model with its
             Focus layers bypassed, to the Focus model: retrofits only, ``freeze: retrofit`` or
-            ``centroids``) or ``mix`` (``(1 - distill_weight) * lm + distill_weight * KL``).
+            ``centroids``), ``mix`` (``(1 - distill_weight) * lm + distill_weight * KL``) or
+            ``attention_mass`` (retrofits only: per Focus layer, ``-log`` of the share of the
+            frozen original's attention mass the training pattern keeps, the model run dense
+            and only the routers differentiated, :mod:`focus_pretrain.focus.attention_mass`;
+            the ``sigmoid`` gate form, no context parallelism).
         distill_weight: the KL's weight in ``mix``, in ``[0, 1]``.
         distill_temperature: the softmax temperature ``T`` of the KL (scaled by ``T^2``).
         max_consecutive_bad_steps: a step whose loss or gradient norm is not finite is skipped
@@ -210,7 +214,7 @@ class TrainConfig:
         check_positive("train.distill_temperature", self.distill_temperature)
         if self.objective != "lm" and self.freeze not in ("retrofit", "centroids"):
             raise ValueError(
-                f"train.objective={self.objective} distils from the frozen original, so it needs "
+                f"train.objective={self.objective} learns from the frozen original, so it needs "
                 f"train.freeze=retrofit or centroids (got {self.freeze}); use "
                 "train.objective=lm to train every weight"
             )
@@ -280,6 +284,7 @@ class Config:
                 f"model.max_seq_length ({self.model.max_seq_length}) must be >= "
                 f"data.seq_length ({self.data.seq_length})"
             )
+        self._check_objective()
         for length in self.probes.lengths:
             if length > self.model.max_seq_length:
                 raise ValueError(
@@ -287,6 +292,22 @@ class Config:
                     f"({self.model.max_seq_length}); lower it or raise model.max_seq_length"
                 )
             self.parallel.check_seq_length(length, "probes.lengths[]")
+
+    def _check_objective(self) -> None:
+        """What ``train.objective=attention_mass`` needs of the other sections."""
+        if self.train.objective != "attention_mass":
+            return
+        if self.model.focus.gate_form != "sigmoid":
+            raise ValueError(
+                "train.objective=attention_mass needs model.focus.gate_form=sigmoid (a gate in "
+                f"[0, 1]), got {self.model.focus.gate_form}; use train.objective=lm or distill"
+            )
+        if self.parallel.context_parallel_size > 1:
+            raise ValueError(
+                "train.objective=attention_mass does not run under context parallelism "
+                f"(parallel.context_parallel_size={self.parallel.context_parallel_size}); "
+                "retrofit at context_parallel_size=1 or use train.objective=distill"
+            )
 
 
 # Recipes and checkpoints written before the parallel section became the only home of these.

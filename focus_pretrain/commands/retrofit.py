@@ -29,7 +29,10 @@ its loss gap, and past --max-hard-gap (default 0.05 nats) or, on far-evidence to
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
 --set train.objective=distill (or mix) to distil the frozen original's logits into the Focus
-model instead of the next-token loss alone (focus_pretrain.train.distill).
+model instead of the next-token loss alone (focus_pretrain.train.distill), or
+--set train.objective=attention_mass to train the routers to keep the original's attention
+(per layer, the share of its attention mass the pattern removes; a forward of the model per
+micro-batch and no backward through it: focus_pretrain.focus.attention_mass).
 """
 
 from __future__ import annotations
@@ -245,6 +248,8 @@ def _objective(train) -> str:
     """``train.objective`` as the report names it (with its weight and temperature)."""
     if train.objective == "lm":
         return "lm (next-token loss)"
+    if train.objective == "attention_mass":
+        return "attention_mass (the share of the original's attention mass the pattern removes)"
     weight = f", weight {train.distill_weight}" if train.objective == "mix" else ""
     return f"{train.objective} (KL from the original, T={train.distill_temperature}{weight})"
 

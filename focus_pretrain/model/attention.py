@@ -36,6 +36,7 @@ from megatron.core.transformer.spec_utils import build_module
 from torch import Tensor
 
 from focus_pretrain.focus import FocusConfig, FocusRouter, Routing, focus_attention
+from focus_pretrain.focus.attention_mass import removed_attention_mass
 from focus_pretrain.focus.pair_count import kept_pairs
 from focus_pretrain.focus.pattern import UNLIMITED_WINDOW
 from focus_pretrain.model.packing import DocumentParams, rope_for_positions
@@ -170,6 +171,26 @@ class FocusCoreAttention(MegatronModule):
         )  # [b, s, np, d]
         return out.transpose(0, 1).reshape(s, b, -1)  # [b, s, np, d] -> [s, b, np * d]
 
+    def removed_mass(
+        self, query: Tensor, key: Tensor, routing: Routing, mode: str, documents: Tensor | None
+    ) -> Tensor:
+        """``-log`` of the share of this layer's dense attention mass that ``mode``'s pattern
+        keeps (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed
+        over this rank's heads: ``[b, s]`` fp32, from ``query [s, b, np, d]`` and
+        ``key [s, b, ng, d]``; differentiable in the routing only."""
+        if self.config.context_parallel_size > 1:
+            raise ValueError("the attention_mass objective does not run under context parallelism")
+        q, k = (t.detach().transpose(0, 1) for t in (query, key))  # [s, b, h, d] -> [b, s, h, d]
+        pattern = self.focus.pattern(
+            window=self.focus.window, mode=mode, softcap=self.softcap,
+            scale=self.softmax_scale, sinks=self.sinks,
+        )  # fmt: skip
+        removed = removed_attention_mass(
+            q, k, k, routing, pattern, backend=self.focus.backend,
+            check_finite=self.focus.check_finite, documents=documents,
+        )  # fmt: skip  # [b, s, np]
+        return removed.sum(dim=-1)
+
 
 class FocusSelfAttention(SelfAttention):
     """Megatron ``SelfAttention`` whose core attention is Focus; owns the layer's router.
@@ -250,6 +271,8 @@ class FocusSelfAttention(SelfAttention):
         self.route_options = None
         # True inside dense_attention(): the router is not called, attention is dense causal
         self.bypass_focus = False
+        # a list inside removed_attention_mass_of(): each forward appends its removed mass
+        self.removed_mass_sink: list[Tensor] | None = None
 
     @property
     def local_rotary(self) -> RotaryEmbedding | None:
@@ -311,6 +334,17 @@ class FocusSelfAttention(SelfAttention):
             self.pair_counts = torch.zeros_like(counts)
         self.pair_counts += counts
 
+    def _measure_removed_mass(
+        self, hidden: Tensor, query: Tensor, key: Tensor, mode: str, documents: Tensor | None
+    ) -> None:
+        """Append to :attr:`removed_mass_sink` this layer's removed attention mass ``[b, s]``,
+        the mean over all heads of every tensor-parallel rank, for the routing of ``hidden``
+        (detached: only the router is differentiated; the forward itself stays dense)."""
+        routing = self.route(hidden.detach(), documents)
+        per_rank = self.core_attention.removed_mass(query, key, routing, mode, documents)
+        total = tensor_parallel.reduce_from_tensor_model_parallel_region(per_rank)  # [b, s]
+        self.removed_mass_sink.append(total / self.config.num_attention_heads)
+
     def _local_rotary_emb(self, model_emb: Tensor | tuple[Tensor, Tensor]) -> Tensor:
         """This layer's RoPE ``[s_local, 1, 1, d]`` for the positions of the model's embedding
         ``model_emb`` (same length; under context parallelism each rank holds ``1 / CP`` of
@@ -364,6 +398,8 @@ class FocusSelfAttention(SelfAttention):
             query = apply_rotary_pos_emb(query, q_emb, config=self.config)
             key = apply_rotary_pos_emb(key, k_emb, config=self.config)
         mode = self.training_pattern if self.training else self.focus.inference_mode
+        if self.removed_mass_sink is not None and self.router is not None:
+            self._measure_removed_mass(hidden_states, query, key, mode, documents)
         if mode == "hard_gated" and routing is not None:
             self._count_pairs(routing, documents)
         if self.checkpoint_core_attention and self.training:
@@ -391,6 +427,25 @@ class FocusSelfAttention(SelfAttention):
                 raise ValueError("a post-normed attention cannot have an output bias")
             output = self.post_norm(output)
         return output, bias
+
+
+@contextlib.contextmanager
+def removed_attention_mass_of(model: torch.nn.Module) -> Iterator[list[Tensor]]:
+    """Inside the block ``model`` attends densely (:func:`dense_attention`) and each Focus
+    layer's forward appends to the yielded list ``-log`` of the share of its dense attention
+    mass its training pattern keeps, per token ``[b, s]`` (mean over heads), differentiable in
+    its router only (:mod:`focus_pretrain.focus.attention_mass`): the ``attention_mass``
+    objective of a retrofit, whose original weights are frozen."""
+    layers = [m for m in model.modules() if isinstance(m, FocusSelfAttention)]
+    removed: list[Tensor] = []
+    with dense_attention(model):
+        for layer in layers:
+            layer.removed_mass_sink = removed
+        try:
+            yield removed
+        finally:
+            for layer in layers:
+                layer.removed_mass_sink = None
 
 
 @contextlib.contextmanager

@@ -38,7 +38,15 @@ def announce_start(trainer: Any) -> None:
         for key, old, new in trainer.recipe_changes:  # allowed by train.allow_changes
             print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
         _announce_sparse_training(trainer)
-        if trainer.objective.name != "lm":
+        if trainer.objective.name == "attention_mass":
+            print(
+                "focus-pretrain: objective attention_mass: per Focus layer, the share of the "
+                "frozen original's attention mass the pattern removes (the model runs dense, "
+                "one forward per micro-batch, only the routers differentiated); TFLOP/s and MFU "
+                "count a forward and backward of the model, which this objective does not run",
+                flush=True,
+            )
+        elif trainer.objective.name != "lm":
             print(
                 f"focus-pretrain: objective {trainer.objective.name}: KL from the frozen original "
                 "(this model with Focus bypassed, one extra forward per micro-batch without "

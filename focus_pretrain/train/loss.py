@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from focus_pretrain.model.attention import dense_attention
+from focus_pretrain.model.attention import dense_attention, removed_attention_mass_of
 from focus_pretrain.model.packing import document_params
 from focus_pretrain.parallel.sharding import shard_batch
 from focus_pretrain.train.distill import per_token_objective
@@ -17,7 +17,9 @@ from focus_pretrain.train.distill import per_token_objective
 class Objective:
     """What a training step minimises (``train.objective``, :mod:`focus_pretrain.train.distill`):
     ``lm`` (the next-token loss), ``distill`` (KL from the model's dense self, the frozen
-    original of a retrofit) or ``mix`` (``(1 - weight) * lm + weight * distill``)."""
+    original of a retrofit), ``mix`` (``(1 - weight) * lm + weight * distill``) or
+    ``attention_mass`` (per layer, the share of the frozen original's attention mass the
+    pattern removes, :mod:`focus_pretrain.focus.attention_mass`)."""
 
     name: str = "lm"
     weight: float = 0.5
@@ -53,7 +55,9 @@ def micro_batch_loss(
     seq_length = batch["tokens"].shape[1]
     if cp_group is not None:
         batch = shard_batch(batch, cp_group)
-    if objective is None or objective.name == "lm":
+    if objective is not None and objective.name == "attention_mass":
+        per_token = _removed_mass_per_token(model, batch, seq_length)
+    elif objective is None or objective.name == "lm":
         per_token = model(
             batch["tokens"],
             batch["position_ids"],
@@ -104,6 +108,21 @@ def _distillation_per_token(
         temperature=objective.temperature,
         group=group,
     )
+
+
+def _removed_mass_per_token(model, batch: dict[str, torch.Tensor], seq_length: int) -> torch.Tensor:
+    """Per-token ``attention_mass`` objective ``[b, s]``: the mean over Focus layers (and
+    heads) of ``-log`` of the share of the frozen original's attention mass the layer's
+    training pattern keeps (:func:`~focus_pretrain.model.attention.removed_attention_mass_of`).
+    The model runs as the original dense model; only the routers are differentiated."""
+    inputs = (batch["tokens"], batch["position_ids"], None)
+    with removed_attention_mass_of(model) as removed:
+        model(*inputs, **packed_documents(batch, seq_length))  # [b, s, V / tp], unused
+    if not removed:
+        raise ValueError(
+            "train.objective=attention_mass needs Focus layers with routers; this model has none"
+        )
+    return torch.stack(removed).mean(dim=0)  # [layers, b, s] -> [b, s]
 
 
 def packed_documents(batch: dict[str, torch.Tensor], seq_length: int) -> dict:

@@ -47,7 +47,8 @@ def _hf_llama_with_tokenizer(root: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize(
-    "family, precision, objective", [("gpt2", "bf16", "lm"), ("llama", "fp32", "mix")]
+    "family, precision, objective",
+    [("gpt2", "bf16", "lm"), ("llama", "fp32", "mix"), ("llama", "fp32", "attention_mass")],
 )
 def test_one_command_retrofit(tmp_path, family, precision, objective):
     import transformers

@@ -119,3 +119,24 @@ def test_micro_batch_objectives_under_tensor_parallelism():
             torch.testing.assert_close(sharded["mean"], single["mean"], rtol=0, atol=1e-6)
             assert sharded["router_grad_norm"] == pytest.approx(single["router_grad_norm"], 1e-2)
             torch.testing.assert_close(sharded["student"], single["student"], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_mass_objective_of_a_model():
+    """micro_batch_loss under attention_mass is the mean over Focus layers, heads and unmasked
+    tokens of the removed attention mass of each layer's own queries, keys and routing; only
+    the routers get gradients (the model runs dense and is not differentiated); a window
+    covering the sequence removes nothing; TP=2 gives TP=1's value and router gradients."""
+    cases = [dict(window=4, num_groups=4), dict(window=4, num_groups=8, sinks=2),
+             dict(window=1000, num_groups=4)]  # fmt: skip
+    worker = "tests.multiprocess.workers_distill:attention_mass_by_hand"
+    one = run_workers(worker, 1, LLAMA, cases)[0]
+    narrow, with_sinks, wide = one
+    for got in (narrow, with_sinks):
+        assert got["routed_layers"] >= 2 and float(got["mean"]) > 1e-3
+        torch.testing.assert_close(got["mean"], got["by_hand"], rtol=1e-5, atol=1e-7)
+        assert got["grad_names"] and all(".router." in name for name in got["grad_names"])
+        assert got["router_grad_norm"] > 0
+    assert abs(float(wide["mean"])) < 1e-6
+    for single, sharded in zip(one, run_workers(worker, 2, LLAMA, cases)[0], strict=True):
+        torch.testing.assert_close(sharded["mean"], single["mean"], rtol=1e-5, atol=1e-7)
+        assert sharded["router_grad_norm"] == pytest.approx(single["router_grad_norm"], rel=1e-3)

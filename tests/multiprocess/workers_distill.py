@@ -123,3 +123,70 @@ def distill_losses(rank: int, world_size: int, model_kwargs: dict, cases: list) 
         )  # fmt: skip
         dist.barrier()
     return results
+
+
+def attention_mass_by_hand(rank: int, world_size: int, model_kwargs: dict, cases: list) -> list:
+    """For each ``focus_kwargs``: ``micro_batch_loss``'s ``attention_mass`` mean, and the same
+    recomputed by hand from each Focus layer's own inputs (its normalised hidden state, rotated
+    queries and keys, captured in a dense forward) with
+    :func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`: mean over layers and
+    heads, masked mean over tokens (one tensor-parallel rank only)."""
+    from focus_pretrain.focus.attention_mass import removed_attention_mass
+    from focus_pretrain.model.attention import FocusSelfAttention, dense_attention
+    from focus_pretrain.train.loss import Objective, micro_batch_loss
+
+    _init(world_size)
+    results = []
+    for focus_kwargs in cases:
+        config, model = _build(world_size, model_kwargs, focus_kwargs)
+        batch = _model_batch(config)
+        model.train()
+        backward, mean = micro_batch_loss(model, batch, None, Objective("attention_mass"))
+        backward.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        by_hand = None
+        if world_size == 1:
+            by_hand = _removed_mass_by_hand(model, batch, removed_attention_mass, dense_attention)
+        layers = [m for m in model.modules() if isinstance(m, FocusSelfAttention)]
+        results.append(
+            dict(
+                mean=mean, by_hand=by_hand, grad_names=sorted(grads),
+                router_grad_norm=sum(float(g.norm()) for n, g in grads.items() if ".router." in n),
+                routed_layers=sum(layer.router is not None for layer in layers),
+            )
+        )  # fmt: skip
+        dist.barrier()
+    return results
+
+
+def _removed_mass_by_hand(model, batch, removed_attention_mass, dense_attention) -> torch.Tensor:
+    from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
+
+    captured: dict[int, dict] = {}
+    hooks = []
+    for module in model.modules():
+        if isinstance(module, FocusSelfAttention) and module.router is not None:
+            core = module.core_attention
+            hooks.append(module.register_forward_pre_hook(
+                lambda m, args, c=core: captured.setdefault(id(c), {}).update(hidden=args[0])
+            ))  # fmt: skip
+            hooks.append(core.register_forward_pre_hook(
+                lambda m, args: captured[id(m)].update(query=args[0], key=args[1], layer=m)
+            ))  # fmt: skip
+    with torch.no_grad(), dense_attention(model):
+        model(batch["tokens"], batch["position_ids"], None)
+    for hook in hooks:
+        hook.remove()
+    per_layer = []
+    owners = {id(m.core_attention): m for m in model.modules() if isinstance(m, FocusSelfAttention)}
+    for key, seen in captured.items():
+        layer, core = owners[key], seen["layer"]
+        assert isinstance(core, FocusCoreAttention)
+        with torch.no_grad():
+            routing = layer.route(seen["hidden"])
+        q, k = (t.transpose(0, 1) for t in (seen["query"], seen["key"]))  # [s,b,h,d] -> [b,s,h,d]
+        pattern = core.focus.pattern(sinks=core.sinks, softcap=core.softcap)
+        per_layer.append(removed_attention_mass(q, k, k, routing, pattern).mean(dim=-1))  # [b, s]
+    per_token = torch.stack(per_layer).mean(dim=0)  # [layers, b, s] -> [b, s]
+    mask = batch["loss_mask"]
+    return (per_token * mask).sum() / mask.sum()

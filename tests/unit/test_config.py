@@ -62,9 +62,19 @@ def test_bad_overrides_name_the_key(override, error):
 @pytest.mark.parametrize(
     "overrides, error",
     [
-        (["train.objective=kd"], r"train.objective must be one of 'lm', 'distill', 'mix'"),
-        (["train.objective=distill"], r"train.objective=distill distils from the frozen original"
+        (["train.objective=kd"],
+         r"train.objective must be one of 'lm', 'distill', 'mix', 'attention_mass'"),
+        (["train.objective=distill"], r"train.objective=distill learns from the frozen original"
          r", so it needs train.freeze=retrofit or centroids \(got scratch\)"),
+        (["train.objective=attention_mass"], r"train.objective=attention_mass learns from the "
+         r"frozen original, so it needs train.freeze=retrofit or centroids \(got scratch\)"),
+        (["train.objective=attention_mass", "train.freeze=retrofit",
+          "model.focus.gate_form=dot"],
+         r"train.objective=attention_mass needs model.focus.gate_form=sigmoid .*got dot"),
+        (["train.objective=attention_mass", "train.freeze=retrofit",
+          "parallel.context_parallel_size=2"],
+         r"train.objective=attention_mass does not run under context parallelism "
+         r"\(parallel.context_parallel_size=2\)"),
         (["train.objective=mix", "train.freeze=two_phase", "train.router_only_steps=2"],
          r"needs train.freeze=retrofit or centroids \(got two_phase\)"),
         (["train.distill_weight=1.5"], r"train.distill_weight must be in \[0, 1\], got 1.5"),
@@ -83,6 +93,8 @@ def test_distillation_settings_load():
     assert (config.train.objective, config.train.distill_weight) == ("mix", 0.25)
     assert config.train.distill_temperature == 2.0
     assert load_config(RECIPE).train.objective == "lm"
+    mass = load_config(RECIPE, ["train.objective=attention_mass", "train.freeze=centroids"])
+    assert mass.train.objective == "attention_mass"
 
 
 def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
