@@ -122,7 +122,7 @@ class TrainConfig:
             ``attention_mass`` (retrofits only: per Focus layer, ``-log`` of the share of the
             frozen original's attention mass the training pattern keeps, the model run dense
             and only the routers differentiated, :mod:`focus_pretrain.focus.attention_mass`;
-            the ``sigmoid`` gate form, no context parallelism).
+            the ``sigmoid`` gate form, no full recompute, no dropout, no context parallelism).
         distill_weight: the KL's weight in ``mix``, in ``[0, 1]``.
         distill_temperature: the softmax temperature ``T`` of the KL (scaled by ``T^2``).
         max_consecutive_bad_steps: a step whose loss or gradient norm is not finite is skipped
@@ -301,6 +301,17 @@ class Config:
             raise ValueError(
                 "train.objective=attention_mass needs model.focus.gate_form=sigmoid (a gate in "
                 f"[0, 1]), got {self.model.focus.gate_form}; use train.objective=lm or distill"
+            )
+        if self.model.recompute == "full":
+            raise ValueError(
+                "train.objective=attention_mass measures each layer inside its forward, which "
+                "model.recompute=full runs without gradients; use model.recompute=selective "
+                "or none (a retrofit's frozen model keeps few activations)"
+            )
+        if self.model.hidden_dropout > 0:
+            raise ValueError(
+                "train.objective=attention_mass measures the frozen original, which "
+                f"model.hidden_dropout={self.model.hidden_dropout} would perturb; set it to 0"
             )
         if self.parallel.context_parallel_size > 1:
             raise ValueError(

@@ -175,7 +175,11 @@ class FocusCoreAttention(MegatronModule):
         self, query: Tensor, key: Tensor, routing: Routing, mode: str, documents: Tensor | None
     ) -> Tensor:
         """``-log`` of the share of this layer's dense attention mass that ``mode``'s pattern
-        keeps (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed
+        (the training pattern in ``train()``, the inference pattern in ``eval()``) keeps
+        (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed over this
+        rank's heads: ``[b, s]`` fp32, from ``query [s, b, np, d]`` and ``key [s, b, ng, d]``;
+        differentiable in the routing only."""``-log`` of the share of this layer's dense attention mass that ``mode``'s pattern
+        (the training pattern in ``train()``, the inference pattern in ``eval()``) keeps (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed
         over this rank's heads: ``[b, s]`` fp32, from ``query [s, b, np, d]`` and
         ``key [s, b, ng, d]``; differentiable in the routing only."""
         if self.config.context_parallel_size > 1:
@@ -185,9 +189,10 @@ class FocusCoreAttention(MegatronModule):
             window=self.focus.window, mode=mode, softcap=self.softcap,
             scale=self.softmax_scale, sinks=self.sinks,
         )  # fmt: skip
+        backend = self.focus.backend if mode != "hard" else self.focus.inference_backend
         removed = removed_attention_mass(
-            q, k, k, routing, pattern, backend=self.focus.backend,
-            check_finite=self.focus.check_finite, documents=documents,
+            q, k, k, routing, pattern, backend=backend, check_finite=self.focus.check_finite,
+            documents=documents,
         )  # fmt: skip  # [b, s, np]
         return removed.sum(dim=-1)
 

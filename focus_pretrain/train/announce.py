@@ -43,7 +43,7 @@ def announce_start(trainer: Any) -> None:
                 "focus-pretrain: objective attention_mass: per Focus layer, the share of the "
                 "frozen original's attention mass the pattern removes (the model runs dense, "
                 "one forward per micro-batch, only the routers differentiated); TFLOP/s and MFU "
-                "count a forward and backward of the model, which this objective does not run",
+                "count that forward and each Focus layer's extra attention passes",
                 flush=True,
             )
         elif trainer.objective.name != "lm":

@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,6 +73,32 @@ def flops_per_sample(
     total = seq * config.num_layers * per_token_layer + attn_flops
     total += seq * 2 * h * config.vocab_size  # output layer
     return total * (3 if training else 1)
+
+
+def attention_mass_flops_per_sample(config: ModelConfig, seq: int) -> float:
+    """Model FLOPs of one sample under ``train.objective: attention_mass``: a forward of the
+    dense model (:func:`flops_per_sample` with Focus off, no backward) and, per Focus layer,
+    its router's forward and backward and four more passes over every causal pair (the dense
+    and the gated log-sum-exps, the gated one's backward counted as two)."""
+    focus = config.focus
+    total = flops_per_sample(
+        replace(config, focus=replace(focus, enabled=False)), seq, training=False
+    )
+    if not focus.enabled:
+        return total
+    routed = sum(not config.is_local_layer(n) for n in range(1, config.num_layers + 1))
+    router = seq * 2 * (config.hidden_size * focus.group_dim + focus.group_dim * focus.num_groups)
+    pairs = 4 * config.kv_channels * config.num_attention_heads * attention_pairs(seq, "soft")
+    return total + routed * (3 * router + 4 * pairs)
+
+
+def step_flops_per_sample(config: ModelConfig, seq: int, objective: str = "lm") -> float:
+    """Model FLOPs of one training sample under ``train.objective``: a forward and backward
+    (:func:`flops_per_sample`; a distillation teacher's pass not counted), or
+    :func:`attention_mass_flops_per_sample`."""
+    if objective == "attention_mass":
+        return attention_mass_flops_per_sample(config, seq)
+    return flops_per_sample(config, seq)
 
 
 def peak_tflops(configured: float | None) -> float | None:

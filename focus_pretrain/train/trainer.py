@@ -60,6 +60,7 @@ from focus_pretrain.train.metrics import (
     flops_per_sample,
     peak_memory_gb,
     peak_tflops,
+    step_flops_per_sample,
     wandb_run,
 )
 from focus_pretrain.train.optim import (
@@ -350,7 +351,7 @@ class Trainer:
         """
         config = self.config
         meter = IntervalMeter(
-            flops_per_sample(config.model, config.data.seq_length),
+            step_flops_per_sample(config.model, config.data.seq_length, self.objective.name),
             config.train.global_batch_size,
             config.data.seq_length,
             self.layout.world_size,

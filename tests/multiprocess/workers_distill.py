@@ -126,67 +126,78 @@ def distill_losses(rank: int, world_size: int, model_kwargs: dict, cases: list) 
 
 
 def attention_mass_by_hand(rank: int, world_size: int, model_kwargs: dict, cases: list) -> list:
-    """For each ``focus_kwargs``: ``micro_batch_loss``'s ``attention_mass`` mean, and the same
-    recomputed by hand from each Focus layer's own inputs (its normalised hidden state, rotated
-    queries and keys, captured in a dense forward) with
-    :func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`: mean over layers and
-    heads, masked mean over tokens (one tensor-parallel rank only)."""
+    """For each ``(focus_kwargs, packed)``: ``micro_batch_loss``'s ``attention_mass`` mean and
+    router gradients, and on one rank the same mean recomputed by hand from each Focus
+    layer's own inputs (its normalised hidden state, rotated queries and keys, captured in a
+    dense forward) with :func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`:
+    mean over layers and heads, masked mean over tokens. ``packed``: three documents per
+    sample (document starts)."""
     from focus_pretrain.focus.attention_mass import removed_attention_mass
-    from focus_pretrain.model.attention import FocusSelfAttention, dense_attention
+    from focus_pretrain.model.attention import FocusSelfAttention
     from focus_pretrain.train.loss import Objective, micro_batch_loss
 
     _init(world_size)
     results = []
-    for focus_kwargs in cases:
+    for focus_kwargs, packed in cases:
         config, model = _build(world_size, model_kwargs, focus_kwargs)
         batch = _model_batch(config)
+        if packed:
+            s = batch["tokens"].shape[1]
+            starts = torch.tensor([0 if i < 11 else 11 if i < 26 else 26 for i in range(s)])
+            batch["documents"] = starts[None].expand_as(batch["tokens"]).contiguous()  # [b, s]
         model.train()
         backward, mean = micro_batch_loss(model, batch, None, Objective("attention_mass"))
         backward.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         by_hand = None
         if world_size == 1:
-            by_hand = _removed_mass_by_hand(model, batch, removed_attention_mass, dense_attention)
+            by_hand = _removed_mass_by_hand(model, batch, removed_attention_mass)
         layers = [m for m in model.modules() if isinstance(m, FocusSelfAttention)]
         results.append(
             dict(
                 mean=mean, by_hand=by_hand, grad_names=sorted(grads),
-                router_grad_norm=sum(float(g.norm()) for n, g in grads.items() if ".router." in n),
+                router_grads={n: g for n, g in grads.items() if ".router." in n},
                 routed_layers=sum(layer.router is not None for layer in layers),
+                layers=len(layers),
             )
         )  # fmt: skip
         dist.barrier()
     return results
 
 
-def _removed_mass_by_hand(model, batch, removed_attention_mass, dense_attention) -> torch.Tensor:
-    from focus_pretrain.model.attention import FocusCoreAttention, FocusSelfAttention
+def _removed_mass_by_hand(model, batch, removed_attention_mass) -> torch.Tensor:
+    """The ``attention_mass`` objective's masked mean, layer by layer from captured inputs."""
+    from focus_pretrain.model.attention import FocusSelfAttention, dense_attention
+    from focus_pretrain.train.loss import packed_documents
 
-    captured: dict[int, dict] = {}
+    captured: dict[FocusSelfAttention, dict] = {}
     hooks = []
-    for module in model.modules():
-        if isinstance(module, FocusSelfAttention) and module.router is not None:
-            core = module.core_attention
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, args, c=core: captured.setdefault(id(c), {}).update(hidden=args[0])
+    for layer in model.modules():
+        if isinstance(layer, FocusSelfAttention) and layer.router is not None:
+            seen = captured.setdefault(layer, {})
+            hooks.append(layer.register_forward_pre_hook(
+                lambda m, args, seen=seen: seen.update(hidden=args[0])
             ))  # fmt: skip
-            hooks.append(core.register_forward_pre_hook(
-                lambda m, args: captured[id(m)].update(query=args[0], key=args[1], layer=m)
+            hooks.append(layer.core_attention.register_forward_pre_hook(
+                lambda m, args, seen=seen: seen.update(query=args[0], key=args[1])
             ))  # fmt: skip
+    documents = batch.get("documents")
     with torch.no_grad(), dense_attention(model):
-        model(batch["tokens"], batch["position_ids"], None)
+        model(batch["tokens"], batch["position_ids"], None, **packed_documents(batch, 40))
     for hook in hooks:
         hook.remove()
     per_layer = []
-    owners = {id(m.core_attention): m for m in model.modules() if isinstance(m, FocusSelfAttention)}
-    for key, seen in captured.items():
-        layer, core = owners[key], seen["layer"]
-        assert isinstance(core, FocusCoreAttention)
+    for layer, seen in captured.items():
+        core = layer.core_attention
         with torch.no_grad():
-            routing = layer.route(seen["hidden"])
-        q, k = (t.transpose(0, 1) for t in (seen["query"], seen["key"]))  # [s,b,h,d] -> [b,s,h,d]
-        pattern = core.focus.pattern(sinks=core.sinks, softcap=core.softcap)
-        per_layer.append(removed_attention_mass(q, k, k, routing, pattern).mean(dim=-1))  # [b, s]
+            routing = layer.route(seen["hidden"], documents)
+        q, k = (seen[n].transpose(0, 1) for n in ("query", "key"))  # [s,b,h,d] -> [b,s,h,d]
+        pattern = core.focus.pattern(
+            sinks=core.sinks, softcap=core.softcap, scale=core.softmax_scale,
+            mode=layer.training_pattern,
+        )  # fmt: skip
+        removed = removed_attention_mass(q, k, k, routing, pattern, documents=documents)
+        per_layer.append(removed.mean(dim=-1))  # [b, s, h] -> [b, s]
     per_token = torch.stack(per_layer).mean(dim=0)  # [layers, b, s] -> [b, s]
     mask = batch["loss_mask"]
     return (per_token * mask).sum() / mask.sum()

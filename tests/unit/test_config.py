@@ -75,6 +75,10 @@ def test_bad_overrides_name_the_key(override, error):
           "parallel.context_parallel_size=2"],
          r"train.objective=attention_mass does not run under context parallelism "
          r"\(parallel.context_parallel_size=2\)"),
+        (["train.objective=attention_mass", "train.freeze=retrofit", "model.recompute=full"],
+         r"model.recompute=full runs without gradients; use model.recompute=selective"),
+        (["train.objective=attention_mass", "train.freeze=retrofit", "model.hidden_dropout=0.1"],
+         r"model.hidden_dropout=0.1 would perturb; set it to 0"),
         (["train.objective=mix", "train.freeze=two_phase", "train.router_only_steps=2"],
          r"needs train.freeze=retrofit or centroids \(got two_phase\)"),
         (["train.distill_weight=1.5"], r"train.distill_weight must be in \[0, 1\], got 1.5"),

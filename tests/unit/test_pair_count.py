@@ -12,7 +12,7 @@ from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.config import load_config
 from focus_pretrain.focus.pair_count import kept_pairs
 from focus_pretrain.focus.pattern import count_allowed_pairs, document_starts, membership_bitmask
-from focus_pretrain.train.metrics import flops_per_sample
+from focus_pretrain.train.metrics import flops_per_sample, step_flops_per_sample
 from tests.e2e.runs import RECIPE
 
 
@@ -64,3 +64,25 @@ def test_sparse_training_flops_count_the_pairs_computed():
     causal = seq * (seq + 1) / 2
     focus_layers = sum(not model.is_local_layer(i) for i in range(1, model.num_layers + 1))
     assert at[1.0] - at[0.5] == pytest.approx(0.5 * causal * per_pair * focus_layers)
+
+
+def test_attention_mass_flops_count_a_forward_and_the_extra_attention():
+    """train.objective=attention_mass runs the dense model forward once (no backward) and, per
+    Focus layer, four passes over every causal pair and the router's forward and backward:
+    counted from the model's shapes by hand."""
+    model = load_config(RECIPE).model
+    seq, h, d, heads = 512, model.hidden_size, model.kv_channels, model.num_attention_heads
+    focus, layers = model.focus, model.num_layers
+    routed = sum(not model.is_local_layer(i) for i in range(1, layers + 1))
+    assert routed >= 1
+    causal = seq * (seq + 1) / 2
+    gated = model.family_spec.gated_mlp
+    matmuls = 2 * (h * (heads + 2 * model.kv_heads) * d + heads * d * h)
+    matmuls += 2 * h * model.ffn_hidden_size * (3 if gated else 2)
+    dense_forward = seq * layers * matmuls + 4 * d * heads * causal * layers
+    dense_forward += seq * 2 * h * model.vocab_size
+    router = seq * 2 * (h * focus.group_dim + focus.group_dim * focus.num_groups)
+    want = dense_forward + routed * (3 * router + 4 * 4 * d * heads * causal)
+    assert step_flops_per_sample(model, seq, "attention_mass") == pytest.approx(want, rel=1e-12)
+    assert step_flops_per_sample(model, seq, "distill") == flops_per_sample(model, seq)
+    assert step_flops_per_sample(model, seq, "attention_mass") < flops_per_sample(model, seq)
