@@ -178,10 +178,7 @@ class FocusCoreAttention(MegatronModule):
         (the training pattern in ``train()``, the inference pattern in ``eval()``) keeps
         (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed over this
         rank's heads: ``[b, s]`` fp32, from ``query [s, b, np, d]`` and ``key [s, b, ng, d]``;
-        differentiable in the routing only."""``-log`` of the share of this layer's dense attention mass that ``mode``'s pattern
-        (the training pattern in ``train()``, the inference pattern in ``eval()``) keeps (:func:`~focus_pretrain.focus.attention_mass.removed_attention_mass`), summed
-        over this rank's heads: ``[b, s]`` fp32, from ``query [s, b, np, d]`` and
-        ``key [s, b, ng, d]``; differentiable in the routing only."""
+        differentiable in the routing only."""
         if self.config.context_parallel_size > 1:
             raise ValueError("the attention_mass objective does not run under context parallelism")
         q, k = (t.detach().transpose(0, 1) for t in (query, key))  # [s, b, h, d] -> [b, s, h, d]
