@@ -68,7 +68,7 @@ def flops_per_sample(
             mode = mode if focus.enabled else "soft"
             pairs = attention_pairs(seq, mode, None if not focus.enabled else density)
             if focus.enabled:
-                attn_flops += seq * 2 * (h * focus.group_dim + focus.group_dim * focus.num_groups)
+                attn_flops += router_flops(config, seq)
         attn_flops += 4 * d * heads * pairs
     total = seq * config.num_layers * per_token_layer + attn_flops
     total += seq * 2 * h * config.vocab_size  # output layer
@@ -87,9 +87,15 @@ def attention_mass_flops_per_sample(config: ModelConfig, seq: int) -> float:
     if not focus.enabled:
         return total
     routed = sum(not config.is_local_layer(n) for n in range(1, config.num_layers + 1))
-    router = seq * 2 * (config.hidden_size * focus.group_dim + focus.group_dim * focus.num_groups)
     pairs = 4 * config.kv_channels * config.num_attention_heads * attention_pairs(seq, "soft")
-    return total + routed * (3 * router + 4 * pairs)
+    return total + routed * (3 * router_flops(config, seq) + 4 * pairs)
+
+
+def router_flops(config: ModelConfig, seq: int) -> float:
+    """Forward FLOPs of one Focus layer's router over ``seq`` tokens: the projection to
+    ``group_dim`` and the ``K`` centroid logits."""
+    focus = config.focus
+    return seq * 2 * (config.hidden_size * focus.group_dim + focus.group_dim * focus.num_groups)
 
 
 def step_flops_per_sample(config: ModelConfig, seq: int, objective: str = "lm") -> float:

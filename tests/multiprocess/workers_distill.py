@@ -183,7 +183,8 @@ def _removed_mass_by_hand(model, batch, removed_attention_mass) -> torch.Tensor:
             ))  # fmt: skip
     documents = batch.get("documents")
     with torch.no_grad(), dense_attention(model):
-        model(batch["tokens"], batch["position_ids"], None, **packed_documents(batch, 40))
+        seq = batch["tokens"].shape[1]
+        model(batch["tokens"], batch["position_ids"], None, **packed_documents(batch, seq))
     for hook in hooks:
         hook.remove()
     per_layer = []
