@@ -9,7 +9,10 @@ rest (``generate``), so every option it has works on the export from Python too.
     python tools/generate.py exports/tiny --prompt "Once" --sample --temperature 0.8 --top-p 0.9
     python tools/generate.py exports/tiny --prompts-file prompts.txt --json out.json
 
-``--json`` writes the prompts, completions, tokens/s and the keys read per decode step.
+``--focus KEY=VALUE`` infers with other settings than the export's (``enabled=false``: the
+original dense model; ``top_k=2``; ``window_only=true``), without exporting again.
+``--json`` writes the prompts, completions, tokens/s, the keys read per decode step and the
+Focus settings inferred with.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import pathlib
 import time
+from collections.abc import Sequence
 
 from focus_pretrain.cli import at_least, device, number_in, output_file, tool_parser
 from focus_pretrain.errors import InputError, MissingInputError, exit_on_input_error
@@ -35,6 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-beams", type=at_least(1), default=1)
     parser.add_argument("--mode", choices=["hard", "soft"], help="focus inference_mode")
     parser.add_argument("--backend", help="focus inference_backend (auto, dense, decomposed...)")
+    parser.add_argument(
+        "--focus", action="append", default=[], metavar="KEY=VALUE",
+        help="infer with this Focus setting instead of the export's (repeatable): "
+        "enabled=false (the original dense model), top_k=2, sinks=4, window=256, window_only=true",
+    )  # fmt: skip
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -48,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any loading
         prompts = read_prompts(args.prompt, args.prompts_file)
-        check_export(args.export, args.mode, args.backend)
+        overrides = check_export(args.export, args.mode, args.backend, args.focus)
     export = pathlib.Path(args.export)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -61,12 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     with exit_on_input_error(parser.prog):
         check_tokens(tokenizer, prompts)
-    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)  # its code
+    settings = {}  # at load time: enabled and window_only decide which layers get routers
+    if overrides:
+        settings["focus"] = {**json.loads((export / "config.json").read_text())["focus"]}
+        settings["focus"].update(overrides)
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, **settings)
     model = model.to(args.device).eval()
-    if args.mode:
-        model.config.focus["inference_mode"] = args.mode
-    if args.backend:
-        model.config.focus["inference_backend"] = args.backend
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
     options = dict(max_new_tokens=args.max_new_tokens, num_beams=args.num_beams)
     options.update(pad_token_id=tokenizer.pad_token_id)
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_second": new.numel() / seconds,
         "focus_keys_read": sum(reads),
         "focus_layers": len(reads),
+        "focus": _settings(model),
     }
     print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
     if args.json:
@@ -99,25 +109,39 @@ def main(argv: list[str] | None = None) -> None:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
 
 
-def check_export(export: str, mode: str | None, backend: str | None) -> None:
-    """Refuse what is not an export with a tokenizer, and a ``--mode``/``--backend`` that the
-    export's code refuses (:func:`validate_focus`, the shipped rules) or a non-Focus model."""
-    from focus_pretrain.convert.export_dir import read_export
+def _settings(model) -> dict | None:
+    """The Focus settings ``model`` infers with (``None``: not a Focus model)."""
+    focus = getattr(model.config, "focus", None)
+    return dict(focus) if isinstance(focus, dict) else None
+
+
+def check_export(
+    export: str, mode: str | None, backend: str | None, settings: Sequence[str] = ()
+) -> dict:
+    """The overrides of the export's Focus settings (``--mode``, ``--backend``, then the
+    ``--focus KEY=VALUE`` settings), once checked; refuse what is not an export with a
+    tokenizer, settings that the export's code refuses (:func:`validate_focus`, the shipped
+    rules) or any of them on a non-Focus model."""
+    from focus_pretrain.convert.export_dir import focus_overrides, read_export
     from focus_pretrain.convert.hf_modeling.configuration_focus import (
         FOCUS_DEFAULTS,
         validate_focus,
     )
 
-    config = read_export(export, tokenizer=True, focus=bool(mode or backend))
+    config = read_export(export, tokenizer=True, focus=bool(mode or backend or settings))
+    overrides = {}
     if mode or backend:
         focus = {**FOCUS_DEFAULTS, **config["focus"]}
-        focus.update(inference_mode=mode or focus["inference_mode"])
-        focus.update(inference_backend=backend or focus["inference_backend"])
+        overrides.update(inference_mode=mode or focus["inference_mode"])
+        overrides.update(inference_backend=backend or focus["inference_backend"])
         try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
-            validate_focus(focus)
+            validate_focus({**focus, **overrides})
         except ValueError as error:
             given = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
             raise InputError(f"{given}: {error}") from error
+    if settings:
+        overrides.update(focus_overrides({**config["focus"], **overrides}, settings))
+    return overrides
 
 
 def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:

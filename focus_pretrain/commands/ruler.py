@@ -8,7 +8,9 @@ generator (its ``ruler`` tasks), offline with the export's tokenizer.
 A length is the whole sample: the prompt lm-eval generates (a haystack with the needles, sized
 with the export's tokenizer) and the task's answer budget (128 tokens for the needle tasks).
 Each score is the mean string match of the needles' values (1.0: all found); --json also keeps
-every sample (prompt tokens, the values, the answer, its score). Tasks whose generator
+every sample (prompt tokens, the values, the answer, its score). --focus changes how the
+export infers without exporting again: the same samples with `--focus enabled=false` score
+the original dense model, with `--focus top_k=2` a denser pattern. Tasks whose generator
 downloads its text (niah_single_2, niah_single_3, niah_multikey_1, niah_multivalue,
 niah_multiquery: Paul Graham essays; ruler_qa_squad, ruler_qa_hotpot) are skipped with the
 reason unless --online. Needs the `eval`
@@ -47,6 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--online", action="store_true", help="let task generators download")
     parser.add_argument(
+        "--focus", action="append", default=[], metavar="KEY=VALUE",
+        help="infer with this Focus setting instead of the export's (repeatable): "
+        "enabled=false (the original dense model), top_k=2, sinks=4, window=256, "
+        "window_only=true, inference_mode=soft, inference_backend=flex",
+    )  # fmt: skip
+    parser.add_argument(
         "--json", type=output_file, help="write the scores, skips and every sample's record here"
     )
     parser.add_argument("--markdown", type=output_file, help="write the table here")
@@ -57,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         result = run_ruler(
             args.export, args.tasks, args.lengths, samples=args.samples,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
-            dtype=args.dtype, allow_downloads=args.online,
+            dtype=args.dtype, allow_downloads=args.online, focus=args.focus,
         )  # fmt: skip
     table = markdown_table(result)
     print(table)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +136,53 @@ def export_tokenizer(path: str | os.PathLike):
     from transformers import PreTrainedTokenizerFast  # heavy; the callers load a model next
 
     return PreTrainedTokenizerFast.from_pretrained(Path(path))
+
+
+INFERENCE_SETTINGS = (  # how an export infers; its other focus keys are what its routers learned
+    "enabled",  # false: the original dense model (the routers unused)
+    "window_only",
+    "window",
+    "sinks",
+    "top_k",
+    "inference_mode",
+    "inference_backend",
+)
+
+
+def focus_overrides(focus: dict[str, Any], settings: Sequence[str]) -> dict[str, Any]:
+    """The ``KEY=VALUE`` ``settings`` (``--focus top_k=2``, repeatable, the last one of a key
+    wins) as ``{key: value}``, checked on top of the export's ``focus`` section by the rules
+    its shipped code applies (``validate_focus``): ``true``/``false`` are flags, digits
+    integers, anything else a name.
+
+    Raises:
+        InputError: a setting without ``=``, a key that is not one of
+            :data:`INFERENCE_SETTINGS`, or a value the shipped rules refuse.
+    """
+    from focus_pretrain.convert.hf_modeling.configuration_focus import (
+        FOCUS_DEFAULTS,
+        validate_focus,
+    )
+
+    overrides: dict[str, Any] = {}
+    for setting in settings:
+        key, equals, text = (part.strip() for part in setting.partition("="))
+        if not equals or not key or not text:
+            raise InputError(f"--focus {setting!r}: give KEY=VALUE, e.g. --focus top_k=2")
+        if key not in INFERENCE_SETTINGS:
+            learned = " (what the routers were trained with)" if key in FOCUS_DEFAULTS else ""
+            raise InputError(
+                f"--focus {setting}: {key!r} is not an inference setting{learned}; choose "
+                f"from {', '.join(INFERENCE_SETTINGS)}"
+            )
+        lowered = text.lower()
+        if lowered in ("true", "false"):
+            overrides[key] = lowered == "true"
+        else:
+            overrides[key] = int(text) if text.lstrip("-").isdigit() else text
+    try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
+        validate_focus({**FOCUS_DEFAULTS, **focus, **overrides})
+    except ValueError as error:
+        given = " ".join(f"--focus {s}" for s in settings)
+        raise InputError(f"{given}: {error}") from error
+    return overrides

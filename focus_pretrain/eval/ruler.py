@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from focus_pretrain.convert.export_dir import export_tokenizer, read_export
+from focus_pretrain.convert.export_dir import export_tokenizer, focus_overrides, read_export
 from focus_pretrain.environment import environment
 from focus_pretrain.errors import InputError
 
@@ -175,22 +175,27 @@ def run_ruler(
     device: str = "cpu",
     dtype: str = "float32",
     allow_downloads: bool = False,
+    focus: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Score ``tasks`` at each of ``lengths`` on the export: ``samples`` per task and length
     (``None``: RULER's 500), greedy answers of up to each task's budget (``max_new_tokens``
-    when given). Repeated tasks and lengths count once.
+    when given). Repeated tasks and lengths count once. ``focus``: ``KEY=VALUE`` inference
+    settings over the export's (:func:`~focus_pretrain.convert.export_dir.focus_overrides`:
+    ``enabled=false`` is the original dense model, ``top_k=2``, ``window_only=true``...).
 
     Returns:
         ``{"scores": {task: {length: score}}, "samples": {task: {length: n}},
         "prompt_tokens": {task: {length: [fewest, most]}}, "skipped": {task: reason},
         "records": [one per sample: task, length, prompt_tokens, answers, response, score],
-        "export", "lengths", "lm_eval"}``; a score is lm-eval's: the mean over samples of the
+        "export", "lengths", "lm_eval", "focus": the settings inferred with (``None``: not a
+        Focus export)}``; a score is lm-eval's: the mean over samples of the
         share of the needles' values found in the answer (1.0: every needle found).
 
     Raises:
         InputError: a count below 1, unknown tasks, bad lengths, every task skipped, no export
             with a tokenizer there (:func:`~focus_pretrain.convert.export_dir.read_export`), a
-            length that holds no sample, or lm-evaluation-harness, wonderwords or nltk missing.
+            length that holds no sample, a ``focus`` setting the export refuses, or
+            lm-evaluation-harness, wonderwords or nltk missing.
     """
     export = Path(export_dir).resolve()
     tasks, lengths = list(dict.fromkeys(tasks)), list(dict.fromkeys(lengths))
@@ -202,7 +207,10 @@ def run_ruler(
     runnable, skipped = split_tasks(tasks, allow_downloads)
     if not runnable:
         raise InputError(f"no task to run: {'; '.join(f'{t}: {r}' for t, r in skipped.items())}")
-    read_export(export, tokenizer=True)  # lm-eval's generator sizes prompts with its tokenizer
+    # lm-eval's generator sizes prompts with the export's tokenizer
+    config = read_export(export, tokenizer=True, focus=bool(focus))
+    overrides = focus_overrides(config["focus"], focus) if focus else {}
+    settings = {**config["focus"], **overrides} if "focus" in config else None
     for warning in check_lengths(export, lengths, runnable, max_new_tokens):
         print(f"ruler: warning: {warning}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -213,9 +221,11 @@ def run_ruler(
             stack.enter_context(_no_downloads())
         stack.enter_context(_quiet_logger("lm_eval"))  # its notes on task kwargs, metric names
         records = _run_lengths(lm_eval, export, runnable, lengths, samples, max_new_tokens,
-                               batch_size, device, dtype)  # fmt: skip
+                               batch_size, device, dtype,
+                               {"focus": settings} if overrides else {})  # fmt: skip
     return {
         "export": str(export),
+        "focus": settings,
         "lengths": list(lengths),
         **_summary(records, runnable),
         "skipped": skipped,
@@ -227,8 +237,10 @@ def run_ruler(
 def _run_lengths(
     lm_eval, export: Path, tasks: Sequence[str], lengths: Sequence[int], samples: int | None,
     max_new_tokens: int | None, batch_size: int, device: str, dtype: str,
+    focus: dict[str, Any],
 ) -> list[dict]:  # fmt: skip
-    """The export as lm-eval's ``hf`` model, evaluated at each length: every sample's record."""
+    """The export as lm-eval's ``hf`` model (``focus``: ``{"focus": its settings}`` to load it
+    with, or nothing for the export's own), evaluated at each length: every sample's record."""
     from lm_eval.models.huggingface import HFLM
 
     model = HFLM(  # the model runs its shipped code; the tokenizer is plain tokenizer.json
@@ -238,6 +250,7 @@ def _run_lengths(
         # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
         # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
         max_length=max(lengths) + PREFIX_ROOM + past_budget(tasks, max_new_tokens),
+        **focus,  # settings at load time: enabled and window_only decide which layers get routers
     )  # fmt: skip
     records = []
     for length in lengths:  # one run per length: `limit` counts a task's first documents

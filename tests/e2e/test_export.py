@@ -200,6 +200,50 @@ def test_generate_tool_batches_prompts_like_one_by_one(exported, tmp_path):
     assert result["new_tokens"] == 36 and result["focus_keys_read"] > 0
 
 
+def test_generate_tool_infers_with_the_focus_settings_given(exported, tmp_path):
+    """``--focus KEY=VALUE`` changes how the export infers, not only what it reports: on a
+    prompt past the window, the window alone (``window_only=true``) and the original dense
+    model (``enabled=false``) each complete as the export loaded with that setting does, and
+    that model's logits differ from the export's own pattern's."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from focus_pretrain.data import demo_documents
+
+    _, out = exported
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    own = json.loads((out / "config.json").read_text())["focus"]
+    ids = tokenizer(" ".join(demo_documents(30, seed=5)))["input_ids"][: 3 * own["window"]]
+    prompt = tokenizer.decode(ids)
+    batch = tokenizer(prompt, return_tensors="pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    results, logits = {}, {}
+    for name, key, value in ((None, None, None), ("window", "window_only", True),
+                             ("dense", "enabled", False)):  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            out, trust_remote_code=True, focus={**own, key: value} if key else own
+        ).eval()
+        with torch.no_grad():
+            logits[name] = model(**batch).logits
+            expected = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        args = [sys.executable, "tools/generate.py", str(out), "--max-new-tokens", "6"]
+        args += ["--prompt", prompt, "--json", str(tmp_path / f"{name}.json")]
+        args += ["--focus", f"{key}={str(value).lower()}"] if key else []
+        run = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert results[name]["focus"] == ({**own, key: value} if key else own)
+        completion = expected[0, batch["input_ids"].shape[1] :]  # [new]
+        text = tokenizer.decode(completion, skip_special_tokens=True)
+        assert results[name]["completions"] == [text]
+        if key:
+            assert not torch.allclose(logits[name], logits[None], atol=1e-4), name
+    assert results[None]["focus_keys_read"] > 0  # its routed layers decode sparsely
+    assert results["window"]["focus_layers"] == results["dense"]["focus_layers"] == 0
+
+
 def test_exported_tokenizer_encodes_like_ours(exported, cache):
     from transformers import AutoTokenizer
 
@@ -390,3 +434,26 @@ def test_ruler_needles_through_lm_evals_generator_offline(exported, monkeypatch)
             mine = [r["score"] for r in result["records"] if r["task"] == task
                     and r["length"] == length]  # fmt: skip
             assert result["scores"][task][str(length)] == sum(mine) / len(mine)
+    assert result["focus"] == json.loads((out / "config.json").read_text())["focus"]
+
+
+def test_ruler_infers_with_the_focus_settings_given(exported, monkeypatch):
+    """``focus-pretrain ruler --focus KEY=VALUE``: the same samples answered by the export
+    with other inference settings; the window alone and the original dense model answer
+    differently (were the settings ignored, both would answer as the export does)."""
+    require_packages("lm_eval", "wonderwords", "nltk", extra="eval")
+    from focus_pretrain.eval.ruler import run_ruler
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, out = exported
+    results = {}
+    for name, settings in (("window", ["window_only=true"]), ("dense", ["enabled=false"])):
+        results[name] = run_ruler(
+            out, ["niah_single_1"], [512], samples=2, max_new_tokens=8, focus=settings
+        )
+    assert results["window"]["focus"]["window_only"] is True
+    assert results["dense"]["focus"]["enabled"] is False
+    prompts = [[r["prompt_tokens"] for r in results[name]["records"]] for name in results]
+    assert prompts[0] == prompts[1]  # the same samples
+    responses = [[r["response"] for r in results[name]["records"]] for name in results]
+    assert responses[0] != responses[1]

@@ -173,6 +173,36 @@ GENERATE = rows(
         "without a focus section in config.json, not a Focus export",
         "mode-of-a-plain-model",
     ),
+    (
+        ["{in}/export", "--prompt", "x", "--focus", "top_k"],
+        "--focus 'top_k': give KEY=VALUE, e.g. --focus top_k=2",
+        "focus-without-value",
+    ),
+    (
+        ["{in}/export", "--prompt", "x", "--focus", "num_groups=2"],
+        "--focus num_groups=2: 'num_groups' is not an inference setting (what the routers were "
+        "trained with); choose from enabled, window_only,",
+        "focus-learned-key",
+    ),
+    (
+        [
+            "{in}/export",
+            "--prompt",
+            "x",
+            "--mode",
+            "soft",
+            "--focus",
+            "inference_backend=decomposed",
+        ],
+        "--focus inference_backend=decomposed: focus.inference_backend 'decomposed' computes "
+        "hard top-1 attention only, got top_k=1, inference_mode='soft'",
+        "focus-with-mode",
+    ),
+    (
+        ["{in}/plain_hf", "--prompt", "x", "--focus", "enabled=false"],
+        "without a focus section in config.json, not a Focus export",
+        "focus-of-a-plain-model",
+    ),
 )
 
 RULER = rows(
@@ -206,6 +236,26 @@ RULER = rows(
     ),
     (["{in}/export", "--dtype", "fp8"], "invalid choice: 'fp8'", "dtype"),
     (["{in}/bad_json"], "config.json is not valid JSON", "bad-json"),
+    (
+        ["{in}/export", "--focus", "top_k=99", "--json", "{out}/r.json"],
+        "--focus top_k=99: focus.top_k must be <= num_groups",
+        "focus-top-k",
+    ),
+    (
+        ["{in}/export", "--focus", "enabled=maybe"],
+        "--focus enabled=maybe: focus.enabled must be true or false, got 'maybe'",
+        "focus-flag",
+    ),
+    (
+        ["{in}/export", "--focus", "tau=0.5"],
+        "'tau' is not an inference setting (what the routers were trained with)",
+        "focus-learned-key",
+    ),
+    (
+        ["{in}/export", "--focus", "sink=4"],
+        "--focus sink=4: 'sink' is not an inference setting; choose from enabled,",
+        "focus-unknown-key",
+    ),
 )
 
 INSPECT = rows(

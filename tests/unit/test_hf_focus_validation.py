@@ -135,3 +135,33 @@ def test_every_registered_backend_exports_to_a_config_the_shipped_code_loads():
                     assert section[key] == (settings[key] if kept else "auto"), settings
                 exported += 1
     assert exported > 20  # a real sweep, with the segments and sdpa cases among them
+
+
+@pytest.mark.parametrize(
+    "built,edit",
+    [
+        (dict(), dict(enabled=False)),
+        (dict(), dict(window_only=True)),
+        (dict(enabled=False), dict(enabled=True)),
+        (dict(window_only=True), dict(window_only=False)),
+    ],
+)
+def test_editing_which_layers_have_routers_after_loading_is_refused(built, edit):
+    """``enabled`` and ``window_only`` decide which layers get a router when the model is
+    built: an edit of them on a loaded model would silently run the layers as built (the Focus
+    pattern for a model meant dense), so it is refused, naming how to load it instead; the
+    same settings given at load time run (with a router or without, as asked)."""
+    model = focus_model(**built)
+    ids = torch.randint(1, 50, (1, 8))
+    with torch.no_grad():
+        model(ids)
+        model.config.focus.update(edit)
+        with pytest.raises(ValueError, match=r"load it again with them set, e\.g\. from_pretr"):
+            model(ids)
+        model.config.focus.update({k: not v for k, v in edit.items()})
+        model(ids)  # restored: runs again
+    rebuilt = focus_model(**{**built, **edit})
+    routers = [m for m in rebuilt.modules() if hasattr(m, "router")]
+    assert bool(routers) == (rebuilt.config.focus["enabled"] and not edit.get("window_only"))
+    with torch.no_grad():
+        rebuilt(ids)

@@ -112,6 +112,23 @@ def _sink_keys(
     return valid & (before < sinks)
 
 
+def _focus_of(module: nn.Module) -> dict:
+    """The layer's Focus settings, checked (``checked_focus``). ``enabled`` and ``window_only``
+    decide which layers get a router when the model is built (:func:`_attach_routers`), so an
+    edit of them after loading is refused instead of silently running the layers as built."""
+    router = getattr(module, "router", None)
+    focus = checked_focus(router.focus if router is not None else module.config.focus)
+    built = getattr(module, "focus_layout", None)  # (enabled, window_only) when built
+    if built is not None and built != (focus["enabled"], focus["window_only"]):
+        raise ValueError(
+            f"focus.enabled={focus['enabled']}, focus.window_only={focus['window_only']}: the "
+            f"model was built with {built[0]}, {built[1]}, and these two decide which layers "
+            "have a router; load it again with them set, e.g. from_pretrained(path, "
+            "trust_remote_code=True, focus={**config.focus, 'enabled': False})"
+        )
+    return focus
+
+
 def focus_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -143,7 +160,7 @@ def focus_attention_forward(
     check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
     allowed = allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
-    focus = checked_focus(router.focus if router is not None else module.config.focus)
+    focus = _focus_of(module)
     mode = "soft" if module.training else focus["inference_mode"]
     backend = focus["backend" if mode == "soft" else "inference_backend"]
     routing = None
@@ -191,7 +208,7 @@ def _static(
     b, _, q_len, _ = query.shape
     allowed = allowed_by_mask(attention_mask, b, q_len, key.shape[2])  # [b, q, L] or None
     router = getattr(module, "router", None)
-    focus = checked_focus(router.focus if router is not None else module.config.focus)
+    focus = _focus_of(module)
     mode = "soft" if module.training else focus["inference_mode"]
     routing = None
     if router is not None:
@@ -359,6 +376,7 @@ def _attach_routers(model: nn.Module, config) -> None:
     for module in _attention_modules(model):
         module.focus_documents = base.focus_documents
         module.register_forward_pre_hook(capture_input, with_kwargs=True)
+        module.focus_layout = (focus.get("enabled", True), focus.get("window_only", False))
         if getattr(module, "sliding_window", None) is not None or not focus.get("enabled", True):
             continue
         if focus.get("window_only"):
