@@ -4,6 +4,8 @@ an existing output directory, before loading anything."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -51,9 +53,6 @@ def test_the_converter_checks_its_input_then_refuses_an_existing_output(tmp_path
 def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
     """summarize.py: every variant of a run (the report's and evaluate_variants.py's) against
     the run's own original, per metric."""
-    import importlib.util
-    import json
-
     spec = importlib.util.spec_from_file_location("e7_summarize", E7 / "summarize.py")
     summarize = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summarize)
@@ -115,3 +114,33 @@ def test_the_corpus_fetch_removes_only_its_own_staging_directory(tmp_path):
     assert done.returncode != 0
     assert sorted(p.name for p in scratch.iterdir()) == ["users.txt"]  # the stage is gone
     assert [p.name for p in (dest / "corpora").iterdir()] == ["other"]
+
+
+def test_the_needle_table_names_how_each_result_inferred(tmp_path):
+    """ruler_table.py: a row per ``focus-pretrain ruler --json`` result, named by how the export
+    inferred (dense, the window alone, hard top-k with sinks), each score at its task and
+    length; other JSON files are left out."""
+    spec = importlib.util.spec_from_file_location("e7_ruler_table", E7 / "ruler_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    focus = {"enabled": True, "window_only": False, "window": 128, "num_groups": 8,
+             "top_k": 1, "inference_mode": "hard", "sinks": 4}  # fmt: skip
+    results = {
+        "a.dense": ({**focus, "enabled": False}, {"niah_single_1": {"1024": 0.95}}),
+        "a.window": ({**focus, "window_only": True}, {"niah_single_1": {"1024": 0.1}}),
+        "a.top2": ({**focus, "top_k": 2}, {"niah_single_1": {"1024": 0.35, "2048": 0.2}}),
+    }
+    for name, (settings, scores) in results.items():
+        samples = {t: dict.fromkeys(by, 20) for t, by in scores.items()}
+        result = {"focus": settings, "scores": scores, "samples": samples, "records": []}
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    (tmp_path / "other.json").write_text(json.dumps({"loss": 1.0}))
+    rows = table.rows(tmp_path)
+    assert [r["run"] for r in rows] == ["a.dense", "a.top2", "a.window"]
+    assert [r["settings"] for r in rows] == [
+        "dense (the original)", "hard top-2 of 8, sinks 4", "window 128 only, sinks 4"
+    ]  # fmt: skip
+    lines = table.markdown(rows).splitlines()
+    assert lines[0] == "| run | inferred with | niah_single_1 @ 1024 | niah_single_1 @ 2048 |"
+    assert lines[2].endswith("| 0.95 (n=20) | - |")
+    assert lines[3].endswith("| 0.35 (n=20) | 0.20 (n=20) |")
