@@ -144,3 +144,28 @@ def test_the_needle_table_names_how_each_result_inferred(tmp_path):
     assert lines[0] == "| run | inferred with | niah_single_1 @ 1024 | niah_single_1 @ 2048 |"
     assert lines[2].endswith("| 0.95 (n=20) | - |")
     assert lines[3].endswith("| 0.35 (n=20) | 0.20 (n=20) |")
+
+
+@pytest.mark.parametrize("top_k,window,sinks", [(1, 5, 0), (2, 3, 2), (1, 0, 4), (3, 7, 1)])
+def test_the_needle_analysis_keeps_the_keys_the_hard_pattern_keeps(top_k, window, sinks):
+    """needle_attention.py's keys of the last query against a loop over the spec: the window
+    (``i - j <= window``), the first ``sinks`` tokens, or a shared group among each token's
+    ``top_k`` most probable; a layer without a router keeps its window and sinks."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("e7_needle", E7 / "needle_attention.py")
+    needle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needle)
+    torch.manual_seed(top_k * 100 + window)
+    s, groups = 40, 6
+    probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]
+    focus = {"window": window, "sinks": sinks}
+    kept = needle.kept_keys(probs, top_k, focus, s)
+    top = [set(probs[j].topk(top_k).indices.tolist()) for j in range(s)]
+    last = s - 1
+    for j in range(s):
+        near = last - j <= window or j < sinks
+        assert bool(kept[j]) == (near or bool(top[j] & top[last])), j
+    assert 0 < int(kept.sum()) < s  # some far keys kept, some not: the test can fail
+    alone = needle.kept_keys(None, top_k, focus, s)
+    assert alone.tolist() == [last - j <= window or j < sinks for j in range(s)]
