@@ -123,25 +123,14 @@ def check_export(
     tokenizer, settings that the export's code refuses (:func:`validate_focus`, the shipped
     rules) or any of them on a non-Focus model."""
     from focus_pretrain.convert.export_dir import focus_overrides, read_export
-    from focus_pretrain.convert.hf_modeling.configuration_focus import (
-        FOCUS_DEFAULTS,
-        validate_focus,
-    )
 
     config = read_export(export, tokenizer=True, focus=bool(mode or backend or settings))
-    overrides = {}
-    if mode or backend:
-        focus = {**FOCUS_DEFAULTS, **config["focus"]}
-        overrides.update(inference_mode=mode or focus["inference_mode"])
-        overrides.update(inference_backend=backend or focus["inference_backend"])
-        try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
-            validate_focus({**focus, **overrides})
-        except ValueError as error:
-            given = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
-            raise InputError(f"{given}: {error}") from error
-    if settings:
-        overrides.update(focus_overrides({**config["focus"], **overrides}, settings))
-    return overrides
+    if not (mode or backend or settings):
+        return {}
+    given = {"inference_mode": mode, "inference_backend": backend}
+    named = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
+    given = {key: value for key, value in given.items() if value}
+    return focus_overrides(config["focus"], settings, given, named)
 
 
 def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:

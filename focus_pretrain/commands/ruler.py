@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         "--focus", action="append", default=[], metavar="KEY=VALUE",
         help="infer with this Focus setting instead of the export's (repeatable): "
         "enabled=false (the original dense model), top_k=2, sinks=4, window=256, "
-        "window_only=true, inference_mode=soft, inference_backend=flex",
+        "window_only=true, inference_mode=soft, inference_backend=flex (hard mode), backend (soft)",
     )  # fmt: skip
     parser.add_argument(
         "--json", type=output_file, help="write the scores, skips and every sample's record here"

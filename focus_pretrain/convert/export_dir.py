@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -145,15 +146,23 @@ INFERENCE_SETTINGS = (  # how an export infers; its other focus keys are what it
     "sinks",
     "top_k",
     "inference_mode",
-    "inference_backend",
+    "inference_backend",  # hard mode's kernels
+    "backend",  # soft mode's (the training backend)
 )
 
 
-def focus_overrides(focus: dict[str, Any], settings: Sequence[str]) -> dict[str, Any]:
+def focus_overrides(
+    focus: dict[str, Any],
+    settings: Sequence[str],
+    given: dict[str, Any] | None = None,
+    named: str = "",
+) -> dict[str, Any]:
     """The ``KEY=VALUE`` ``settings`` (``--focus top_k=2``, repeatable, the last one of a key
-    wins) as ``{key: value}``, checked on top of the export's ``focus`` section by the rules
-    its shipped code applies (``validate_focus``): ``true``/``false`` are flags, digits
-    integers, anything else a name.
+    wins) over the overrides ``given`` by other options (``named`` as the user wrote them,
+    e.g. ``"--mode soft"``) as ``{key: value}``, checked together on top of the export's
+    ``focus`` section by the rules its shipped code applies (``validate_focus``):
+    ``true``/``false`` are flags, an optionally signed number of digits an integer, anything
+    else a name.
 
     Raises:
         InputError: a setting without ``=``, a key that is not one of
@@ -164,7 +173,7 @@ def focus_overrides(focus: dict[str, Any], settings: Sequence[str]) -> dict[str,
         validate_focus,
     )
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(given or {})
     for setting in settings:
         key, equals, text = (part.strip() for part in setting.partition("="))
         if not equals or not key or not text:
@@ -179,10 +188,10 @@ def focus_overrides(focus: dict[str, Any], settings: Sequence[str]) -> dict[str,
         if lowered in ("true", "false"):
             overrides[key] = lowered == "true"
         else:
-            overrides[key] = int(text) if text.lstrip("-").isdigit() else text
+            overrides[key] = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else text
     try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
         validate_focus({**FOCUS_DEFAULTS, **focus, **overrides})
     except ValueError as error:
-        given = " ".join(f"--focus {s}" for s in settings)
-        raise InputError(f"{given}: {error}") from error
+        options = " ".join([named, *(f"--focus {s}" for s in settings)]).strip()
+        raise InputError(f"{options}: {error}") from error
     return overrides

@@ -222,7 +222,7 @@ def run_ruler(
         stack.enter_context(_quiet_logger("lm_eval"))  # its notes on task kwargs, metric names
         records = _run_lengths(lm_eval, export, runnable, lengths, samples, max_new_tokens,
                                batch_size, device, dtype,
-                               {"focus": settings} if overrides else {})  # fmt: skip
+                               settings if overrides else None)  # fmt: skip
     return {
         "export": str(export),
         "focus": settings,
@@ -237,27 +237,38 @@ def run_ruler(
 def _run_lengths(
     lm_eval, export: Path, tasks: Sequence[str], lengths: Sequence[int], samples: int | None,
     max_new_tokens: int | None, batch_size: int, device: str, dtype: str,
-    focus: dict[str, Any],
+    focus: dict[str, Any] | None,
 ) -> list[dict]:  # fmt: skip
-    """The export as lm-eval's ``hf`` model (``focus``: ``{"focus": its settings}`` to load it
-    with, or nothing for the export's own), evaluated at each length: every sample's record."""
-    from lm_eval.models.huggingface import HFLM
-
-    model = HFLM(  # the model runs its shipped code; the tokenizer is plain tokenizer.json
-        pretrained=str(export), tokenizer=export_tokenizer(export), trust_remote_code=True,
-        dtype=dtype,
-        batch_size=batch_size, device=device,
-        # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
-        # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
-        max_length=max(lengths) + PREFIX_ROOM + past_budget(tasks, max_new_tokens),
-        **focus,  # settings at load time: enabled and window_only decide which layers get routers
-    )  # fmt: skip
+    """The export as lm-eval's ``hf`` model (:func:`lm_eval_model`), evaluated at each length:
+    every sample's record."""
+    # room for the whole sample: RULER's sizing leaves out the answer prefix and BOS, and
+    # lm-eval would cut the prompt's start (where a needle may be) to fit a smaller one
+    max_length = max(lengths) + PREFIX_ROOM + past_budget(tasks, max_new_tokens)
+    model = lm_eval_model(export, focus, max_length, batch_size, device, dtype)
     records = []
     for length in lengths:  # one run per length: `limit` counts a task's first documents
         print(f"ruler: {', '.join(tasks)} at {length} tokens", file=sys.stderr, flush=True)
         logged = _evaluate(lm_eval, model, tasks, length, samples, max_new_tokens, export)
         records += _records(logged, tasks, length, model.tokenizer)
     return records
+
+
+def lm_eval_model(
+    export: str | os.PathLike, focus: dict[str, Any] | None, max_length: int,
+    batch_size: int = 1, device: str = "cpu", dtype: str = "float32",
+):  # fmt: skip
+    """The export as lm-eval's ``hf`` model (``HFLM``), its shipped code run with
+    ``trust_remote_code`` and its plain ``tokenizer.json``; ``focus``: the whole Focus section
+    to load it with (``None``: the export's own), given at load time since ``enabled`` and
+    ``window_only`` decide which layers get a router."""
+    from lm_eval.models.huggingface import HFLM
+
+    export = Path(export)
+    return HFLM(
+        pretrained=str(export), tokenizer=export_tokenizer(export), trust_remote_code=True,
+        dtype=dtype, batch_size=batch_size, device=device, max_length=max_length,
+        **({} if focus is None else {"focus": focus}),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -438,22 +438,33 @@ def test_ruler_needles_through_lm_evals_generator_offline(exported, monkeypatch)
 
 
 def test_ruler_infers_with_the_focus_settings_given(exported, monkeypatch):
-    """``focus-pretrain ruler --focus KEY=VALUE``: the same samples answered by the export
-    with other inference settings; the window alone and the original dense model answer
-    differently (were the settings ignored, both would answer as the export does)."""
+    """``focus-pretrain ruler --focus KEY=VALUE``: the result records the settings, and
+    lm-eval's model is the export loaded with them: the original dense model
+    (``enabled=false``: no router) and top-2 give the logits of the export loaded with those
+    settings directly, which differ from its own pattern's on a sequence past the window."""
     require_packages("lm_eval", "wonderwords", "nltk", extra="eval")
-    from focus_pretrain.eval.ruler import run_ruler
+    from transformers import AutoModelForCausalLM
+
+    from focus_pretrain.eval.ruler import lm_eval_model, run_ruler
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _, out = exported
-    results = {}
-    for name, settings in (("window", ["window_only=true"]), ("dense", ["enabled=false"])):
-        results[name] = run_ruler(
-            out, ["niah_single_1"], [512], samples=2, max_new_tokens=8, focus=settings
-        )
-    assert results["window"]["focus"]["window_only"] is True
-    assert results["dense"]["focus"]["enabled"] is False
-    prompts = [[r["prompt_tokens"] for r in results[name]["records"]] for name in results]
-    assert prompts[0] == prompts[1]  # the same samples
-    responses = [[r["response"] for r in results[name]["records"]] for name in results]
-    assert responses[0] != responses[1]
+    own = json.loads((out / "config.json").read_text())["focus"]
+    result = run_ruler(out, ["niah_single_1"], [512], samples=1, max_new_tokens=4,
+                       focus=["enabled=false", "sinks=2"])  # fmt: skip
+    assert result["focus"] == {**own, "enabled": False, "sinks": 2}
+    assert result["samples"] == {"niah_single_1": {"512": 1}}
+    ids = torch.randint(3, 200, (1, 4 * own["window"]))
+    with torch.no_grad():
+        mine = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)(ids).logits
+        for key, value in (("enabled", False), ("top_k", 2)):
+            settings = {**own, key: value}
+            model = lm_eval_model(out, settings, max_length=1024).model
+            routers = [m for m in model.modules() if hasattr(m, "router")]
+            assert bool(routers) == settings["enabled"], key
+            direct = AutoModelForCausalLM.from_pretrained(
+                out, trust_remote_code=True, focus=settings
+            )
+            theirs = model(ids).logits
+            torch.testing.assert_close(theirs, direct(ids).logits)
+            assert not torch.allclose(theirs, mine, atol=1e-4), key

@@ -194,7 +194,8 @@ GENERATE = rows(
             "--focus",
             "inference_backend=decomposed",
         ],
-        "--focus inference_backend=decomposed: focus.inference_backend 'decomposed' computes "
+        "--mode soft --focus inference_backend=decomposed: focus.inference_backend 'decomposed' "
+        "computes "
         "hard top-1 attention only, got top_k=1, inference_mode='soft'",
         "focus-with-mode",
     ),
@@ -250,6 +251,11 @@ RULER = rows(
         ["{in}/export", "--focus", "tau=0.5"],
         "'tau' is not an inference setting (what the routers were trained with)",
         "focus-learned-key",
+    ),
+    (
+        ["{in}/export", "--focus", "top_k=--2"],
+        "--focus top_k=--2: focus.top_k must be an integer, got '--2'",
+        "focus-not-a-number",
     ),
     (
         ["{in}/export", "--focus", "sink=4"],

@@ -144,24 +144,53 @@ def test_every_registered_backend_exports_to_a_config_the_shipped_code_loads():
         (dict(), dict(window_only=True)),
         (dict(enabled=False), dict(enabled=True)),
         (dict(window_only=True), dict(window_only=False)),
+        (dict(window_only=True), dict(window=5)),
     ],
 )
-def test_editing_which_layers_have_routers_after_loading_is_refused(built, edit):
+def test_editing_what_building_fixed_after_loading_is_refused(built, edit):
     """``enabled`` and ``window_only`` decide which layers get a router when the model is
-    built: an edit of them on a loaded model would silently run the layers as built (the Focus
-    pattern for a model meant dense), so it is refused, naming how to load it instead; the
-    same settings given at load time run (with a router or without, as asked)."""
+    built (and a window-only model's layers keep their window): an edit of them on a loaded
+    model would silently run the layers as built (the Focus pattern for a model meant dense),
+    so it is refused, naming how to load it instead; the same settings given at load time
+    run (with a router or without, as asked)."""
     model = focus_model(**built)
     ids = torch.randint(1, 50, (1, 8))
+    before = {k: model.config.focus[k] for k in edit}
     with torch.no_grad():
         model(ids)
         model.config.focus.update(edit)
         with pytest.raises(ValueError, match=r"load it again with them set, e\.g\. from_pretr"):
             model(ids)
-        model.config.focus.update({k: not v for k, v in edit.items()})
+        model.config.focus.update(before)
         model(ids)  # restored: runs again
     rebuilt = focus_model(**{**built, **edit})
     routers = [m for m in rebuilt.modules() if hasattr(m, "router")]
-    assert bool(routers) == (rebuilt.config.focus["enabled"] and not edit.get("window_only"))
+    focus = rebuilt.config.focus
+    assert bool(routers) == (focus["enabled"] and not focus["window_only"])
     with torch.no_grad():
         rebuilt(ids)
+
+
+def test_a_replaced_focus_dict_is_refused_and_a_partial_one_at_load_is_completed(tmp_path):
+    """The routers read the dict the model was built with: ``config.focus`` replaced by
+    another (``model.config.focus = {...}``) would be ignored by them, so it is refused; a
+    ``focus`` given to ``from_pretrained`` (set without the config's ``__init__``) is completed
+    with the defaults and checked when the model is built, and runs as the same settings
+    built in code."""
+    model = focus_model(top_k=1)
+    ids = torch.randint(1, 50, (1, 12))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.config.focus = {**model.config.focus, "top_k": 2}
+        with pytest.raises(ValueError, match=r"config.focus was replaced by another dict"):
+            model(ids)
+    model.save_pretrained(tmp_path)
+    cls = type(model)
+    partial = {k: v for k, v in model.config.focus.items() if k != "gate_lambda"}
+    partial["top_k"] = 1
+    loaded = cls.from_pretrained(tmp_path, focus=partial).eval()
+    assert loaded.config.focus["gate_lambda"] == configuration.FOCUS_DEFAULTS["gate_lambda"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected)
+    with pytest.raises(ValueError, match=r"focus.top_k must be <= num_groups \(4\), got 5"):
+        cls.from_pretrained(tmp_path, focus={**partial, "top_k": 5})

@@ -59,7 +59,7 @@ try:  # the settings a newer package's focus_attention takes by name (its FocusP
 except ImportError:  # an older package names them in its signature
     _PACKAGE_SETTINGS = ()
 
-from .configuration_focus import checked_focus, focus_config_class
+from .configuration_focus import FOCUS_DEFAULTS, checked_focus, focus_config_class
 from .focus_cache import check_packed_cache, sparse_decode
 from .focus_inputs import (
     Documents,
@@ -112,19 +112,34 @@ def _sink_keys(
     return valid & (before < sinks)
 
 
+def _layout(focus: dict) -> tuple:
+    """What building the model fixes: ``enabled`` and ``window_only`` (which layers get a
+    router) and, for a window-only model, its ``window``."""
+    return focus["enabled"], focus["window_only"], focus["window"] if focus["window_only"] else None
+
+
 def _focus_of(module: nn.Module) -> dict:
-    """The layer's Focus settings, checked (``checked_focus``). ``enabled`` and ``window_only``
-    decide which layers get a router when the model is built (:func:`_attach_routers`), so an
-    edit of them after loading is refused instead of silently running the layers as built."""
+    """The layer's Focus settings, checked (``checked_focus``). What building the model fixed
+    (:func:`_layout`) may not change after loading, and the routers read the dict they were
+    built with: an edit of the former, or ``config.focus`` replaced by another dict, is refused
+    instead of silently running the layers as built."""
     router = getattr(module, "router", None)
-    focus = checked_focus(router.focus if router is not None else module.config.focus)
-    built = getattr(module, "focus_layout", None)  # (enabled, window_only) when built
-    if built is not None and built != (focus["enabled"], focus["window_only"]):
+    focus = checked_focus(module.config.focus)
+    if router is not None and router.focus is not focus:
         raise ValueError(
-            f"focus.enabled={focus['enabled']}, focus.window_only={focus['window_only']}: the "
-            f"model was built with {built[0]}, {built[1]}, and these two decide which layers "
-            "have a router; load it again with them set, e.g. from_pretrained(path, "
-            "trust_remote_code=True, focus={**config.focus, 'enabled': False})"
+            "config.focus was replaced by another dict, and the routers read the one the model "
+            "was built with: edit it in place (model.config.focus['top_k'] = 2), or load the "
+            "model again with from_pretrained(path, trust_remote_code=True, focus={...})"
+        )
+    built = getattr(module, "focus_layout", None)
+    if built is not None and built != _layout(focus):
+        raise ValueError(
+            f"focus.enabled={focus['enabled']}, focus.window_only={focus['window_only']}, "
+            f"window={focus['window']}: the model was built with {built[0]}, {built[1]}"
+            f"{f', window={built[2]}' if built[2] is not None else ''}, and these decide "
+            "which layers have a router (and a window-only model's window); load it again "
+            "with them set, e.g. from_pretrained(path, trust_remote_code=True, "
+            "focus={**config.focus, 'enabled': False})"
         )
     return focus
 
@@ -369,14 +384,16 @@ def _attach_routers(model: nn.Module, config) -> None:
     """Give every Focus layer a router (Gemma-2's sliding layers keep only their window), and
     every attention layer the packed documents of the running forward."""
     config._attn_implementation = "focus"
-    focus = config.focus
+    # a focus section set after the config was built (from_pretrained(path, focus={...}) sets
+    # the attribute, without the config's __init__): completed and checked as __init__ does
+    focus = config.focus = checked_focus({**FOCUS_DEFAULTS, **config.focus})
     base = model.transformer if hasattr(model, "transformer") else model.model
     base.focus_documents = Documents()
     base.register_forward_pre_hook(capture_documents, with_kwargs=True)
     for module in _attention_modules(model):
         module.focus_documents = base.focus_documents
         module.register_forward_pre_hook(capture_input, with_kwargs=True)
-        module.focus_layout = (focus.get("enabled", True), focus.get("window_only", False))
+        module.focus_layout = _layout(focus)
         if getattr(module, "sliding_window", None) is not None or not focus.get("enabled", True):
             continue
         if focus.get("window_only"):

@@ -91,6 +91,13 @@ def measure(args: argparse.Namespace) -> dict:
     original = AutoModelForCausalLM.from_pretrained(args.original, attn_implementation="eager")
     focus_model = AutoModelForCausalLM.from_pretrained(args.export, trust_remote_code=True)
     focus = focus_model.config.focus
+    focus["inference_backend"] = "auto"  # any top-k (an export may name a top-1-only kernel)
+    if any(getattr(layer.self_attn, "router", None) is None for layer in focus_model.model.layers):
+        raise SystemExit(
+            f"needle_attention: {args.export} has layers without a router (a family's own "
+            "sliding-window layers, or a window-only or dense export): this analysis covers "
+            "exports whose every layer is routed"
+        )
     totals = {k: {"needle": 0.0, "needle_kept": 0.0, "far": 0.0, "far_kept": 0.0,
                   "far_keys": 0, "far_keys_kept": 0} for k in args.top_k}  # fmt: skip
     layers = len(original.model.layers)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 def settings(focus: dict | None) -> str:
     """How the export inferred: dense, the window alone or hard/soft top-k (with sinks)."""
-    if focus is None or not focus["enabled"]:
+    if focus is None or not focus.get("enabled", True):
         return "dense (the original)"
-    sinks = f", sinks {focus['sinks']}" if focus["sinks"] else ""
-    if focus["window_only"]:
+    sinks = f", sinks {focus['sinks']}" if focus.get("sinks") else ""
+    if focus.get("window_only"):
         return f"window {focus['window']} only{sinks}"
     return f"{focus['inference_mode']} top-{focus['top_k']} of {focus['num_groups']}{sinks}"
 

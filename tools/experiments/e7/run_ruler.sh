@@ -20,8 +20,12 @@ score() {  # NAME EXPORT [--focus KEY=VALUE ...]: skipped when OUT/NAME.json exi
     return
   fi
   echo "== $name ($(date -u +%H:%M:%S))"
-  focus-pretrain ruler "$export" "${ARGS[@]}" "$@" --json "$OUT/$name.json" \
-    --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1
+  if ! focus-pretrain ruler "$export" "${ARGS[@]}" "$@" --json "$OUT/$name.json" \
+    --markdown "$OUT/$name.md" > "$OUT/$name.log" 2>&1; then
+    echo "run_ruler: $name failed; its log: $OUT/$name.log" >&2
+    tail -n 3 "$OUT/$name.log" >&2
+    exit 1
+  fi
   cat "$OUT/$name.md"
 }
 first=$1
