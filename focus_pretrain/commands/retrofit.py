@@ -289,6 +289,7 @@ def main() -> None:
         f"sinks={config.model.focus.sinks}, top-{config.model.focus.top_k}",
         "training": f"{config.model.focus.training_mode} pattern, objective "
         + _objective(config.train),
+        "seq_length": config.data.seq_length,
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
     report_json = json.loads((out / "groups" / "report.json").read_text())

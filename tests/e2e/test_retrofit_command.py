@@ -86,6 +86,8 @@ def test_one_command_retrofit(tmp_path, family, precision, objective):
     by_position = report["evaluations"]["original (dense)"]["loss_by_position"]
     assert list(by_position) == ["0-16", "16-32", "32-64", "64-128"]  # window 16, 128 tokens
     assert "## Loss by position" in (out / "report.md").read_text()
+    retrieval = f"`focus-pretrain ruler {out / 'export'} --tasks niah_single_1 --lengths"
+    assert retrieval in (out / "report.md").read_text()  # loss does not measure needles
     quality, evaluations = report["quality"], report["evaluations"]  # the hard model's gap
     gap = evaluations["retrofit, hard"]["loss"] - evaluations["original (dense)"]["loss"]
     assert quality["gap"]["loss"] == pytest.approx(gap) and quality["threshold"] == 0.05
