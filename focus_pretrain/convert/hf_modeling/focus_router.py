@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .configuration_focus import checked_focus
 from .focus_cache import focus_cache_layer, store_routing
 
 
@@ -59,3 +60,35 @@ def route(module: nn.Module, allowed: Tensor | None, q_len: int, kv_len: int):
         valid = allowed[:, :, kv_len - q_len :].any(dim=1)  # [b, q]
     layer = focus_cache_layer(getattr(module, "_focus_cache", None), module.layer_idx)
     return (*store_routing(layer, probs, members, valid, kv_len), layer)
+
+
+def focus_layout(focus: dict) -> tuple:
+    """What building the model fixes: ``enabled`` and ``window_only`` (which layers get a
+    router) and, for a window-only model, its ``window``."""
+    return focus["enabled"], focus["window_only"], focus["window"] if focus["window_only"] else None
+
+
+def layer_focus(module: nn.Module) -> dict:
+    """The layer's Focus settings, checked (``checked_focus``). What building the model fixed
+    (:func:`focus_layout`) may not change after loading, and the routers read the dict they were
+    built with: an edit of the former, or ``config.focus`` replaced by another dict, is refused
+    instead of silently running the layers as built."""
+    router = getattr(module, "router", None)
+    focus = checked_focus(module.config.focus)
+    if router is not None and router.focus is not focus:
+        raise ValueError(
+            "config.focus was replaced by another dict, and the routers read the one the model "
+            "was built with: edit it in place (model.config.focus['top_k'] = 2), or load the "
+            "model again with from_pretrained(path, trust_remote_code=True, focus={...})"
+        )
+    built = getattr(module, "focus_layout", None)
+    if built is not None and built != focus_layout(focus):
+        raise ValueError(
+            f"focus.enabled={focus['enabled']}, focus.window_only={focus['window_only']}, "
+            f"window={focus['window']}: the model was built with {built[0]}, {built[1]}"
+            f"{f', window={built[2]}' if built[2] is not None else ''}, and these decide "
+            "which layers have a router (and a window-only model's window); load it again "
+            "with them set, e.g. from_pretrained(path, trust_remote_code=True, "
+            "focus={**config.focus, 'enabled': False})"
+        )
+    return focus

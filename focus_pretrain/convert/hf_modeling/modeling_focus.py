@@ -67,7 +67,14 @@ from .focus_inputs import (
     capture_input,
     real_spans,
 )
-from .focus_router import FocusRouter, allowed_by_mask, membership, route
+from .focus_router import (
+    FocusRouter,
+    allowed_by_mask,
+    focus_layout,
+    layer_focus,
+    membership,
+    route,
+)
 from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
 from .focus_static import static_focus_forward, static_focus_layer
 
@@ -112,38 +119,6 @@ def _sink_keys(
     return valid & (before < sinks)
 
 
-def _layout(focus: dict) -> tuple:
-    """What building the model fixes: ``enabled`` and ``window_only`` (which layers get a
-    router) and, for a window-only model, its ``window``."""
-    return focus["enabled"], focus["window_only"], focus["window"] if focus["window_only"] else None
-
-
-def _focus_of(module: nn.Module) -> dict:
-    """The layer's Focus settings, checked (``checked_focus``). What building the model fixed
-    (:func:`_layout`) may not change after loading, and the routers read the dict they were
-    built with: an edit of the former, or ``config.focus`` replaced by another dict, is refused
-    instead of silently running the layers as built."""
-    router = getattr(module, "router", None)
-    focus = checked_focus(module.config.focus)
-    if router is not None and router.focus is not focus:
-        raise ValueError(
-            "config.focus was replaced by another dict, and the routers read the one the model "
-            "was built with: edit it in place (model.config.focus['top_k'] = 2), or load the "
-            "model again with from_pretrained(path, trust_remote_code=True, focus={...})"
-        )
-    built = getattr(module, "focus_layout", None)
-    if built is not None and built != _layout(focus):
-        raise ValueError(
-            f"focus.enabled={focus['enabled']}, focus.window_only={focus['window_only']}, "
-            f"window={focus['window']}: the model was built with {built[0]}, {built[1]}"
-            f"{f', window={built[2]}' if built[2] is not None else ''}, and these decide "
-            "which layers have a router (and a window-only model's window); load it again "
-            "with them set, e.g. from_pretrained(path, trust_remote_code=True, "
-            "focus={**config.focus, 'enabled': False})"
-        )
-    return focus
-
-
 def focus_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -175,7 +150,7 @@ def focus_attention_forward(
     check_packed_cache(getattr(module, "_focus_cache", None), module.layer_idx, docs, q_len, kv_len)
     allowed = allowed_by_mask(attention_mask, b, q_len, kv_len)  # [b, q, kv] or None
     router = getattr(module, "router", None)
-    focus = _focus_of(module)
+    focus = layer_focus(module)
     mode = "soft" if module.training else focus["inference_mode"]
     backend = focus["backend" if mode == "soft" else "inference_backend"]
     routing = None
@@ -223,7 +198,7 @@ def _static(
     b, _, q_len, _ = query.shape
     allowed = allowed_by_mask(attention_mask, b, q_len, key.shape[2])  # [b, q, L] or None
     router = getattr(module, "router", None)
-    focus = _focus_of(module)
+    focus = layer_focus(module)
     mode = "soft" if module.training else focus["inference_mode"]
     routing = None
     if router is not None:
@@ -393,7 +368,7 @@ def _attach_routers(model: nn.Module, config) -> None:
     for module in _attention_modules(model):
         module.focus_documents = base.focus_documents
         module.register_forward_pre_hook(capture_input, with_kwargs=True)
-        module.focus_layout = _layout(focus)
+        module.focus_layout = focus_layout(focus)
         if getattr(module, "sliding_window", None) is not None or not focus.get("enabled", True):
             continue
         if focus.get("window_only"):
