@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any loading
         prompts = read_prompts(args.prompt, args.prompts_file)
-        overrides = check_export(args.export, args.mode, args.backend, args.focus)
+        settings = check_export(args.export, args.mode, args.backend, args.focus)
     export = pathlib.Path(args.export)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -70,11 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     with exit_on_input_error(parser.prog):
         check_tokens(tokenizer, prompts)
-    settings = {}  # at load time: enabled and window_only decide which layers get routers
-    if overrides:
-        settings["focus"] = {**json.loads((export / "config.json").read_text())["focus"]}
-        settings["focus"].update(overrides)
-    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, **settings)
+    # at load time: enabled and window_only decide which layers get routers
+    focus = {} if settings is None else {"focus": settings}
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, **focus)
     model = model.to(args.device).eval()
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
     options = dict(max_new_tokens=args.max_new_tokens, num_beams=args.num_beams)
@@ -117,19 +115,19 @@ def _settings(model) -> dict | None:
 
 def check_export(
     export: str, mode: str | None, backend: str | None, settings: Sequence[str] = ()
-) -> dict:
-    """The overrides of the export's Focus settings (``--mode``, ``--backend``, then the
-    ``--focus KEY=VALUE`` settings), once checked; refuse what is not an export with a
-    tokenizer, settings that the export's code refuses (:func:`validate_focus`, the shipped
-    rules) or any of them on a non-Focus model."""
+) -> dict | None:
+    """The Focus section to load the export with (``None``: its own), the export's with
+    ``--mode``, ``--backend``, then the ``--focus KEY=VALUE`` settings, once checked; refuse
+    what is not an export with a tokenizer, settings that the export's code refuses
+    (``validate_focus``, the shipped rules) or any of them on a non-Focus model."""
     from focus_pretrain.convert.export_dir import focus_overrides, read_export
 
     config = read_export(export, tokenizer=True, focus=bool(mode or backend or settings))
     if not (mode or backend or settings):
-        return {}
-    given = {"inference_mode": mode, "inference_backend": backend}
-    named = " ".join(f"--{k} {v}" for k, v in (("mode", mode), ("backend", backend)) if v)
-    given = {key: value for key, value in given.items() if value}
+        return None
+    options = (("mode", "inference_mode", mode), ("backend", "inference_backend", backend))
+    given = {key: value for _, key, value in options if value}
+    named = " ".join(f"--{option} {value}" for option, _, value in options if value)
     return focus_overrides(config["focus"], settings, given, named)
 
 

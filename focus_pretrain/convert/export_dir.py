@@ -157,12 +157,12 @@ def focus_overrides(
     given: dict[str, Any] | None = None,
     named: str = "",
 ) -> dict[str, Any]:
-    """The ``KEY=VALUE`` ``settings`` (``--focus top_k=2``, repeatable, the last one of a key
-    wins) over the overrides ``given`` by other options (``named`` as the user wrote them,
-    e.g. ``"--mode soft"``) as ``{key: value}``, checked together on top of the export's
-    ``focus`` section by the rules its shipped code applies (``validate_focus``):
-    ``true``/``false`` are flags, an optionally signed number of digits an integer, anything
-    else a name.
+    """The export's ``focus`` section with the overrides ``given`` by other options (``named``
+    as the user wrote them, e.g. ``"--mode soft"``) and the ``KEY=VALUE`` ``settings``
+    (``--focus top_k=2``, repeatable, the last one of a key wins) applied: the whole section
+    to load the export with, checked by the rules its shipped code applies
+    (``validate_focus``). ``true``/``false`` are flags, an optionally signed number of digits
+    an integer, anything else a name.
 
     Raises:
         InputError: a setting without ``=``, a key that is not one of
@@ -189,9 +189,10 @@ def focus_overrides(
             overrides[key] = lowered == "true"
         else:
             overrides[key] = int(text) if re.fullmatch(r"[-+]?[0-9]+", text) else text
+    section = {**focus, **overrides}
     try:  # validate_focus is standalone (shipped): its ValueErrors are about the settings
-        validate_focus({**FOCUS_DEFAULTS, **focus, **overrides})
+        validate_focus({**FOCUS_DEFAULTS, **section})
     except ValueError as error:
         options = " ".join([named, *(f"--focus {s}" for s in settings)]).strip()
         raise InputError(f"{options}: {error}") from error
-    return overrides
+    return section

@@ -209,8 +209,7 @@ def run_ruler(
         raise InputError(f"no task to run: {'; '.join(f'{t}: {r}' for t, r in skipped.items())}")
     # lm-eval's generator sizes prompts with the export's tokenizer
     config = read_export(export, tokenizer=True, focus=bool(focus))
-    overrides = focus_overrides(config["focus"], focus) if focus else {}
-    settings = {**config["focus"], **overrides} if "focus" in config else None
+    settings = focus_overrides(config["focus"], focus) if focus else config.get("focus")
     for warning in check_lengths(export, lengths, runnable, max_new_tokens):
         print(f"ruler: warning: {warning}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
@@ -222,7 +221,7 @@ def run_ruler(
         stack.enter_context(_quiet_logger("lm_eval"))  # its notes on task kwargs, metric names
         records = _run_lengths(lm_eval, export, runnable, lengths, samples, max_new_tokens,
                                batch_size, device, dtype,
-                               settings if overrides else None)  # fmt: skip
+                               settings if focus else None)  # fmt: skip
     return {
         "export": str(export),
         "focus": settings,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from focus_pretrain.focus.pattern import pair_rule
+from focus_pretrain.focus.pattern import groups_intersect, membership_bitmask, pair_rule
 
 
 def ruler_samples(export: Path, length: int, count: int) -> list[dict]:
@@ -72,14 +72,14 @@ def router_probs(model, ids: torch.Tensor) -> list[torch.Tensor | None]:
 
 def kept_keys(probs: torch.Tensor | None, top_k: int, focus: dict, length: int) -> torch.Tensor:
     """``[length]`` bool: the keys the last query attends under the hard pattern (the
-    package's pair rule; a layer without a router keeps its window and sinks)."""
+    package's pair rule and group membership; a layer without a router keeps its window and
+    sinks)."""
     positions = torch.arange(length)
     causal, near = pair_rule(positions[-1], positions, window=focus["window"], sinks=focus["sinks"])
     if probs is None:
         return causal & near
-    groups = probs.topk(top_k, dim=-1).indices  # [s, top_k]
-    member = (torch.ones_like(groups) << groups).sum(dim=-1)  # [s] int64 bitmask
-    return causal & (near | ((member & member[-1]) != 0))
+    member = membership_bitmask(probs.topk(top_k, dim=-1).indices)  # [s] int64
+    return causal & (near | groups_intersect(member, member[-1]))
 
 
 def measure(args: argparse.Namespace) -> dict:
