@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from focus_pretrain.data.copies import copy_room
 from focus_pretrain.data.corpus import resolve_inputs
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.manifest import find_manifest, manifest_shards
@@ -71,6 +72,13 @@ class DataConfig:
         long_document_tokens, long_document_repeat: documents of at least
             ``long_document_tokens`` tokens appear ``long_document_repeat`` times per epoch
             (up-sampling, so that a long-context recipe holds long documents at all).
+        copy_spans, copy_span_tokens, copy_min_distance: long-range copies in the training
+            samples (validation keeps the text as it is): each training sample ends with
+            ``copy_spans`` spans of ``copy_span_tokens`` tokens, each a copy of a span of the
+            sample's own text that ends at least ``copy_min_distance`` tokens before the copy
+            begins (0: any earlier span). Predicting a copy needs attention to its source far
+            back, as a needle test's answer does: a retrofit's routers learn to keep it
+            (:func:`~focus_pretrain.data.documents.long_range_copies`). 0 spans: off.
     """
 
     sources: list[str] = field(default_factory=lambda: ["demo:2000"])
@@ -94,6 +102,9 @@ class DataConfig:
     min_document_tokens: int = 0
     long_document_tokens: int = 0
     long_document_repeat: int = 1
+    copy_spans: int = 0
+    copy_span_tokens: int = 32
+    copy_min_distance: int = 0
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -126,6 +137,7 @@ class DataConfig:
                 "data.long_document_tokens is 0; set data.long_document_tokens to the length "
                 "from which documents are up-sampled"
             )
+        self._check_copies()
         parts = self.split.split(",")
         if len(parts) != 3 or not all(p.strip().replace(".", "", 1).isdigit() for p in parts):
             raise ValueError(f"data.split must be three numbers like '98,2,0', got {self.split!r}")
@@ -136,6 +148,30 @@ class DataConfig:
             )
         check_positive("data.prepare_timeout_s", self.prepare_timeout_s)
         check_add_bos(self.add_bos)
+
+    def _check_copies(self) -> None:
+        """Refuse copy settings that leave no room for a copy and its source, or that
+        document masking would make unlearnable."""
+        for name in ("copy_spans", "copy_min_distance"):
+            check_int(f"data.{name}", getattr(self, name), low=0)
+        check_int("data.copy_span_tokens", self.copy_span_tokens, low=1)
+        if not self.copy_spans:
+            return
+        need = copy_room(self.copy_spans, self.copy_span_tokens, self.copy_min_distance)
+        if need > self.seq_length:  # the sample's first token is never copied
+            raise ValueError(
+                f"data.copy_spans={self.copy_spans} of data.copy_span_tokens="
+                f"{self.copy_span_tokens} at data.copy_min_distance={self.copy_min_distance} "
+                f"need samples of at least {need} tokens, data.seq_length is "
+                f"{self.seq_length}; use fewer or shorter spans, a shorter distance, or "
+                "longer samples"
+            )
+        if self.document_mask or self.reset_position_ids:
+            raise ValueError(
+                "data.copy_spans with data.document_mask or data.reset_position_ids: a copy's "
+                "source may lie in an earlier packed document, which the mask hides from it "
+                "and whose positions restart; set both to false, or data.copy_spans=0"
+            )
 
     @property
     def demo_spec(self) -> DemoSpec:
@@ -367,6 +403,9 @@ def build_datasets(
         min_document_tokens=config.min_document_tokens,
         long_document_tokens=config.long_document_tokens,
         long_document_repeat=config.long_document_repeat,
+        copy_spans=config.copy_spans,
+        copy_span_tokens=config.copy_span_tokens,
+        copy_min_distance=config.copy_min_distance,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(
         DocumentGPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config

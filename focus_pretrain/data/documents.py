@@ -15,8 +15,9 @@ Python and build an ``s x s`` mask; here every field is a vectorised ``[s]`` ten
   begins with the tokenizer's BOS, as lm-eval's rolling windows do (:func:`prefixed_sample`).
 
 :class:`DocumentGPTDataset` also drops short documents and repeats long ones in the training
-split (:func:`select_documents`) before Megatron builds its sample index; validation keeps its
-documents as they are.
+split (:func:`select_documents`) before Megatron builds its sample index, and ends training
+samples with long-range copies (``data.copy_spans``, :mod:`focus_pretrain.data.copies`);
+validation keeps its documents and samples as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 from torch import Tensor
 
+from focus_pretrain.data.copies import long_range_copies
 from focus_pretrain.errors import InputError
 from focus_pretrain.focus.pattern import document_starts
 
@@ -143,6 +145,9 @@ class DocumentDatasetConfig(GPTDatasetConfig):
     min_document_tokens: int = 0
     long_document_tokens: int = 0
     long_document_repeat: int = 1
+    copy_spans: int = 0  # data.copy_spans: long-range copies in training samples
+    copy_span_tokens: int = 32
+    copy_min_distance: int = 0
 
 
 class DocumentGPTDataset(GPTDataset):
@@ -186,6 +191,7 @@ class DocumentGPTDataset(GPTDataset):
                 f"{longest} tokens); lower data.min_document_tokens"
             )
         super().__init__(indexed_dataset, dataset_path, selected, num_samples, index_split, config)
+        self.copies = config.copy_spans if index_split == Split.train else 0
 
     @staticmethod
     def _key_config_attributes() -> list[str]:
@@ -204,6 +210,12 @@ class DocumentGPTDataset(GPTDataset):
         sample = super().__getitem__(idx)
         if config.sample_prefix:
             sample = prefixed_sample(sample, config.sample_prefix, config.tokenizer.pad)
+        if self.copies:  # the same copies for a sample index in every run of a seed
+            rng = np.random.default_rng((config.random_seed, 0 if idx is None else int(idx)))
+            sample = long_range_copies(
+                sample, self.copies, config.copy_span_tokens, config.copy_min_distance, rng,
+                keep_first=len(config.sample_prefix),
+            )  # fmt: skip
         return document_fields(
             sample,
             config.tokenizer.eod,

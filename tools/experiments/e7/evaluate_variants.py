@@ -3,9 +3,10 @@ hard pattern with and without attention sinks, top-2, the soft pattern, and the 
 control at equal density ("shuffled": each router's output permuted along the sequence, each
 sample and layer its own permutation, so every group keeps its trained size in every sample but
 no token keeps its own group). Writes RETROFIT_OUT/variants.json ({variant: metrics}); skips
-what is there already.
+what is there already; names after the directory run those variants only.
 
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2
+    python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2 "hard, sinks 4, top-2"
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ def shuffled_routing(seed: int):
 def main() -> None:
     from focus_pretrain.train.evaluate import evaluate_checkpoint
 
-    out = Path(sys.argv[1])
+    out, only = Path(sys.argv[1]), sys.argv[2:]  # only: the names of the variants to run
+    unknown = sorted(set(only) - set(VARIANTS))
+    if unknown:
+        sys.exit(f"evaluate_variants.py: unknown variants {unknown}; choose from {list(VARIANTS)}")
     target = out / "variants.json"
     done = json.loads(target.read_text()) if target.is_file() else {}
     for name, overrides in VARIANTS.items():
-        if name in done:
+        if name in done or (only and name not in only):
             continue
         numbered = re.search(r", seed (\d+)$", name)
         seed = SHUFFLE_SEED + (int(numbered[1]) - 1 if numbered else 0)
