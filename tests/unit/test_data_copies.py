@@ -40,7 +40,7 @@ def test_copies_repeat_earlier_text_at_the_end(s, spans, span, distance):
     layout = copy_layout(s + 1, spans, span, distance, np.random.default_rng(s))
     for i, (a, b) in enumerate(layout):
         assert b == start + i * span
-        assert 1 <= a and a + span <= start  # a source is text, never a copy
+        assert a >= 1 and a + span <= start  # a source is text, never a copy
         assert b - (a + span) >= distance  # ends far enough before its copy
         assert torch.equal(new[b : b + span], stream[a : a + span])
         assert torch.equal(new_weights[b : b + span], weights[a : a + span])
