@@ -87,3 +87,15 @@ def long_range_copies(
     out = dict(sample)
     out.update(tokens=stream[:s], labels=stream[1:], loss_mask=weights[1:])
     return out
+
+
+def copied_labels(seq_length: int, spans: int, span_tokens: int) -> Tensor:
+    """``[seq_length]`` bool: the label positions of a sample with copies whose target is a
+    copied token other than a copy's first (which nothing predicts): what a model keeps of
+    the copies is its loss there."""
+    start = seq_length + 1 - spans * span_tokens  # R of the layout
+    label = torch.zeros(seq_length, dtype=torch.bool)
+    for i in range(spans):
+        first = start + i * span_tokens  # stream position of copy i's first token
+        label[first : first + span_tokens - 1] = True  # label j is stream[j + 1]
+    return label

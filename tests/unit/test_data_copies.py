@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from focus_pretrain.data.copies import copy_layout, copy_room, long_range_copies
+from focus_pretrain.data.copies import copied_labels, copy_layout, copy_room, long_range_copies
 
 
 def _sample(s: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -45,6 +45,12 @@ def test_copies_repeat_earlier_text_at_the_end(s, spans, span, distance):
         assert torch.equal(new[b : b + span], stream[a : a + span])
         assert torch.equal(new_weights[b : b + span], weights[a : a + span])
     assert not torch.equal(new, stream)
+    # the labels that predict a copied token from the copy before it: brute force
+    want = torch.zeros(s, dtype=torch.bool)
+    for _, b in layout:
+        for j in range(b, b + span - 1):  # label j predicts stream[j + 1], after stream[j]
+            want[j] = True
+    assert torch.equal(copied_labels(s, spans, span), want)
 
 
 def test_copy_sources_are_drawn_over_the_whole_allowed_range():

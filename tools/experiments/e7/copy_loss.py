@@ -1,0 +1,94 @@
+"""E7: does a retrofit keep long-range copies? The loss on the copied tokens of held-out
+samples ended with copies as ``data.copy_spans`` makes them (:mod:`focus_pretrain.data.copies`;
+each copy's first token left out: nothing predicts it) for the original (the Focus layers
+bypassed), and for the retrofit's routers inferred soft and hard top-k, against the loss on
+the samples' other tokens. The samples are the run's validation split (text no run trained
+on) with the same copies for every run and setting, so a run trained without copies is
+measured on the same samples as one trained with them.
+
+    python tools/experiments/e7/copy_loss.py RUN_DIR [--spans 4 --span-tokens 32
+        --min-distance 256 --samples 8 --top-k 1 2 --json OUT.json]
+
+RUN_DIR: a ``focus-pretrain retrofit --out`` directory (its ``run/`` checkpoint) or a run
+directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+COPY_SEED = 0  # the copies' draw: the same for every run measured
+
+
+def losses(model, samples: list[dict], copied: torch.Tensor) -> dict[str, float]:
+    """Mean per-token loss of ``model`` on the copied and on the other weighted labels."""
+    sums = {"copies": [0.0, 0], "text": [0.0, 0]}
+    with torch.no_grad():
+        for sample in samples:
+            per_token = model(
+                sample["tokens"][None], sample["position_ids"][None], None,
+                labels=sample["labels"][None],
+            )[0].float()  # fmt: skip
+            weighted = sample["loss_mask"] > 0
+            for name, where in (("copies", copied & weighted), ("text", ~copied & weighted)):
+                sums[name][0] += float(per_token[where].sum())
+                sums[name][1] += int(where.sum())
+    return {name: total / max(count, 1) for name, (total, count) in sums.items()}
+
+
+def main() -> None:
+    from focus_pretrain.checkpoint.model import load_checkpoint_model
+    from focus_pretrain.data.coordinate import prepare_data_in_job
+    from focus_pretrain.data.copies import copied_labels, long_range_copies
+    from focus_pretrain.data.datasets import build_datasets
+    from focus_pretrain.model.attention import dense_attention
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run")
+    parser.add_argument("--spans", type=int, default=4)
+    parser.add_argument("--span-tokens", type=int, default=32)
+    parser.add_argument("--min-distance", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    run = Path(args.run) / "run" if (Path(args.run) / "run").is_dir() else Path(args.run)
+    settings = {"soft": ["model.focus.inference_mode=soft"]}
+    for k in args.top_k:
+        settings[f"hard top-{k}"] = ["model.focus.inference_mode=hard", f"model.focus.top_k={k}"]
+    copies = {"spans": args.spans, "span_tokens": args.span_tokens,
+              "min_distance": args.min_distance}  # fmt: skip
+    result: dict = {"run": str(run), "copies": copies, "samples": args.samples}
+    samples = None
+    for name, overrides in settings.items():
+        loaded = load_checkpoint_model(run, overrides, need_tokenizer=True)
+        loaded.model.eval()
+        if samples is None:  # the same held-out samples and copies for every setting
+            config = loaded.config
+            _, prefixes = prepare_data_in_job(config.data, config.run.seed)
+            _, valid = build_datasets(
+                config.data, loaded.tokenizer, prefixes, 1, args.samples, config.run.seed
+            )
+            samples = [
+                long_range_copies(valid[i], args.spans, args.span_tokens, args.min_distance,
+                                  np.random.default_rng((COPY_SEED, i)),
+                                  keep_first=int(config.data.bos_every_sample))
+                for i in range(args.samples)
+            ]  # fmt: skip
+            copied = copied_labels(config.data.seq_length, args.spans, args.span_tokens)
+            with dense_attention(loaded.model):
+                result["original (dense)"] = losses(loaded.model, samples, copied)
+            print(f"original (dense): {result['original (dense)']}", flush=True)
+        result[name] = losses(loaded.model, samples, copied)
+        print(f"{name}: {result[name]}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
