@@ -170,3 +170,27 @@ def test_the_needle_analysis_keeps_the_keys_the_hard_pattern_keeps(top_k, window
     assert 0 < int(kept[far].sum()) < int(far.sum())  # far keys kept by a group, and cut
     alone = needle.kept_keys(None, top_k, focus, s)
     assert alone.tolist() == [last - j <= window or j < sinks for j in range(s)]
+
+
+@pytest.mark.parametrize("top_k,window,sinks", [(1, 4, 0), (2, 3, 2)])
+def test_copy_routing_kept_pairs_follow_the_spec(top_k, window, sinks):
+    """copy_routing.py's kept pairs against a loop over the spec: causal, and the window
+    (``q - k <= window``), the first ``sinks`` tokens, or a shared group among each token's
+    ``top_k`` most probable."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("e7_copy_routing", E7 / "copy_routing.py")
+    routing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(routing)
+    torch.manual_seed(top_k * 10 + window)
+    s, groups = 30, 5
+    probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]
+    q, k = torch.meshgrid(torch.arange(s), torch.arange(s), indexing="ij")
+    q, k = q.flatten(), k.flatten()  # every pair
+    kept = routing.kept_pairs(probs, top_k, {"window": window, "sinks": sinks}, q, k)
+    top = [set(probs[j].topk(top_k).indices.tolist()) for j in range(s)]
+    for i, j, got in zip(q.tolist(), k.tolist(), kept.tolist(), strict=True):
+        want = j <= i and (i - j <= window or j < sinks or bool(top[i] & top[j]))
+        assert got == want, (i, j)
+    far = (q - k > window) & (k >= sinks)
+    assert 0 < int(kept[far].sum()) < int(far.sum())
