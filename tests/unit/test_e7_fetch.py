@@ -194,3 +194,27 @@ def test_copy_routing_kept_pairs_follow_the_spec(top_k, window, sinks):
         assert got == want, (i, j)
     far = (q - k > window) & (k >= sinks)
     assert 0 < int(kept[far].sum()) < int(far.sum())
+
+
+@pytest.mark.parametrize("key_groups", ["predecessor", "both"])
+def test_the_needle_analysis_what_if_key_groups(key_groups):
+    """needle_attention.py's what-if: a key in its predecessor's groups (or its own and its
+    predecessor's), the query in its own, against a loop."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("e7_needle_kg", E7 / "needle_attention.py")
+    needle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needle)
+    torch.manual_seed(7)
+    s, groups, window, sinks = 40, 6, 3, 1
+    probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]
+    kept = needle.kept_keys(probs, 1, {"window": window, "sinks": sinks}, s, key_groups)
+    group = probs.argmax(dim=-1).tolist()
+    last = s - 1
+    for j in range(s):
+        previous = group[max(j - 1, 0)]
+        shares = previous == group[last] if key_groups == "predecessor" else (
+            previous == group[last] or group[j] == group[last])  # fmt: skip
+        assert bool(kept[j]) == (last - j <= window or j < sinks or shares), j
+    own = needle.kept_keys(probs, 1, {"window": window, "sinks": sinks}, s)
+    assert not torch.equal(kept, own)

@@ -70,16 +70,25 @@ def router_probs(model, ids: torch.Tensor) -> list[torch.Tensor | None]:
     return probs
 
 
-def kept_keys(probs: torch.Tensor | None, top_k: int, focus: dict, length: int) -> torch.Tensor:
+KEY_GROUPS = ("own", "predecessor", "both")
+
+
+def kept_keys(
+    probs: torch.Tensor | None, top_k: int, focus: dict, length: int, key_groups: str = "own"
+) -> torch.Tensor:
     """``[length]`` bool: the keys the last query attends under the hard pattern (the
     package's pair rule and group membership; a layer without a router keeps its window and
-    sinks)."""
+    sinks). ``key_groups`` (a what-if, not the method): a key is in its ``own`` groups (the
+    spec), its ``predecessor``'s (the token before it; the first token its own), or ``both``;
+    the query is always in its own."""
     positions = torch.arange(length)
     causal, near = pair_rule(positions[-1], positions, window=focus["window"], sinks=focus["sinks"])
     if probs is None:
         return causal & near
     member = membership_bitmask(probs.topk(top_k, dim=-1).indices)  # [s] int64
-    return causal & (near | groups_intersect(member, member[-1]))
+    previous = torch.cat([member[:1], member[:-1]])  # [s]: each token's predecessor's groups
+    keys = {"own": member, "predecessor": previous, "both": member | previous}[key_groups]
+    return causal & (near | groups_intersect(keys, member[-1]))
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -114,7 +123,7 @@ def measure(args: argparse.Namespace) -> dict:
         for top_k in args.top_k:
             focus_model.config.focus["top_k"] = top_k
             for layer, probs in enumerate(router_probs(focus_model, ids)):
-                kept = kept_keys(probs, top_k, focus, ids.shape[1]).float()  # [s]
+                kept = kept_keys(probs, top_k, focus, ids.shape[1], args.key_groups).float()
                 row, total = rows[layer], totals[top_k]
                 needle_mass = row[:, needle].sum().item()  # summed over heads
                 needle_kept = (row[:, needle] * kept[needle]).sum().item()
@@ -130,7 +139,8 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def summary(args: argparse.Namespace, totals: dict, per_layer: dict) -> dict:
-    result = {"export": str(args.export), "length": args.length, "samples": args.samples}
+    result = {"export": str(args.export), "length": args.length, "samples": args.samples,
+              "key_groups": args.key_groups}  # fmt: skip
     for top_k, total in totals.items():
         result[f"top-{top_k}"] = {
             "needle_attention_kept": total["needle_kept"] / total["needle"],
@@ -150,6 +160,11 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--key-groups", choices=KEY_GROUPS, default="own",
+        help="what-if: the groups a key is in (own: the method; predecessor: the token "
+        "before it's; both)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = measure(args)
