@@ -458,6 +458,12 @@ TRAIN = rows(  # refused before the trainer starts (the trainer's own: test_chec
     ),
     (["--config", "{in}/blank.txt"], "blank.txt is empty: give a recipe", "empty-recipe"),
     (
+        ["--config", TINY, "--set", "data.copy_spans=4", "--set", "data.copy_min_distance=100"],
+        "data.copy_spans=4 of data.copy_span_tokens=32 at data.copy_min_distance=100 need "
+        "samples of at least 260 tokens",
+        "copies-too-long",
+    ),
+    (
         ["--config", TINY, "--set", "parallel.tensor_parallel_size=3"],
         "num_attention_heads (4) must be divisible by",
         "tp",
