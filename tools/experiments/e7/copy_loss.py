@@ -25,6 +25,40 @@ import torch
 COPY_SEED = 0  # the copies' draw: the same for every run measured
 
 
+def copy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which copies the held-out samples end with, and how many."""
+    parser.add_argument("--spans", type=int, default=4)
+    parser.add_argument("--span-tokens", type=int, default=32)
+    parser.add_argument("--min-distance", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", type=Path)
+
+
+def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
+    """The first ``args.samples`` validation samples of ``run`` (a checkpoint or run
+    directory), each ended with the copies ``args`` ask for (the same draw for every run):
+    ``{"sample", "layout"}`` (the sample's fields; ``[(source start, copy start)]``)."""
+    from focus_pretrain.checkpoint.read import checkpoint_config, resolve_checkpoint
+    from focus_pretrain.data.coordinate import prepare_data_in_job
+    from focus_pretrain.data.copies import copy_layout, long_range_copies
+    from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
+    from focus_pretrain.data.tokenizer import Tokenizer
+
+    config = checkpoint_config(resolve_checkpoint(run))
+    tokenizer = Tokenizer(tokenizer_path_for(config.data, config.run.seed))
+    _, prefixes = prepare_data_in_job(config.data, config.run.seed)
+    _, valid = build_datasets(config.data, tokenizer, prefixes, 1, args.samples, config.run.seed)
+    s, first = config.data.seq_length, int(config.data.bos_every_sample)
+    draw = (args.spans, args.span_tokens, args.min_distance)
+    out = []
+    for i in range(args.samples):
+        sample = long_range_copies(valid[i], *draw, np.random.default_rng((COPY_SEED, i)), first)
+        layout = copy_layout(s + 1, *draw, np.random.default_rng((COPY_SEED, i)), max(1, first))
+        out.append({"sample": sample, "layout": layout})
+    return out
+
+
 def losses(model, samples: list[dict], copied: torch.Tensor) -> dict[str, float]:
     """Mean per-token loss of ``model`` on the copied and on the other weighted labels."""
     sums = {"copies": [0.0, 0], "text": [0.0, 0]}
@@ -43,19 +77,12 @@ def losses(model, samples: list[dict], copied: torch.Tensor) -> dict[str, float]
 
 def main() -> None:
     from focus_pretrain.checkpoint.model import load_checkpoint_model
-    from focus_pretrain.data.coordinate import prepare_data_in_job
-    from focus_pretrain.data.copies import copied_labels, long_range_copies
-    from focus_pretrain.data.datasets import build_datasets
+    from focus_pretrain.data.copies import copied_labels
     from focus_pretrain.model.attention import dense_attention
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run")
-    parser.add_argument("--spans", type=int, default=4)
-    parser.add_argument("--span-tokens", type=int, default=32)
-    parser.add_argument("--min-distance", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--json", type=Path)
+    copy_arguments(parser)
     args = parser.parse_args()
     run = Path(args.run) / "run" if (Path(args.run) / "run").is_dir() else Path(args.run)
     settings = {"soft": ["model.focus.inference_mode=soft"]}
@@ -64,23 +91,12 @@ def main() -> None:
     copies = {"spans": args.spans, "span_tokens": args.span_tokens,
               "min_distance": args.min_distance}  # fmt: skip
     result: dict = {"run": str(run), "copies": copies, "samples": args.samples}
-    samples = None
+    samples = [held["sample"] for held in held_out_copies(run, args)]
     for name, overrides in settings.items():
         loaded = load_checkpoint_model(run, overrides, need_tokenizer=True)
         loaded.model.eval()
-        if samples is None:  # the same held-out samples and copies for every setting
-            config = loaded.config
-            _, prefixes = prepare_data_in_job(config.data, config.run.seed)
-            _, valid = build_datasets(
-                config.data, loaded.tokenizer, prefixes, 1, args.samples, config.run.seed
-            )
-            samples = [
-                long_range_copies(valid[i], args.spans, args.span_tokens, args.min_distance,
-                                  np.random.default_rng((COPY_SEED, i)),
-                                  keep_first=int(config.data.bos_every_sample))
-                for i in range(args.samples)
-            ]  # fmt: skip
-            copied = copied_labels(config.data.seq_length, args.spans, args.span_tokens)
+        if "original (dense)" not in result:  # the original: the Focus layers bypassed
+            copied = copied_labels(loaded.config.data.seq_length, args.spans, args.span_tokens)
             with dense_attention(loaded.model):
                 result["original (dense)"] = losses(loaded.model, samples, copied)
             print(f"original (dense): {result['original (dense)']}", flush=True)

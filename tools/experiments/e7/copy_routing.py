@@ -25,32 +25,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from copy_loss import COPY_SEED
+from copy_loss import copy_arguments, held_out_copies
 from needle_attention import router_probs
 
 from focus_pretrain.focus.pattern import groups_intersect, membership_bitmask, pair_rule
-
-
-def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
-    """The run's first validation samples, each ended with copies; each with its layout."""
-    from focus_pretrain.checkpoint.read import checkpoint_config, resolve_checkpoint
-    from focus_pretrain.data.coordinate import prepare_data_in_job
-    from focus_pretrain.data.copies import copy_layout, long_range_copies
-    from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
-    from focus_pretrain.data.tokenizer import Tokenizer
-
-    config = checkpoint_config(resolve_checkpoint(run))
-    tokenizer = Tokenizer(tokenizer_path_for(config.data, config.run.seed))
-    _, prefixes = prepare_data_in_job(config.data, config.run.seed)
-    _, valid = build_datasets(config.data, tokenizer, prefixes, 1, args.samples, config.run.seed)
-    s, first = config.data.seq_length, int(config.data.bos_every_sample)
-    out = []
-    for i in range(args.samples):
-        draw = (args.spans, args.span_tokens, args.min_distance)
-        sample = long_range_copies(valid[i], *draw, np.random.default_rng((COPY_SEED, i)), first)
-        layout = copy_layout(s + 1, *draw, np.random.default_rng((COPY_SEED, i)), max(1, first))
-        out.append({"tokens": sample["tokens"], "layout": layout})
-    return out
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -65,12 +43,12 @@ def measure(args: argparse.Namespace) -> dict:
     attention = {k: np.zeros((layers, 2)) for k in args.top_k}  # [layer, (mass, kept)]
     rng = np.random.default_rng(0)
     queries = 0
-    for sample in held_out_copies(root / "run", args):
-        ids = sample["tokens"][None]  # [1, s]
+    for held in held_out_copies(root / "run", args):
+        ids, layout = held["sample"]["tokens"][None], held["layout"]  # ids [1, s]
         with torch.no_grad():
             rows = original(ids, output_attentions=True).attentions  # [1, H, s, s] each
         probs = router_probs(focus_model, ids)  # [s, K] per layer
-        pairs = [(b + j, a + j + 1, a + j) for a, b in sample["layout"]
+        pairs = [(b + j, a + j + 1, a + j) for a, b in layout
                  for j in range(args.span_tokens - 1)]  # fmt: skip
         q, target, token = (torch.tensor(x) for x in zip(*pairs, strict=True))
         far = torch.tensor([int(rng.integers(0, int(p) - focus["window"])) for p in q])
@@ -116,12 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("retrofit")
     parser.add_argument("--original", required=True)
-    parser.add_argument("--spans", type=int, default=4)
-    parser.add_argument("--span-tokens", type=int, default=32)
-    parser.add_argument("--min-distance", type=int, default=256)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--json", type=Path)
+    copy_arguments(parser)
     args = parser.parse_args()
     result = measure(args)
     print(json.dumps(result["overall"], indent=1))
