@@ -89,13 +89,16 @@ def long_range_copies(
     return out
 
 
-def copied_labels(seq_length: int, spans: int, span_tokens: int) -> Tensor:
+def copied_labels(
+    seq_length: int, spans: int, span_tokens: int, with_first: bool = False
+) -> Tensor:
     """``[seq_length]`` bool: the label positions of a sample with copies whose target is a
     copied token other than a copy's first (which nothing predicts): what a model keeps of
-    the copies is its loss there."""
+    the copies is its loss there. ``with_first``: each copy's first token's label too (every
+    label whose target is copied)."""
     start = seq_length + 1 - spans * span_tokens  # R of the layout
     label = torch.zeros(seq_length, dtype=torch.bool)
     for i in range(spans):
         first = start + i * span_tokens  # stream position of copy i's first token
-        label[first : first + span_tokens - 1] = True  # label j is stream[j + 1]
+        label[first - int(with_first) : first + span_tokens - 1] = True  # label j: stream[j + 1]
     return label

@@ -76,9 +76,11 @@ class DataConfig:
             samples (validation keeps the text as it is): each training sample ends with
             ``copy_spans`` spans of ``copy_span_tokens`` tokens, each a copy of a span of the
             sample's own text that ends at least ``copy_min_distance`` tokens before the copy
-            begins (0: any earlier span). Predicting a copy needs attention to its source far
-            back, as a needle test's answer does: a retrofit's routers learn to keep it
-            (:func:`~focus_pretrain.data.documents.long_range_copies`). 0 spans: off.
+            begins (0: any earlier span; beyond ``model.focus.window``: every source out of
+            the window). Predicting a copy needs attention to its source far back, as a
+            needle test's answer does (:func:`~focus_pretrain.data.copies.long_range_copies`;
+            in E7, docs/experiments.md, it did not change what a retrofit's routers keep).
+            0 spans: off.
     """
 
     sources: list[str] = field(default_factory=lambda: ["demo:2000"])

@@ -51,6 +51,9 @@ def test_copies_repeat_earlier_text_at_the_end(s, spans, span, distance):
         for j in range(b, b + span - 1):  # label j predicts stream[j + 1], after stream[j]
             want[j] = True
     assert torch.equal(copied_labels(s, spans, span), want)
+    for _, b in layout:
+        want[b - 1] = True  # the label of each copy's first token (stream[b], after stream[b-1])
+    assert torch.equal(copied_labels(s, spans, span, with_first=True), want)
 
 
 def test_copy_sources_are_drawn_over_the_whole_allowed_range():

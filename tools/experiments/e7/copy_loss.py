@@ -46,6 +46,12 @@ def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
     from focus_pretrain.data.tokenizer import Tokenizer
 
     config = checkpoint_config(resolve_checkpoint(run))
+    if config.data.document_mask or config.data.reset_position_ids or config.data.eod_mask_loss:
+        raise SystemExit(
+            f"copy_loss: {run} trained with document masking, position resets or the EOD loss "
+            "mask; the held-out copies here keep the text's document fields, so it measures "
+            "runs without them"
+        )
     tokenizer = Tokenizer(tokenizer_path_for(config.data, config.run.seed))
     _, prefixes = prepare_data_in_job(config.data, config.run.seed)
     _, valid = build_datasets(config.data, tokenizer, prefixes, 1, args.samples, config.run.seed)
@@ -59,8 +65,11 @@ def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
     return out
 
 
-def losses(model, samples: list[dict], copied: torch.Tensor) -> dict[str, float]:
-    """Mean per-token loss of ``model`` on the copied and on the other weighted labels."""
+def losses(
+    model, samples: list[dict], copied: torch.Tensor, text: torch.Tensor
+) -> dict[str, float]:
+    """Mean per-token loss of ``model`` on the ``copied`` and on the ``text`` weighted labels
+    (``[s]`` bool each)."""
     sums = {"copies": [0.0, 0], "text": [0.0, 0]}
     with torch.no_grad():
         for sample in samples:
@@ -69,7 +78,7 @@ def losses(model, samples: list[dict], copied: torch.Tensor) -> dict[str, float]
                 labels=sample["labels"][None],
             )[0].float()  # fmt: skip
             weighted = sample["loss_mask"] > 0
-            for name, where in (("copies", copied & weighted), ("text", ~copied & weighted)):
+            for name, where in (("copies", copied & weighted), ("text", text & weighted)):
                 sums[name][0] += float(per_token[where].sum())
                 sums[name][1] += int(where.sum())
     return {name: total / max(count, 1) for name, (total, count) in sums.items()}
@@ -96,11 +105,13 @@ def main() -> None:
         loaded = load_checkpoint_model(run, overrides, need_tokenizer=True)
         loaded.model.eval()
         if "original (dense)" not in result:  # the original: the Focus layers bypassed
-            copied = copied_labels(loaded.config.data.seq_length, args.spans, args.span_tokens)
+            shape = (loaded.config.data.seq_length, args.spans, args.span_tokens)
+            copied = copied_labels(*shape)
+            text = ~copied_labels(*shape, with_first=True)  # no copy's first token either
             with dense_attention(loaded.model):
-                result["original (dense)"] = losses(loaded.model, samples, copied)
+                result["original (dense)"] = losses(loaded.model, samples, copied, text)
             print(f"original (dense): {result['original (dense)']}", flush=True)
-        result[name] = losses(loaded.model, samples, copied)
+        result[name] = losses(loaded.model, samples, copied, text)
         print(f"{name}: {result[name]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

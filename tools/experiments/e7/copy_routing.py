@@ -5,7 +5,8 @@ the previous occurrence of the query's own token) rather than ``a + j`` (the sam
 query). Per layer of the export (its routers on its own hidden states, as in inference), for
 the copy queries: how often the hard top-1 pattern puts the query in a group with the
 induction target, with the same-token key, and with a far key drawn at random (chance); and
-the share of the original's attention to the induction targets that hard top-k keeps.
+the share of the original's attention to the induction targets that hard top-k keeps (the
+routers run on the hidden states of top-k inference, as in inference).
 
     python tools/experiments/e7/copy_routing.py RETROFIT_DIR --original HF_DIR
         [--spans 4 --span-tokens 32 --min-distance 256 --samples 8 --top-k 1 2 --json OUT]
@@ -38,6 +39,13 @@ def measure(args: argparse.Namespace) -> dict:
     original = AutoModelForCausalLM.from_pretrained(args.original, attn_implementation="eager")
     focus_model = AutoModelForCausalLM.from_pretrained(root / "export", trust_remote_code=True)
     focus = focus_model.config.focus
+    focus["inference_backend"] = "auto"  # any top-k (an export may name a top-1-only kernel)
+    if any(getattr(layer.self_attn, "router", None) is None for layer in focus_model.model.layers):
+        raise SystemExit(
+            f"copy_routing: {root / 'export'} has layers without a router (a family's own "
+            "sliding-window layers, or a window-only or dense export): this analysis covers "
+            "exports whose every layer is routed"
+        )
     layers = len(original.model.layers)
     same = {name: np.zeros(layers) for name in ("induction", "same token", "random far")}
     attention = {k: np.zeros((layers, 2)) for k in args.top_k}  # [layer, (mass, kept)]
@@ -47,19 +55,22 @@ def measure(args: argparse.Namespace) -> dict:
         ids, layout = held["sample"]["tokens"][None], held["layout"]  # ids [1, s]
         with torch.no_grad():
             rows = original(ids, output_attentions=True).attentions  # [1, H, s, s] each
-        probs = router_probs(focus_model, ids)  # [s, K] per layer
+        probs = {}  # top-k -> [s, K] per layer: the routers on the hidden states of that top-k
+        for top_k in sorted({1, *args.top_k}):
+            focus["top_k"] = top_k
+            probs[top_k] = router_probs(focus_model, ids)
         pairs = [(b + j, a + j + 1, a + j) for a, b in layout
                  for j in range(args.span_tokens - 1)]  # fmt: skip
         q, target, token = (torch.tensor(x) for x in zip(*pairs, strict=True))
         far = torch.tensor([int(rng.integers(0, int(p) - focus["window"])) for p in q])
         queries += len(pairs)
         for layer in range(layers):
-            group = probs[layer].argmax(dim=-1)  # [s]: top-1 group
+            group = probs[1][layer].argmax(dim=-1)  # [s]: top-1 group, top-1 inference
             for name, key in (("induction", target), ("same token", token), ("random far", far)):
                 same[name][layer] += float((group[q] == group[key]).sum())
             mass = rows[layer][0][:, q, target].float()  # [H, n]: to the induction targets
             for top_k in args.top_k:
-                kept = kept_pairs(probs[layer], top_k, focus, q, target).float()  # [n]
+                kept = kept_pairs(probs[top_k][layer], top_k, focus, q, target).float()  # [n]
                 attention[top_k][layer] += [float(mass.sum()), float((mass * kept).sum())]
     return summary(args, same, attention, queries)
 
