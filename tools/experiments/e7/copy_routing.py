@@ -27,25 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from copy_loss import copy_arguments, held_out_copies
-from needle_attention import router_probs
+from needle_attention import load_models, router_probs
 
 from focus_pretrain.focus.pattern import groups_intersect, membership_bitmask, pair_rule
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
-
     root = Path(args.retrofit)
-    original = AutoModelForCausalLM.from_pretrained(args.original, attn_implementation="eager")
-    focus_model = AutoModelForCausalLM.from_pretrained(root / "export", trust_remote_code=True)
+    original, focus_model = load_models(args.original, root / "export", "copy_routing")
     focus = focus_model.config.focus
-    focus["inference_backend"] = "auto"  # any top-k (an export may name a top-1-only kernel)
-    if any(getattr(layer.self_attn, "router", None) is None for layer in focus_model.model.layers):
-        raise SystemExit(
-            f"copy_routing: {root / 'export'} has layers without a router (a family's own "
-            "sliding-window layers, or a window-only or dense export): this analysis covers "
-            "exports whose every layer is routed"
-        )
     layers = len(original.model.layers)
     same = {name: np.zeros(layers) for name in ("induction", "same token", "random far")}
     attention = {k: np.zeros((layers, 2)) for k in args.top_k}  # [layer, (mass, kept)]

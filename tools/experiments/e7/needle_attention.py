@@ -91,22 +91,30 @@ def kept_keys(
     return causal & (near | groups_intersect(keys, member[-1]))
 
 
-def measure(args: argparse.Namespace) -> dict:
+def load_models(original: Path, export: Path, tool: str):
+    """The original (eager attention: its attention weights) and the export, every layer of
+    which must have a router; the export infers any top-k (an export may name a top-1-only
+    kernel)."""
     from transformers import AutoModelForCausalLM
 
+    dense = AutoModelForCausalLM.from_pretrained(original, attn_implementation="eager")
+    focus_model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)
+    focus_model.config.focus["inference_backend"] = "auto"
+    if any(getattr(layer.self_attn, "router", None) is None for layer in focus_model.model.layers):
+        raise SystemExit(
+            f"{tool}: {export} has layers without a router (a family's own sliding-window "
+            "layers, or a window-only or dense export): this analysis covers exports whose "
+            "every layer is routed"
+        )
+    return dense, focus_model
+
+
+def measure(args: argparse.Namespace) -> dict:
     from focus_pretrain.convert.export_dir import export_tokenizer
 
     tokenizer = export_tokenizer(args.export)
-    original = AutoModelForCausalLM.from_pretrained(args.original, attn_implementation="eager")
-    focus_model = AutoModelForCausalLM.from_pretrained(args.export, trust_remote_code=True)
+    original, focus_model = load_models(args.original, args.export, "needle_attention")
     focus = focus_model.config.focus
-    focus["inference_backend"] = "auto"  # any top-k (an export may name a top-1-only kernel)
-    if any(getattr(layer.self_attn, "router", None) is None for layer in focus_model.model.layers):
-        raise SystemExit(
-            f"needle_attention: {args.export} has layers without a router (a family's own "
-            "sliding-window layers, or a window-only or dense export): this analysis covers "
-            "exports whose every layer is routed"
-        )
     totals = {k: {"needle": 0.0, "needle_kept": 0.0, "far": 0.0, "far_kept": 0.0,
                   "far_keys": 0, "far_keys_kept": 0} for k in args.top_k}  # fmt: skip
     layers = len(original.model.layers)
