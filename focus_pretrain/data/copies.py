@@ -70,20 +70,27 @@ def long_range_copies(
     keep_first: int = 1,
 ) -> dict[str, Tensor]:
     """``sample`` (``tokens``, ``labels``, ``loss_mask``, each ``[s]``) whose stream ends with
-    ``spans`` copies of earlier spans (the module docstring); a new dict.
+    ``spans`` copies of earlier spans drawn by :func:`copy_layout` (the module docstring),
+    the first ``keep_first`` stream tokens (a BOS prefix) never copied; a new dict."""
+    s = sample["tokens"].shape[-1]
+    layout = copy_layout(s + 1, spans, span_tokens, min_distance, rng, max(1, keep_first))
+    return with_copies(sample, layout, span_tokens)
 
-    Each copied token keeps its source's loss weight (padding stays unweighted); the first
-    ``keep_first`` stream tokens (a BOS prefix) are never copied; other fields are kept
-    (positions do not change).
-    """
+
+def with_copies(
+    sample: dict[str, Tensor], layout: list[tuple[int, int]], span_tokens: int
+) -> dict[str, Tensor]:
+    """``sample`` with the copies of ``layout`` (``[(source start, copy start)]`` in stream
+    positions, :func:`copy_layout`'s) written into its stream; a new dict. Each copied token
+    keeps its source's loss weight (padding stays unweighted); other fields are kept
+    (positions do not change)."""
     tokens, labels = sample["tokens"], sample["labels"]
     s = tokens.shape[-1]
     stream = torch.cat([tokens[:1], labels])  # [s + 1]
     weights = torch.cat([torch.ones(1), sample["loss_mask"].float()])  # [s + 1]: of stream[i]
-    source_stream, source_weights = stream.clone(), weights.clone()
-    for a, b in copy_layout(s + 1, spans, span_tokens, min_distance, rng, max(1, keep_first)):
-        stream[b : b + span_tokens] = source_stream[a : a + span_tokens]
-        weights[b : b + span_tokens] = source_weights[a : a + span_tokens]
+    for a, b in layout:  # a source is text before the copies: never written here
+        stream[b : b + span_tokens] = stream[a : a + span_tokens]
+        weights[b : b + span_tokens] = weights[a : a + span_tokens]
     out = dict(sample)
     out.update(tokens=stream[:s], labels=stream[1:], loss_mask=weights[1:])
     return out

@@ -15,6 +15,14 @@ import pytest
 E7 = Path(__file__).parents[2] / "tools" / "experiments" / "e7"
 
 
+def _tool(name: str, file: str):
+    """The E7 tool ``file`` imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, E7 / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(args: list, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {"PATH": str(tmp_path / "no-tools"), "PY": sys.executable}  # no apt-get, pip, unzip
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
@@ -53,9 +61,7 @@ def test_the_converter_checks_its_input_then_refuses_an_existing_output(tmp_path
 def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
     """summarize.py: every variant of a run (the report's and evaluate_variants.py's) against
     the run's own original, per metric."""
-    spec = importlib.util.spec_from_file_location("e7_summarize", E7 / "summarize.py")
-    summarize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summarize)
+    summarize = _tool("e7_summarize", "summarize.py")
 
     def metrics(loss, kept=None):
         found = {"loss": loss, "loss_beyond_window": loss + 0.5, "loss_far_evidence": loss - 1}
@@ -120,9 +126,7 @@ def test_the_needle_table_names_how_each_result_inferred(tmp_path):
     """ruler_table.py: a row per ``focus-pretrain ruler --json`` result, named by how the export
     inferred (dense, the window alone, hard top-k with sinks), each score at its task and
     length; other JSON files are left out."""
-    spec = importlib.util.spec_from_file_location("e7_ruler_table", E7 / "ruler_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = _tool("e7_ruler_table", "ruler_table.py")
     focus = {"enabled": True, "window_only": False, "window": 128, "num_groups": 8,
              "top_k": 1, "inference_mode": "hard", "sinks": 4}  # fmt: skip
     results = {
@@ -153,9 +157,7 @@ def test_the_needle_analysis_keeps_the_keys_the_hard_pattern_keeps(top_k, window
     ``top_k`` most probable; a layer without a router keeps its window and sinks."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("e7_needle", E7 / "needle_attention.py")
-    needle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(needle)
+    needle = _tool("e7_needle", "needle_attention.py")
     torch.manual_seed(top_k * 100 + window)
     s, groups = 40, 6
     probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]
@@ -179,9 +181,7 @@ def test_copy_routing_kept_pairs_follow_the_spec(top_k, window, sinks):
     ``top_k`` most probable."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("e7_copy_routing", E7 / "copy_routing.py")
-    routing = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(routing)
+    routing = _tool("e7_copy_routing", "copy_routing.py")
     torch.manual_seed(top_k * 10 + window)
     s, groups = 30, 5
     probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]
@@ -202,9 +202,7 @@ def test_the_needle_analysis_what_if_key_groups(key_groups):
     predecessor's), the query in its own, against a loop."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("e7_needle_kg", E7 / "needle_attention.py")
-    needle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(needle)
+    needle = _tool("e7_needle_kg", "needle_attention.py")
     torch.manual_seed(7)
     s, groups, window, sinks = 40, 6, 3, 1
     probs = torch.softmax(torch.randn(s, groups) * 2, dim=-1)  # [s, K]

@@ -41,7 +41,7 @@ def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
     ``{"sample", "layout"}`` (the sample's fields; ``[(source start, copy start)]``)."""
     from focus_pretrain.checkpoint.read import checkpoint_config, resolve_checkpoint
     from focus_pretrain.data.coordinate import prepare_data_in_job
-    from focus_pretrain.data.copies import copy_layout, long_range_copies
+    from focus_pretrain.data.copies import copy_layout, with_copies
     from focus_pretrain.data.datasets import build_datasets, tokenizer_path_for
     from focus_pretrain.data.tokenizer import Tokenizer
 
@@ -59,9 +59,8 @@ def held_out_copies(run: Path, args: argparse.Namespace) -> list[dict]:
     draw = (args.spans, args.span_tokens, args.min_distance)
     out = []
     for i in range(args.samples):
-        sample = long_range_copies(valid[i], *draw, np.random.default_rng((COPY_SEED, i)), first)
         layout = copy_layout(s + 1, *draw, np.random.default_rng((COPY_SEED, i)), max(1, first))
-        out.append({"sample": sample, "layout": layout})
+        out.append({"sample": with_copies(valid[i], layout, args.span_tokens), "layout": layout})
     return out
 
 
