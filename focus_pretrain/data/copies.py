@@ -32,6 +32,23 @@ def copy_room(spans: int, span_tokens: int, min_distance: int) -> int:
     return spans * span_tokens + span_tokens + min_distance
 
 
+def copy_room_refusal(
+    seq_length: int, spans: int, span_tokens: int, min_distance: int, kept: int = 1
+) -> str | None:
+    """Why ``spans`` copies (``data.copy_*``) do not fit ``seq_length``-token samples whose
+    first ``kept`` tokens (the first, or a longer BOS prefix) are never copied, or ``None``."""
+    need = copy_room(spans, span_tokens, min_distance) + max(1, kept) - 1
+    if need <= seq_length:
+        return None
+    prefix = f" after a {kept}-token sample prefix (data.bos_every_sample)" if kept > 1 else ""
+    return (
+        f"data.copy_spans={spans} of data.copy_span_tokens={span_tokens} at "
+        f"data.copy_min_distance={min_distance} need samples of at least {need} tokens"
+        f"{prefix}, data.seq_length is {seq_length}; use fewer or shorter spans, a shorter "
+        "distance, or longer samples"
+    )
+
+
 def copy_layout(
     stream_tokens: int,
     spans: int,

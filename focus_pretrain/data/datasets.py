@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from focus_pretrain.data.copies import copy_room
+from focus_pretrain.data.copies import copy_room_refusal
 from focus_pretrain.data.corpus import resolve_inputs
 from focus_pretrain.data.demo_corpus import VALUES, DemoSpec, is_demo_source
 from focus_pretrain.data.manifest import find_manifest, manifest_shards
@@ -159,15 +159,11 @@ class DataConfig:
         check_int("data.copy_span_tokens", self.copy_span_tokens, low=1)
         if not self.copy_spans:
             return
-        need = copy_room(self.copy_spans, self.copy_span_tokens, self.copy_min_distance)
-        if need > self.seq_length:  # the sample's first token is never copied
-            raise ValueError(
-                f"data.copy_spans={self.copy_spans} of data.copy_span_tokens="
-                f"{self.copy_span_tokens} at data.copy_min_distance={self.copy_min_distance} "
-                f"need samples of at least {need} tokens, data.seq_length is "
-                f"{self.seq_length}; use fewer or shorter spans, a shorter distance, or "
-                "longer samples"
-            )
+        refusal = copy_room_refusal(
+            self.seq_length, self.copy_spans, self.copy_span_tokens, self.copy_min_distance
+        )  # the sample's first token is never copied; a longer prefix: checked by the dataset
+        if refusal:
+            raise ValueError(refusal)
         if self.document_mask or self.reset_position_ids:
             raise ValueError(
                 "data.copy_spans with data.document_mask or data.reset_position_ids: a copy's "

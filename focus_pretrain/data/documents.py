@@ -31,7 +31,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split
 from torch import Tensor
 
-from focus_pretrain.data.copies import long_range_copies
+from focus_pretrain.data.copies import copy_room_refusal, long_range_copies
 from focus_pretrain.errors import InputError
 from focus_pretrain.focus.pattern import document_starts
 
@@ -190,8 +190,14 @@ class DocumentGPTDataset(GPTDataset):
                 f"the {index_split.name} split of {dataset_path} (its longest document has "
                 f"{longest} tokens); lower data.min_document_tokens"
             )
-        super().__init__(indexed_dataset, dataset_path, selected, num_samples, index_split, config)
         self.copies = config.copy_spans if index_split == Split.train else 0
+        refusal = self.copies and copy_room_refusal(
+            config.sequence_length, self.copies, config.copy_span_tokens,
+            config.copy_min_distance, kept=len(config.sample_prefix),
+        )  # fmt: skip
+        if refusal:  # the config checked a 1-token prefix; the tokenizer's may be longer
+            raise InputError(refusal)
+        super().__init__(indexed_dataset, dataset_path, selected, num_samples, index_split, config)
 
     @staticmethod
     def _key_config_attributes() -> list[str]:

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from focus_pretrain.data.copies import copied_labels, copy_layout, copy_room, long_range_copies
+from focus_pretrain.data.copies import (
+    copied_labels,
+    copy_layout,
+    copy_room,
+    copy_room_refusal,
+    long_range_copies,
+)
 
 
 def _sample(s: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -77,6 +83,16 @@ def test_copies_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         copy_layout(34, 2, 8, 10, np.random.default_rng(0))  # needs 1 + 34 stream tokens
     copy_layout(35, 2, 8, 10, np.random.default_rng(0))  # exactly fits
+    assert copy_room_refusal(34, 2, 8, 10) is None  # a 34-token sample: a 35-token stream
+    assert "at least 34 tokens" in copy_room_refusal(33, 2, 8, 10)
+    # a 3-token prefix is never copied: two tokens more than the first, and said why
+    assert copy_room_refusal(36, 2, 8, 10, kept=3) is None
+    with pytest.raises(ValueError, match="do not fit"):
+        copy_layout(36, 2, 8, 10, np.random.default_rng(0), lo=3)  # a 35-token sample
+    copy_layout(37, 2, 8, 10, np.random.default_rng(0), lo=3)
+    assert "at least 36 tokens after a 3-token sample prefix" in copy_room_refusal(
+        35, 2, 8, 10, kept=3
+    )
 
 
 def test_copy_settings_are_validated():
@@ -135,3 +151,22 @@ def test_training_samples_get_copies_and_validation_does_not(demo_data, bos):
         assert torch.equal(sample["tokens"][: s - 16], plain["tokens"][: s - 16])
         assert not torch.equal(sample["labels"][-16:], plain["labels"][-16:])
         assert torch.equal(train[i]["tokens"], sample["tokens"])  # the same draw every time
+
+
+def test_copies_after_a_longer_sample_prefix_are_refused_by_the_dataset(demo_data, monkeypatch):
+    """The config checks the room after a 1-token prefix; a tokenizer whose prefix is longer
+    gets one clear line when the datasets are built, not an error inside the loader."""
+    from focus_pretrain.data.datasets import build_datasets
+    from focus_pretrain.errors import InputError
+
+    base, tok, prefixes = demo_data
+    tight = 128 - 2 * 8 - 8  # the copies exactly fit after a 1-token prefix
+    config = replace(
+        base, bos_every_sample=True, add_bos=True, copy_spans=2, copy_span_tokens=8,
+        copy_min_distance=tight,
+    )  # fmt: skip
+    train, _ = build_datasets(config, tok, prefixes, train_samples=2, valid_samples=2, seed=3)
+    assert int(train[0]["tokens"][0]) == tok.bos
+    monkeypatch.setattr(tok, "document_prefix", lambda add_bos: [tok.bos] * 3)
+    with pytest.raises(InputError, match="after a 3-token sample prefix"):
+        build_datasets(config, tok, prefixes, train_samples=2, valid_samples=2, seed=3)
