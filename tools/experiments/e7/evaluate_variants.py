@@ -3,7 +3,8 @@ hard pattern with and without attention sinks, top-2, the soft pattern, and the 
 control at equal density ("shuffled": each router's output permuted along the sequence, each
 sample and layer its own permutation, so every group keeps its trained size in every sample but
 no token keeps its own group). Writes RETROFIT_OUT/variants.json ({variant: metrics}); skips
-what is there already; names after the directory run those variants only.
+what is there already; names after the directory run those variants only (the top-3 ones,
+for K >= 3 routers, run only when named).
 
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2 "hard, sinks 4, top-2"
@@ -34,7 +35,14 @@ VARIANTS = {  # name -> evaluate overrides of the trained checkpoint
     "hard, sinks 4, shuffled routing, seed 3": [
         "model.focus.inference_mode=hard", "model.focus.sinks=4"
     ],
+    "hard, sinks 4, top-3": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=3"
+    ],
+    "hard, sinks 4, top-3, shuffled routing": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=3"
+    ],
 }  # fmt: skip
+ON_REQUEST = {"hard, sinks 4, top-3", "hard, sinks 4, top-3, shuffled routing"}  # K >= 3 only
 SHUFFLE_SEED = 1234  # + N - 1 for a variant named "..., seed N"
 
 
@@ -74,8 +82,9 @@ def main() -> None:
         sys.exit(f"evaluate_variants.py: unknown variants {unknown}; choose from {list(VARIANTS)}")
     target = out / "variants.json"
     done = json.loads(target.read_text()) if target.is_file() else {}
+    wanted = only or [name for name in VARIANTS if name not in ON_REQUEST]
     for name, overrides in VARIANTS.items():
-        if name in done or (only and name not in only):
+        if name in done or name not in wanted:
             continue
         numbered = re.search(r", seed (\d+)$", name)
         seed = SHUFFLE_SEED + (int(numbered[1]) - 1 if numbered else 0)
