@@ -21,6 +21,12 @@ runs/retrofit-NAME):
                soft and hard mode, the hard pattern's kept pairs, the group balance per layer
                (groups/: plots, typical tokens); report.json, loss.png, loss_by_position.png
 
+An existing OUT is refused unless --force (start over: the earlier retrofit's files are
+replaced, nothing else in OUT) or --resume (continue it: its training resumes from the last
+checkpoint, further with a larger --steps, refused if the arguments change the model or the
+data order; the export and the report are then written again): a crash after hours of
+training (say, in the report) costs the report, not the training.
+
 It ends with one line on the hard model (what the export infers with) against the original:
 its loss gap, and past --max-hard-gap (default 0.05 nats) or, on far-evidence tokens,
 --max-far-gap (default 0.1) that the retrofit is not good enough, with what to change
@@ -89,9 +95,16 @@ def _arguments():
         "--max-far-gap", type=float, default=0.1, metavar="NATS",
         help="the same on far-evidence tokens (whose evidence lies beyond the window)",
     )  # fmt: skip
-    parser.add_argument(
+    earlier = parser.add_mutually_exclusive_group()
+    earlier.add_argument(
         "--force", action="store_true", help="replace an earlier retrofit's output at --out"
     )
+    earlier.add_argument(
+        "--resume", action="store_true",
+        help="continue an earlier retrofit at --out (the same model and data): its training "
+        "from the last checkpoint (further with a larger --steps), then the export and the "
+        "report again; its earlier export and report are replaced only once training is done",
+    )  # fmt: skip
     return parser
 
 
@@ -100,6 +113,9 @@ ENTRIES = (  # everything a retrofit writes into OUT (--force replaces these and
     MARKER, "recipe.yaml", "run", "export", "adapter", "eval", "groups", "report.md",
     "report.json", "loss.png", "loss_by_position.png",
 )  # fmt: skip
+
+
+REPORTED = tuple(e for e in ENTRIES if e not in (MARKER, "recipe.yaml", "run"))  # after training
 
 
 def build_recipe(args) -> str:
@@ -155,10 +171,39 @@ def check_inputs(args) -> None:
             as_input_error(lambda source=source: resolve_inputs([source]))
     inputs = [("the model", args.hf_dir), ("the base recipe", args.base)]
     inputs += [("the data source", s) for s in args.data if Path(s).exists()]
+    option = "--resume" if args.resume else "--force"
+    if args.resume and not (args.out / MARKER).is_file():
+        raise MissingInputError(
+            f"--resume continues an earlier retrofit, but {args.out} holds none ({MARKER} is "
+            "missing): run without --resume"
+        )
     check_output_dir(
-        args.out, force=args.force, marker=MARKER, what="retrofit output", owned=_owned,
-        inputs=inputs, option="--force",
+        args.out, force=args.force or args.resume, marker=MARKER, what="retrofit output",
+        owned=_owned, inputs=inputs, option=option,
     )  # fmt: skip
+    if args.resume:
+        check_resumable(args)
+
+
+def check_resumable(args) -> None:
+    """``--resume``: OUT, an earlier retrofit's output (:func:`check_inputs`), is one of the
+    same model and data that saved a checkpoint."""
+    from focus_pretrain.checkpoint.read import latest_checkpoint
+
+    out = args.out
+    earlier = json.loads((out / MARKER).read_text())  # there and readable: check_inputs
+    same_model = Path(earlier.get("hf_dir", "")).resolve() == Path(args.hf_dir).resolve()
+    if not same_model or earlier.get("data") != list(args.data):
+        raise InputError(
+            f"--resume: {out} is a retrofit of {earlier.get('hf_dir')} on "
+            f"{' '.join(earlier.get('data') or [])}, not of {args.hf_dir} on "
+            f"{' '.join(args.data)}: give the same model and --data, or another --out"
+        )
+    if latest_checkpoint(out / "run" / "checkpoints") is None:
+        raise MissingInputError(
+            f"--resume: {out / 'run'} holds no checkpoint to continue from (the earlier "
+            "training saved none): rerun with --force to start over"
+        )
 
 
 def _owned(out: Path) -> set[str] | None:
@@ -170,22 +215,48 @@ def _owned(out: Path) -> set[str] | None:
     return set(ENTRIES)
 
 
+def remove_entries(out: Path, names) -> None:
+    """Remove ``names`` (entries an earlier retrofit wrote: :data:`ENTRIES`) from ``out``."""
+    for name in names:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
 def claim_output(args, recipe: str) -> Path:
     """Replace an earlier retrofit's output (checked by :func:`check_inputs`) with the
-    marker and ``recipe.yaml``; returns the recipe's path."""
+    marker and ``recipe.yaml``; returns the recipe's path. ``--resume`` keeps everything
+    but the recipe, once the checkpoint accepts it (:func:`check_resume`: the same model and
+    data order)."""
     from focus_pretrain.storage.files import write_atomic
 
     out = args.out
+    if args.resume:
+        check_recipe_resumes(out, recipe)
+        return write_atomic(out / "recipe.yaml", recipe)
     if out.is_dir() and any(out.iterdir()):
-        for name in ENTRIES:  # what the earlier retrofit wrote, and nothing else
-            path = out / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
+        remove_entries(out, ENTRIES)  # what the earlier retrofit wrote, and nothing else
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / MARKER, json.dumps({"hf_dir": str(args.hf_dir), "data": args.data}))
     return write_atomic(out / "recipe.yaml", recipe)
+
+
+def check_recipe_resumes(out: Path, recipe: str) -> None:
+    """The trainer's own resume check (:func:`~focus_pretrain.train.resume.check_resume`),
+    before ``recipe.yaml`` is replaced: a recipe that changes the model or the data order is
+    refused naming the keys."""
+    import tempfile
+
+    from focus_pretrain.checkpoint.read import latest_checkpoint
+    from focus_pretrain.config import load_config
+    from focus_pretrain.train.resume import check_resume
+
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "recipe.yaml").write_text(recipe)
+        config = load_config(Path(scratch) / "recipe.yaml")
+    check_resume(latest_checkpoint(out / "run" / "checkpoints"), config)
 
 
 def _command(module: str, *args: str) -> list[str]:
@@ -280,6 +351,7 @@ def main() -> None:
     out = args.out
     config = load_config(recipe)
     _run(_command("pretrain", "--config", str(recipe)), "training the routers")
+    remove_entries(out, REPORTED)  # --resume: the earlier export and report, now outdated
     with exit_on_input_error(parser.prog):  # e.g. an export refused: one line, status 2
         evaluations = export_and_report(args, out, config)
     meta = {

@@ -115,6 +115,41 @@ def test_one_command_retrofit(tmp_path, family, precision, objective):
     if precision == "bf16":
         assert all(not torch.equal(r, r.bfloat16().float()) for r in routers.values()), trained
     _refuses_another_source(out / "run", original.config)
+    if family == "gpt2":  # once: a crash after training costs the report, not the training
+        _resumes(hf, out, sets)
+
+
+def _resumes(hf: pathlib.Path, out: pathlib.Path, sets: list[str]) -> None:
+    """``--resume`` continues the earlier retrofit: a changed model or other data is refused
+    with one line before anything is touched; a retrofit whose training ended (at its step-3
+    checkpoint) but not its report trains nothing again and writes the export and the report
+    (a larger ``--steps`` resumes the training further: the trainer's own resume)."""
+    args = [*COMMAND, str(hf), *SMALL, *sets, "--out", str(out), "--resume"]
+    done = run(args)  # OUT holds a file the retrofit did not write: refused, as --force is
+    assert done.returncode == 2 and "did not write (other)" in done.stderr, done.stderr[-2000:]
+    shutil.rmtree(out / "other")  # _refuses_another_source's
+    recipe, report = (out / "recipe.yaml").read_text(), (out / "report.json").read_text()
+    refusals = [
+        (["--groups", "8"], "refusing to resume from", "model.focus.num_groups: 4 in the"),
+        (["--data", "demo:60"], "--resume: ", "give the same model and --data"),
+        (["--force"], "not allowed with argument", "--force"),
+    ]
+    for extra, *said in refusals:  # the last --groups / --data given wins (argparse)
+        done = run([*args, *extra])
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert all(text in done.stderr for text in said), done.stderr[-2000:]
+        assert (out / "recipe.yaml").read_text() == recipe
+        assert (out / "report.json").read_text() == report
+    (out / "report.json").unlink()  # as if the first run had crashed in its report
+    shutil.rmtree(out / "export")
+    done = run(args)  # its training is done: nothing is trained again
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    assert [records[i]["resumed"] for i in starts] == [False, True]
+    assert not [r for r in records[starts[1] :] if r.get("split") == "train" and "loss" in r]
+    assert json.loads((out / "report.json").read_text())["meta"]["steps"] == 3
+    assert (out / "export" / "config.json").is_file() and (out / "groups" / "report.md").is_file()
 
 
 def _refuses_another_source(run_dir: pathlib.Path, hf_config) -> None:

@@ -570,6 +570,16 @@ RETROFIT = rows(  # every input is checked before --out is touched
         "no-weights",
     ),
     (["{in}/hf_no_weights", "--out", "{out}/r"], "required: --data", "data-required"),
+    (
+        ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{in}/user_files", "--resume"],
+        "--resume continues an earlier retrofit, but {in}/user_files holds none",
+        "resume-user-files",
+    ),
+    (
+        ["{in}/hf_no_weights", "--data", "demo:10", "--out", "{out}/r", "--resume"],
+        "--resume continues an earlier retrofit, but {out}/r holds none",
+        "resume-nothing",
+    ),
 )
 
 ROWS = [
