@@ -358,7 +358,12 @@ def test_retrofit_force_replaces_only_what_a_retrofit_wrote(tmp_path):
     (out / "report.md").write_text("old report")
     (out / tool.MARKER).write_text("{}")
     args = argparse.Namespace(
-        hf_dir=str(model), data=["demo:10"], out=out, force=True, base=tool.__file__
+        hf_dir=str(model),
+        data=["demo:10"],
+        out=out,
+        force=True,
+        resume=False,
+        base=tool.__file__,
     )
     tool.check_inputs(args)
     recipe = tool.claim_output(args, "defaults: x\n")
