@@ -23,6 +23,7 @@ SHIPPED_MODELING_FILES = (
     "focus_router.py",
     "focus_rules.py",
     "focus_static.py",
+    "focus_static_sparse.py",
 )
 
 

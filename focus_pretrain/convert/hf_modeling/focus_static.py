@@ -32,6 +32,13 @@ from torch import Tensor
 from transformers.cache_utils import StaticLayer
 
 from .focus_rules import dot_gate, groups_intersect, soft_cap, soft_gate
+from .focus_static_sparse import (
+    MAX_SPARSE_QUERIES,
+    crop_sorted,
+    flex_ready,
+    sort_by_groups,
+    sparse_static_attention,
+)
 
 try:  # is the running code being traced by dynamo (then no static-address marks)?
     from torch.compiler import is_compiling as _is_compiling
@@ -47,6 +54,10 @@ class FocusStaticLayer(StaticLayer):
             first Focus call).
         focus_members: ``[b, L]`` int64 bitmask of each key's top-k groups.
         focus_valid: ``[b, L]`` bool, False for padding and for slots never written.
+        focus_origin: ``[b, L]`` int64, the cache position each slot holds: the slot itself,
+            until a prefill's slots are sorted by group (``focus_static_sparse``).
+        focus_sink: ``[b, L]`` bool, the row's first ``S`` real tokens (attention sinks).
+        focus_sorted: how many leading slots are sorted by group (a host int).
     """
 
     _layer_type = None  # never registered as the default layer of a cache type
@@ -54,36 +65,78 @@ class FocusStaticLayer(StaticLayer):
     def focus_init(self) -> None:
         """No routing yet (allocated by the first :meth:`focus_store`)."""
         self.focus_probs = self.focus_members = self.focus_valid = None
+        self.focus_origin = self.focus_sink = None
+        self.focus_sorted = 0
 
-    def focus_store(self, slots: Tensor, probs: Tensor, members: Tensor, valid: Tensor) -> None:
-        """Write the routing of this step's tokens (``[b, q, K]``, ``[b, q]``, ``[b, q]``) at the
-        cache ``slots [q]`` (allocating the ``[b, L]`` buffers on the first call)."""
+    def focus_buffers(self) -> tuple[Tensor, ...]:
+        """The routing buffers, each ``[b, L, ...]`` (none before the first Focus call)."""
         if self.focus_probs is None:
-            b, _, groups = probs.shape
-            length, device = self.max_cache_len, probs.device
-            self.focus_probs = probs.new_zeros(b, length, groups)  # [b, L, K]
-            self.focus_members = torch.zeros(b, length, dtype=torch.long, device=device)
-            self.focus_valid = torch.zeros(b, length, dtype=torch.bool, device=device)
-            if not _is_compiling():  # fixed addresses: no recompilation, CUDA-graph safe
-                for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
-                    torch._dynamo.mark_static_address(buffer)
-        self.focus_probs.index_copy_(1, slots, probs.to(self.focus_probs.dtype))
-        self.focus_members.index_copy_(1, slots, members)
-        self.focus_valid.index_copy_(1, slots, valid)
+            return ()
+        return (
+            self.focus_probs,
+            self.focus_members,
+            self.focus_valid,
+            self.focus_origin,
+            self.focus_sink,
+        )
+
+    def _focus_allocate(self, probs: Tensor) -> None:
+        b, _, groups = probs.shape
+        length, device = self.max_cache_len, probs.device
+        self.focus_probs = probs.new_zeros(b, length, groups)  # [b, L, K]
+        self.focus_members = torch.zeros(b, length, dtype=torch.long, device=device)
+        self.focus_valid = torch.zeros(b, length, dtype=torch.bool, device=device)
+        self.focus_origin = torch.arange(length, device=device).repeat(b, 1)  # [b, L]
+        self.focus_sink = torch.zeros(b, length, dtype=torch.bool, device=device)
+        if not _is_compiling():  # fixed addresses: no recompilation, CUDA-graph safe
+            for buffer in self.focus_buffers():
+                torch._dynamo.mark_static_address(buffer)
+
+    def focus_store(
+        self, slots: Tensor, probs: Tensor, members: Tensor, valid: Tensor, sinks: int = 0
+    ) -> None:
+        """Write the routing of this step's tokens (``[b, q, K]``, ``[b, q]``, ``[b, q]``) at the
+        cache ``slots [q]`` (allocating the ``[b, L]`` buffers on the first call). A step at
+        slot 0 starts a new sequence: the earlier routing is forgotten first (on the device,
+        for a cache refilled without ``reset()``). A new token is a sink when fewer than
+        ``sinks`` real tokens come before it."""
+        if self.focus_probs is None:
+            self._focus_allocate(probs)
+        first = slots[:1]  # [1]
+        restart = first == 0  # [1], on the device: no host read
+        self.focus_valid.masked_fill_(restart, False)
+        identity = torch.arange(self.max_cache_len, device=slots.device)  # [L]
+        self.focus_origin.copy_(torch.where(restart, identity, self.focus_origin))
+        before = (self.focus_valid & (self.focus_origin < first)).sum(dim=1, keepdim=True)
+        sink = valid & (before + valid.long().cumsum(dim=1) <= sinks)  # [b, q]
+        origin = slots[None].expand(valid.shape[0], -1)  # [b, q]: written at its position
+        new = (probs.to(self.focus_probs.dtype), members, valid, origin, sink)
+        for buffer, values in zip(self.focus_buffers(), new, strict=True):
+            buffer.index_copy_(1, slots, values)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the keys (transformers) and their routing (in place) for beam search."""
         super().reorder_cache(beam_idx)
-        if self.focus_probs is not None:
-            for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
-                buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+        for buffer in self.focus_buffers():
+            buffer.copy_(buffer.index_select(0, beam_idx.to(buffer.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Crop (transformers >= 5.x's static layers), first putting a prompt's group-sorted
+        slots back in cache order where the crop reaches into them."""
+        if tokens_to_remove < 0 and self.focus_sorted:
+            crop_sorted(self, int(self.get_seq_length()) + tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def reset(self) -> None:
         """Reset the keys (transformers) and forget the routing (buffers kept, zeroed)."""
         super().reset()
-        if self.focus_probs is not None:
-            for buffer in (self.focus_probs, self.focus_members, self.focus_valid):
-                buffer.zero_()
+        for buffer in self.focus_buffers():
+            buffer.zero_()
+        if self.focus_origin is not None:
+            self.focus_origin.copy_(
+                torch.arange(self.max_cache_len, device=self.focus_origin.device)
+            )
+        self.focus_sorted = 0
 
 
 def static_focus_layer(cache, layer_idx: int) -> FocusStaticLayer | None:
@@ -132,32 +185,36 @@ def step_slots(layer: FocusStaticLayer, q_len: int, cache_position: Tensor | Non
     )
 
 
+def row_sinks(valid: Tensor, sinks: int) -> Tensor:
+    """``[b, L]`` bool: each row's first ``sinks`` real keys (``valid [b, L]``, slots in cache
+    order: a layer without routing, never sorted)."""
+    return valid & (valid.long().cumsum(dim=1) <= sinks)
+
+
 def static_mask(
     slots: Tensor,
-    length: int,
+    origin: Tensor,
     allowed: Tensor | None,
     valid: Tensor,
+    sink: Tensor,
     *,
     window: int | None,
-    sinks: int,
     sliding_window: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(causal, local, sink)``: the pairs of this step's queries (``slots [q]``) and the ``L``
-    cache slots that may be attended, ``[b, q, L]`` bool (causal w.r.t. the slots, HF's mask
-    ``allowed [b, q, L]`` when given, real keys ``valid [b, L]``; a family's sliding window),
-    those in the Focus window (``window=None``: all of ``causal``) or sinks, ``[b, q, L]``, and
-    the sink keys ``[b, L]`` (each row's first ``sinks`` real keys)."""
-    k_pos = torch.arange(length, device=slots.device)  # [L]
-    distance = slots[:, None] - k_pos[None]  # [q, L]
-    causal = (distance >= 0)[None] & valid[:, None, :]  # [b, q, L]
+) -> tuple[Tensor, Tensor]:
+    """``(causal, local)``: the pairs of this step's queries (``slots [q]``) and the ``L``
+    cache slots (holding positions ``origin [b|1, L]``) that may be attended, ``[b, q, L]`` bool
+    (causal w.r.t. the positions, HF's mask ``allowed [b, q, L]`` read through ``origin`` when
+    given, real keys ``valid [b, L]``; a family's sliding window), and those in the Focus
+    window (``window=None``: all of ``causal``) or sinks (``sink [b, L]``)."""
+    distance = slots[None, :, None] - origin[:, None, :]  # [b|1, q, L]
+    causal = (distance >= 0) & valid[:, None, :]  # [b, q, L]
     if sliding_window is not None:  # HF's window counts the token itself
-        causal = causal & (distance < sliding_window)[None]
+        causal = causal & (distance < sliding_window)
     if allowed is not None:
         causal = causal & allowed
-    sink = valid & (valid.long().cumsum(dim=1) <= sinks)  # [b, L]
-    near = (distance <= window) if window is not None else torch.ones_like(distance, dtype=bool)
-    local = causal & (near[None] | sink[:, None, :])  # [b, q, L]
-    return causal, local, sink
+    near = (distance <= window) if window is not None else torch.ones_like(causal)
+    local = causal & (near | sink[:, None, :])  # [b, q, L]
+    return causal, local
 
 
 def static_attention(
@@ -208,41 +265,92 @@ def static_focus_forward(
     focus_window: int | None,
     sinks: int,
     cache_position: Tensor | None,
+    whole_sequence=None,
 ) -> Tensor:
     """One forward of a layer on a static cache: ``query [b, H, q, d]``, ``key/value
     [b, G, L, d]`` (the whole preallocated cache), HF's mask ``allowed [b, q, L]`` or ``None``,
     the step's ``routing`` ``(probs [b, q, K], members [b, q])`` for a Focus layer (``None``:
     a window-only twin's ``focus_window``, a family's ``sliding_window`` or plain causal) ->
-    ``[b, q, H, d]``. Fixed shapes, no host reads (see the module docstring)."""
-    q_len, length = query.shape[2], key.shape[2]
+    ``[b, q, H, d]``. Fixed shapes, no host reads (see the module docstring), except in an
+    eager prefill: several tokens written from slot 0 run ``whole_sequence(q, valid [b, q])``
+    (their attention among themselves, ``[b, q, H, d]``), and a Focus layer's hard pattern
+    then sorts their slots by group (``focus_static_sparse.sort_by_groups``)."""
+    b, _, q_len, _ = query.shape
+    length = key.shape[2]
     slots = step_slots(layer, q_len, cache_position)  # [q]
+    prefill = q_len > 1 and whole_sequence is not None and not _is_compiling()
+    prefill = prefill and int(slots[0]) == 0  # eager: a host read
     if allowed is None:
-        new_valid = torch.ones(query.shape[0], q_len, dtype=torch.bool, device=query.device)
+        new_valid = torch.ones(b, q_len, dtype=torch.bool, device=query.device)
     else:  # a real token is a key its own row attends; padding is a key nobody attends
         new_valid = allowed.index_select(2, slots).any(dim=1)  # [b, q, q] -> [b, q]
-    if routing is None:  # no routing to keep: validity from HF's mask alone
-        valid = new_valid.new_ones(query.shape[0], length) if allowed is None else allowed.any(1)
-        window = focus_window
-    else:
-        probs, members = routing
-        layer.focus_store(slots, probs, members, new_valid)
-        valid, window = layer.focus_valid, focus["window"]
-    causal, local, _ = static_mask(
-        slots, length, allowed, valid, window=window, sinks=sinks, sliding_window=sliding_window
+    if routing is not None:
+        layer.focus_store(slots, *routing, new_valid, sinks)
+    if prefill:
+        out = whole_sequence(q_len, new_valid)
+        if routing is not None and mode == "hard" and focus["inference_backend"] != "dense":
+            sort_by_groups(layer, q_len)
+        return out
+    if routing is None:  # no routing kept: cache order, validity from HF's mask alone
+        valid = new_valid.new_ones(b, length) if allowed is None else allowed.any(dim=1)
+        origin = torch.arange(length, device=query.device)[None]  # [1, L]
+        sink, window = row_sinks(valid, sinks), focus_window
+    else:  # the slots' positions (a sorted prefill) and HF's mask read through them
+        valid, origin, sink, window = (
+            layer.focus_valid, layer.focus_origin, layer.focus_sink, focus["window"]
+        )  # fmt: skip
+        if allowed is not None:
+            allowed = allowed.gather(2, origin[:, None, :].expand(-1, q_len, -1))  # [b, q, L]
+    causal, local = static_mask(
+        slots, origin, allowed, valid, sink, window=window, sliding_window=sliding_window
     )
+    return _masked_step(
+        layer, query, key, value, causal, local, routing, focus, mode, scale, softcap, focus_window
+    )
+
+
+def _masked_step(
+    layer, query, key, value, causal, local, routing, focus, mode, scale, softcap, focus_window
+) -> Tensor:
+    """The step's attention given its pairs (``causal``, ``local``: ``[b, q, L]``): the
+    block-sparse FlexAttention step (compiled hard decode steps) or the masked one."""
     neg_inf = torch.tensor(float("-inf"), device=query.device)
-    term = None  # the dot gate form's logit term [b, q, L]
-    if routing is not None and focus["gate_form"] == "dot":
-        term = dot_gate(probs, layer.focus_probs, focus["gate_lambda"])  # [b, q, L]
-        local = causal if mode == "soft" else local  # soft: every causal pair, ungated
     if routing is None:
         keep = local if focus_window is not None else causal
-        bias = torch.where(keep, 0.0, neg_inf)  # [b, q, L]
-    elif mode == "hard" or term is not None:
+        return static_attention(
+            query, key, value, torch.where(keep, 0.0, neg_inf), scale=scale, softcap=softcap
+        )
+    probs, members = routing
+    dot = focus["gate_form"] == "dot"
+    if mode == "hard" or dot:
+        if dot and mode == "soft":
+            local = causal  # the dot form's soft pattern: every causal pair, ungated
         shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b,q,L]
-        bias = torch.where(local | (causal & shares), 0.0, neg_inf)
-    else:
-        affinity = torch.einsum("bqk,bjk->bqj", probs, layer.focus_probs.to(probs.dtype))
-        gate = soft_gate(affinity, focus["gate_lambda"])  # [b, q, L]
-        bias = torch.where(local, 0.0, torch.where(causal, gate, neg_inf))
-    return static_attention(query, key, value, bias, scale=scale, softcap=softcap, term=term)
+        keep = local | (causal & shares)
+        dot_lambda = focus["gate_lambda"] if dot else None
+        if _sparse_step(query, mode, focus):
+            return sparse_static_attention(
+                query, key, value, keep, scale=scale, softcap=softcap,
+                probs_q=probs, probs_k=layer.focus_probs, dot_lambda=dot_lambda,
+            )  # fmt: skip
+        term = None if not dot else dot_gate(probs, layer.focus_probs, dot_lambda)  # [b, q, L]
+        bias = torch.where(keep, 0.0, neg_inf)
+        return static_attention(query, key, value, bias, scale=scale, softcap=softcap, term=term)
+    affinity = torch.einsum("bqk,bjk->bqj", probs, layer.focus_probs.to(probs.dtype))
+    gate = soft_gate(affinity, focus["gate_lambda"])  # [b, q, L]
+    bias = torch.where(local, 0.0, torch.where(causal, gate, neg_inf))
+    return static_attention(query, key, value, bias, scale=scale, softcap=softcap)
+
+
+def _sparse_step(query: Tensor, mode: str, focus: dict) -> bool:
+    """Whether a step runs block-sparse (``focus_static_sparse``): the hard pattern, a few
+    queries, under ``torch.compile`` (eager FlexAttention computes every pair anyway), a torch
+    with FlexAttention's block masks, and not the ``dense`` backend."""
+    few = query.shape[2] <= MAX_SPARSE_QUERIES
+    return (
+        mode == "hard"
+        and few
+        and _is_compiling()
+        and flex_ready()
+        and (focus["inference_backend"] != "dense")
+    )

@@ -204,6 +204,17 @@ def _static(
     if router is not None:
         probs = router(module._focus_hidden)  # [b, q, K]
         routing = (probs, membership(probs, focus["top_k"]))  # [b, q, K], [b, q]
+
+    def whole_sequence(n: int, valid: Tensor) -> Tensor:
+        """A prefill from slot 0: its ``n`` tokens among themselves (``[b, n, H, d]``)."""
+        k, v = key[:, :, :n], value[:, :, :n]  # [b, G, n, d]: slots 0 .. n - 1
+        mask = None if allowed is None else allowed[:, :, :n]  # [b, n, n]
+        routed = None if routing is None else (*routing, valid)
+        args = (scale, softcap, sliding_window, routed, mask, mode)
+        backend = focus["backend" if mode == "soft" else "inference_backend"]
+        out = _fast_path(module, query, k, v, *args, backend, None) if backend != "dense" else None
+        return _dense(module, query, k, v, *args) if out is None else out
+
     return static_focus_forward(
         layer,
         query,
@@ -219,6 +230,7 @@ def _static(
         focus_window=getattr(module, "focus_window", None),
         sinks=_sinks(module),
         cache_position=getattr(module, "_focus_cache_position", None),
+        whole_sequence=whole_sequence,
     )
 
 

@@ -1,0 +1,251 @@
+"""The static KV cache's block-sparse decode step (``focus_static_sparse.py``, shipped).
+
+After an eager prefill every Focus layer's prompt slots are sorted by group; a compiled decode
+step then runs FlexAttention on the blocks holding a kept key only. Checked here: the block mask
+against a loop over the blocks, the block-sparse attention against the masked step (compiled,
+with NaN in every block it must skip), the sort against the unsorted cache, and whole models:
+compiled decoding over a prompt of several blocks gives the dynamic cache's tokens and logits
+while the blocks it may skip hold NaN; a crop into the sorted prompt continues like the shorter
+prompt. Tiny random models and helpers come from ``test_hf_generation``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+from transformers import StaticCache
+
+from focus_pretrain.convert.hf_modeling import focus_static_sparse as sparse
+from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
+from focus_pretrain.convert.hf_modeling.focus_router import membership
+from focus_pretrain.convert.hf_modeling.focus_rules import dot_gate
+from focus_pretrain.convert.hf_modeling.focus_static import static_attention
+from tests.unit.test_hf_generation import (  # noqa: F401 (local_modeling: an autouse fixture)
+    focus_model,
+    greedy,
+    local_modeling,
+    padded,
+    sequences,
+)
+from tests.unit.test_hf_static_decode import fresh_dynamo, step_kwargs
+
+pytestmark = [pytest.mark.hf, pytest.mark.capture, pytest.mark.torch]
+BLOCK = sparse.KEY_BLOCK
+
+
+def random_keep(b: int, q: int, length: int, seed: int) -> torch.Tensor:
+    """``[b, q, L]`` kept pairs with blocks of every kind: empty, full, partial; the last row
+    keeps nothing (a query with no key)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-length // BLOCK)
+    kind = torch.randint(0, 3, (b, blocks), generator=gen)  # 0 empty, 1 full, 2 partial
+    kind = kind.repeat_interleave(BLOCK, dim=1)[:, None, :length].expand(b, q, length)
+    keep = (kind == 1) | ((kind == 2) & (torch.rand(b, q, length, generator=gen) < 0.3))
+    keep[-1] = False
+    return keep
+
+
+def test_the_block_mask_lists_the_blocks_of_the_kept_pairs():
+    keep = random_keep(3, 2, 1000, seed=0)  # 8 blocks, the last one partial in length
+    mask = sparse.key_blocks(keep)
+    blocks = -(-keep.shape[2] // BLOCK)
+    for row in range(keep.shape[0]):
+        partial, full = [], []
+        for j in range(blocks):
+            pairs = keep[row, :, j * BLOCK : (j + 1) * BLOCK]
+            if pairs.all() and pairs.shape[1] == BLOCK:
+                full.append(j)
+            elif pairs.any():
+                partial.append(j)
+        for count, indices, want in (
+            (mask.kv_num_blocks, mask.kv_indices, partial),
+            (mask.full_kv_num_blocks, mask.full_kv_indices, full),
+        ):
+            n = int(count[row, 0, 0])
+            assert sorted(indices[row, 0, 0, :n].tolist()) == want
+
+
+def masked_reference(q, k, v, keep, softcap, dot):
+    """The masked step (``focus_static.static_attention``) on the same pairs."""
+    term = None if dot is None else dot_gate(dot[0], dot[1], dot[2])
+    bias = torch.where(keep, 0.0, float("-inf"))
+    return static_attention(q, k, v, bias, scale=0.3, softcap=softcap, term=term)
+
+
+@pytest.mark.parametrize(
+    "q_len,softcap,dot", [(1, None, False), (3, 5.0, False), (1, 4.0, True)], ids=str
+)
+def test_block_sparse_attention_equals_the_masked_step_and_skips_blocks(q_len, softcap, dot):
+    gen = torch.Generator().manual_seed(q_len)
+    b, heads, kv_heads, length, d, groups = 3, 4, 2, 1000, 16, 4
+    q = torch.randn(b, heads, q_len, d, generator=gen)
+    k, v = (torch.randn(b, kv_heads, length, d, generator=gen) for _ in range(2))
+    keep = random_keep(b, q_len, length, seed=q_len + 10)
+    probs_q = torch.randn(b, q_len, groups, generator=gen).softmax(-1)
+    probs_k = torch.randn(b, length, groups, generator=gen).softmax(-1)
+    lam = 2.0 if dot else None
+    want = masked_reference(q, k, v, keep, softcap, (probs_q, probs_k, lam) if dot else None)
+    # every key of a block no pair of which is kept: NaN (read by mistake, it spreads)
+    skipped = ~keep.any(dim=1)  # [b, L]
+    padded = torch.nn.functional.pad(skipped, (0, -length % BLOCK), value=True)
+    skipped = padded.view(b, -1, BLOCK).all(-1).repeat_interleave(BLOCK, 1)[:, :length]
+    assert skipped[:-1].any() and (~skipped[:-1]).any()  # some blocks skipped, some not
+    k_nan, v_nan = (t.masked_fill(skipped[:, None, :, None], float("nan")) for t in (k, v))
+
+    def step(q, k, v, keep, probs_q, probs_k):
+        return sparse.sparse_static_attention(
+            q, k, v, keep, scale=0.3, softcap=softcap,
+            probs_q=probs_q, probs_k=probs_k, dot_lambda=lam,
+        )  # fmt: skip
+
+    fresh_dynamo()
+    got = torch.compile(step, fullgraph=True, dynamic=False)(
+        q, k_nan, v_nan, keep, probs_q, probs_k
+    )
+    assert got.shape == (b, q_len, heads, d)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[-1].abs().max() == 0  # the row with no key: zeros
+
+
+def long_prompts(lengths=(700, 610), seed=4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two left-padded prompts of several key blocks."""
+    return padded(sequences(*lengths, seed=seed), "left")
+
+
+def prefilled(model, ids, mask, new: int):
+    """``(cache, first token [b], full mask [b, L])`` after an eager prefill into a static
+    cache of ``T + new`` slots."""
+    b, length = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=length + new)
+    full = torch.cat([mask, torch.ones(b, new, dtype=mask.dtype)], dim=1)  # [b, L]
+    kwargs = step_kwargs(model, cache, mask, torch.arange(length))
+    return cache, model(ids, **kwargs).logits[:, -1].argmax(-1), full
+
+
+def test_the_prefill_sorts_each_layers_slots_by_group(monkeypatch):
+    model = focus_model(num_groups=4, top_k=2, window=8, sinks=2)
+    ids, mask = long_prompts()
+    static = importlib.import_module("focus_hf_modeling.focus_static")  # the model's copy
+    with torch.no_grad():
+        cache, _, _ = prefilled(model, ids, mask, new=2)
+        monkeypatch.setattr(static, "sort_by_groups", lambda layer, count: None)
+        plain, _, _ = prefilled(model, ids, mask, new=2)  # the same prefill, not sorted
+    n = ids.shape[1]
+    for layer, unsorted in zip(cache.layers, plain.layers, strict=True):
+        assert layer.focus_sorted == n and unsorted.focus_sorted == 0
+        origin = layer.focus_origin[:, :n]
+        assert (unsorted.focus_origin[:, :n] == torch.arange(n)).all()
+        for row in range(ids.shape[0]):
+            assert sorted(origin[row].tolist()) == list(range(n))  # a permutation
+            real = layer.focus_valid[row, :n]
+            members = layer.focus_members[row, :n][real]
+            assert (members[1:] >= members[:-1]).all()  # grouped, padding last
+            assert not real[real.sum() :].any()
+            same = members[1:] == members[:-1]
+            assert (origin[row, :n][real][1:][same] > origin[row, :n][real][:-1][same]).all()
+        index = origin[:, None, :, None].expand_as(layer.keys[:, :, :n])  # [b, G, n, d]
+        for mine, theirs in ((layer.keys, unsorted.keys), (layer.values, unsorted.values)):
+            assert torch.equal(mine[:, :, :n], theirs[:, :, :n].gather(2, index))
+        for mine, theirs in (
+            (layer.focus_members, unsorted.focus_members),
+            (layer.focus_sink, unsorted.focus_sink),
+            (layer.focus_valid, unsorted.focus_valid),
+        ):
+            assert torch.equal(mine[:, :n], theirs[:, :n].gather(1, origin))
+
+
+def capture_routing(model) -> tuple[list, list]:
+    """Forward hooks that record each router's output (the step's group probabilities)."""
+    seen, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(
+            layer.self_attn.router.register_forward_hook(lambda m, a, out: seen.append(out))
+        )
+    return seen, hooks
+
+
+def poison_skippable_blocks(model, cache, probs_per_layer, slot: int) -> int:
+    """NaN into the keys and values of every block the step at ``slot`` keeps no key of (per
+    layer, from its routing ``probs [b, 1, K]``); returns how many blocks were poisoned."""
+    focus, poisoned = model.config.focus, 0
+    for layer, probs in zip(cache.layers, probs_per_layer, strict=True):
+        member = membership(probs, focus["top_k"])[:, 0]  # [b]
+        origin, valid = layer.focus_origin, layer.focus_valid
+        distance = slot - origin
+        keep = (
+            valid
+            & (distance >= 0)
+            & (
+                (distance <= focus["window"])
+                | layer.focus_sink
+                | ((layer.focus_members & member[:, None]) != 0)
+            )
+        )  # [b, L]
+        keep |= origin == slot  # the step's own token (written by the step itself)
+        length = keep.shape[1]
+        blocks = torch.nn.functional.pad(keep, (0, -length % BLOCK)).view(keep.shape[0], -1, BLOCK)
+        skip = (~blocks.any(-1)).repeat_interleave(BLOCK, 1)[:, :length]  # [b, L]
+        poisoned += int((~blocks.any(-1)).sum())
+        for buffer in (layer.keys, layer.values):
+            buffer.masked_fill_(skip[:, None, :, None], float("nan"))
+    return poisoned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k,sinks", [(1, 0), (2, 3)])
+def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks(top_k, sinks):
+    new = 5
+    model = focus_model(num_groups=4, top_k=top_k, window=8, sinks=sinks)
+    ids, mask = long_prompts()
+    fresh_dynamo()
+
+    def step(token, mask, slot, cache):
+        return model(token, **step_kwargs(model, cache, mask, slot)).logits[:, -1]
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+        dynamic = greedy(model, ids, new, **kwargs)
+        cache, token, full = prefilled(model, ids, mask, new)
+        tokens, poisoned = [token], 0
+        for i in range(new - 1):
+            slot = torch.tensor([ids.shape[1] + i])
+            eager_cache = copy.deepcopy(cache)
+            seen, hooks = capture_routing(model)
+            want = step(tokens[-1][:, None], full, slot, eager_cache)
+            for hook in hooks:
+                hook.remove()
+            poisoned += poison_skippable_blocks(model, cache, seen, int(slot))
+            got = compiled(tokens[-1][:, None], full, slot, cache)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
+            tokens.append(got.argmax(-1))
+            for layer, clean in zip(cache.layers, eager_cache.layers, strict=True):
+                layer.keys.copy_(clean.keys)  # the poison out again: the next step's
+                layer.values.copy_(clean.values)  # blocks differ
+    assert torch.stack(tokens, 1).tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
+    assert poisoned > 0  # blocks were skipped (and held NaN)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("transformers").cache_utils.StaticLayer, "crop"),
+    reason="this transformers release cannot crop a static cache",
+)
+def test_a_crop_into_the_sorted_prompt_continues_like_the_shorter_prompt():
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)
+    (prompt,) = sequences(400, seed=5)
+    cut = 9
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=prompt.numel() + 4)
+        model(prompt[None], use_cache=True, **cache_kwargs(model, cache))
+        cache.crop(-cut)  # the last `cut` tokens (transformers 5.x: a negative count)
+        assert all(layer.focus_sorted == 0 for layer in cache.layers)  # back in cache order
+        next_ids = prompt[None, -cut : -cut + 3]
+        out = model(next_ids, use_cache=True, **cache_kwargs(model, cache))
+        want = model(prompt[None, : -cut + 3], use_cache=False).logits[:, -3:]
+    torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-4)
