@@ -1,9 +1,11 @@
 """Benchmark decoding from an exported Focus model's KV cache against the dense cache.
 
 Builds a random Focus Llama with the shipped HF modeling code, prefills each context length once
-and times one-token decode steps (median after warm-up): the plain model with SDPA on the same
-keys, the Focus model over its whole cache, and the Focus model's sparse step (window + the
-query's groups). Checks the sparse step against the dense one; writes JSON and a markdown table.
+and times one-token decode steps (median after warm-up). Dynamic cache (eager): the plain model
+with SDPA on the same keys, the Focus model over its whole cache, and the Focus model's sparse
+step (window + the query's groups). Static cache (``StaticCache``, each step one compiled graph,
+CUDA graphs on CUDA): the plain model with SDPA against the Focus model's block-sparse step.
+Checks the sparse steps against the dense Focus step; writes JSON and markdown tables.
 
     python tools/bench_decode.py --seq 4096 16384 65536 --batch 8 --groups 8 --top-k 1 \\
         --json decode.json --markdown decode.md
@@ -12,6 +14,7 @@ query's groups). Checks the sparse step against the dense one; writes JSON and a
 from __future__ import annotations
 
 from focus_pretrain.bench.decode import (
+    CACHES,
     DTYPES,
     DecodeBenchConfig,
     markdown_table,
@@ -34,6 +37,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--dtype", default=defaults.dtype, choices=sorted(DTYPES))
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--caches", nargs="+", choices=CACHES, default=defaults.caches,
+        help="dynamic: the eager sparse step on the dynamic cache; static: the compiled step on "
+        "a StaticCache (block-sparse), each against dense attention on the same cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-cuda-graphs", action="store_true",
+        help="compile the static rows' steps without CUDA graphs (mode=reduce-overhead)",
+    )  # fmt: skip
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
     args = parser.parse_args(argv)
@@ -53,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
+        caches=args.caches,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     env = environment(cfg, cfg.device)
     run_and_report(env, lambda: run_decode_benchmark(cfg), markdown_table, args.json, args.markdown)

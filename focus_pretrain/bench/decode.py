@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from focus_pretrain.bench.decode_static import static_row
 from focus_pretrain.bench.report import markdown
 from focus_pretrain.convert.hf_export import load_modeling
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CACHES = ("dynamic", "static")
 
 
 @dataclass
@@ -51,6 +53,8 @@ class DecodeBenchConfig:
     device: str = "cpu"
     dtype: str = "fp32"  # fp32 | bf16 | fp16: the models' weights and caches
     seed: int = 0
+    caches: list[str] = field(default_factory=lambda: list(CACHES))  # dynamic | static
+    cuda_graphs: bool = True  # the static rows' compiled steps as CUDA graphs (on CUDA)
 
 
 def _models(cfg: DecodeBenchConfig):
@@ -107,61 +111,110 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
         prompt = torch.randint(0, cfg.vocab, (cfg.batch, n), generator=gen).to(device)  # [b, n]
         steps = cfg.warmup + cfg.steps
         tokens = torch.randint(0, cfg.vocab, (steps, cfg.batch), generator=gen).to(device)
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            model(prompt, use_cache=True, **cache_kwargs(model, cache))
-            prefill_s = time.perf_counter() - t0
-            row = {"seq": n, "batch": cfg.batch, "prefill_s": prefill_s}
-            for name, runner, backend in (
-                ("dense", plain, None),
-                ("focus_dense", model, "dense"),
-                ("focus_sparse", model, "auto"),
-            ):
-                if backend is not None:
-                    model.config.focus["inference_backend"] = backend
-                for attn in _attention_modules(model):
-                    attn.focus_keys_read = 0
-                times, logits = _step_times(runner, copy.deepcopy(cache), tokens, cfg.warmup)
-                row[f"{name}_ms"] = statistics.median(times)
-                row[f"_{name}_logits"] = logits
-            model.config.focus["inference_backend"] = "auto"
-        reads = sum(a.focus_keys_read for a in _attention_modules(model))
-        row["keys_read_per_step"] = reads / (steps * cfg.layers * cfg.batch)  # per sequence
-        row["keys_dense_per_step"] = n + (steps + 1) / 2
-        row["sparse_speedup_vs_dense"] = row["dense_ms"] / row["focus_sparse_ms"]
-        sparse, dense = row.pop("_focus_sparse_logits"), row.pop("_focus_dense_logits")
-        row.pop("_dense_logits")
-        row["max_abs_diff_sparse_vs_dense"] = max(
-            float((a - b).abs().max()) for a, b in zip(sparse, dense, strict=True)
-        )
+        row = _dynamic_row(cfg, model, plain, prompt, tokens)
+        if "static" in cfg.caches:
+            graphs = cfg.cuda_graphs and device.type == "cuda"
+            exact = row["_focus_dense_logits"]
+            row.update(static_row(cfg, model, plain, prompt, tokens, exact, graphs))
+        for key in [k for k in row if k.startswith("_")]:
+            row.pop(key)
         log(format_row(row))
         rows.append(row)
     return rows
 
 
-def format_row(row: dict) -> str:
-    return (
-        f"seq={row['seq']} batch={row.get('batch', 1)} | dense {row['dense_ms']:.2f} ms | "
-        f"focus dense {row['focus_dense_ms']:.2f} ms | "
-        f"focus sparse {row['focus_sparse_ms']:.2f} ms ({row['sparse_speedup_vs_dense']:.2f}x) | "
-        f"keys read {row['keys_read_per_step']:.0f} of {row['keys_dense_per_step']:.0f}"
+def _dynamic_row(cfg: DecodeBenchConfig, model, plain, prompt, tokens) -> dict:
+    """The dynamic cache's figures (``"dynamic" in cfg.caches``), and always the exact dense
+    Focus step's logits (``_focus_dense_logits``, the static rows' check)."""
+    n = prompt.shape[1]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model(prompt, use_cache=True, **cache_kwargs(model, cache))
+        row = {"seq": n, "batch": cfg.batch, "prefill_s": time.perf_counter() - t0}
+        variants = [("focus_dense", model, "dense")]
+        if "dynamic" in cfg.caches:
+            variants = [("dense", plain, None), *variants, ("focus_sparse", model, "auto")]
+        for name, runner, backend in variants:
+            if backend is not None:
+                model.config.focus["inference_backend"] = backend
+            for attn in _attention_modules(model):
+                attn.focus_keys_read = 0
+            times, logits = _step_times(runner, copy.deepcopy(cache), tokens, cfg.warmup)
+            row[f"{name}_ms"] = statistics.median(times)
+            row[f"_{name}_logits"] = logits
+        model.config.focus["inference_backend"] = "auto"
+    if "dynamic" not in cfg.caches:
+        return row
+    steps = tokens.shape[0]
+    reads = sum(a.focus_keys_read for a in _attention_modules(model))
+    row["keys_read_per_step"] = reads / (steps * cfg.layers * cfg.batch)  # per sequence
+    row["keys_dense_per_step"] = n + (steps + 1) / 2
+    row["sparse_speedup_vs_dense"] = row["dense_ms"] / row["focus_sparse_ms"]
+    sparse, dense = row["_focus_sparse_logits"], row["_focus_dense_logits"]
+    row["max_abs_diff_sparse_vs_dense"] = max(
+        float((a - b).abs().max()) for a, b in zip(sparse, dense, strict=True)
     )
+    return row
+
+
+def format_row(row: dict) -> str:
+    parts = [f"seq={row['seq']} batch={row.get('batch', 1)}"]
+    if "dense_ms" in row:
+        parts.append(
+            f"dynamic: dense {row['dense_ms']:.2f} ms | focus dense {row['focus_dense_ms']:.2f} ms"
+            f" | focus sparse {row['focus_sparse_ms']:.2f} ms "
+            f"({row['sparse_speedup_vs_dense']:.2f}x) | keys read "
+            f"{row['keys_read_per_step']:.0f} of {row['keys_dense_per_step']:.0f}"
+        )
+    if "static_dense_ms" in row:
+        parts.append(
+            f"static compiled: dense {row['static_dense_ms']:.3f} ms | focus "
+            f"{row['static_focus_ms']:.3f} ms ({row['static_speedup_vs_dense']:.2f}x) | "
+            f"blocks visited {100 * row['static_blocks_visited']:.1f}%"
+        )
+    return " | ".join(parts)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per context length: the three step times, the speedup, keys read, the check."""
-    columns = ["context", "batch", "dense SDPA (ms/step)", "Focus, dense cache (ms/step)"]
-    columns += ["Focus, sparse (ms/step)", "speedup vs dense"]
-    columns += ["keys read per step and sequence (of context)", "max abs diff"]
-    return markdown(columns, "rrrrrrrr", (_markdown_cells(r) for r in rows))
+    """The dynamic cache's table (step times, speedup, keys read, the check) and the static
+    cache's (compiled step times, speedup, launches and host syncs, blocks visited, the
+    check), each for the rows that have it."""
+    tables = []
+    dynamic = [r for r in rows if "dense_ms" in r]
+    if dynamic:
+        columns = ["context", "batch", "dense SDPA (ms/step)", "Focus, dense cache (ms/step)"]
+        columns += ["Focus, sparse (ms/step)", "speedup vs dense"]
+        columns += ["keys read per step and sequence (of context)", "max abs diff"]
+        tables.append(markdown(columns, "rrrrrrrr", (_dynamic_cells(r) for r in dynamic)))
+    static = [r for r in rows if "static_dense_ms" in r]
+    if static:
+        columns = ["context", "batch", "CUDA graphs", "static dense SDPA, compiled (ms/step)"]
+        columns += ["static Focus, compiled (ms/step)", "speedup vs dense"]
+        columns += ["eager step: launches / host syncs (dense; Focus)", "CUDA kernels per step"]
+        columns += ["key blocks visited", "max abs diff vs exact"]
+        tables.append(markdown(columns, "rrrrrrrrrr", (_static_cells(r) for r in static)))
+    return "\n\n".join(tables)
 
 
-def _markdown_cells(r: dict) -> list[object]:
+def _dynamic_cells(r: dict) -> list[object]:
     share = r["keys_read_per_step"] / r["keys_dense_per_step"]
     return [
         r["seq"], r.get("batch", 1), f"{r['dense_ms']:.2f}", f"{r['focus_dense_ms']:.2f}",
         f"{r['focus_sparse_ms']:.2f}", f"{r['sparse_speedup_vs_dense']:.2f}x",
         f"{r['keys_read_per_step']:.0f} ({100 * share:.1f}%)",
         f"{r['max_abs_diff_sparse_vs_dense']:.1e}",
+    ]  # fmt: skip
+
+
+def _static_cells(r: dict) -> list[object]:
+    dense, focus = r["static_dense_eager"], r["static_focus_eager"]
+    kernels = [r.get(f"static_{k}_cuda_kernels") for k in ("dense", "focus")]
+    return [
+        r["seq"], r.get("batch", 1), "yes" if r["static_cuda_graphs"] else "no",
+        f"{r['static_dense_ms']:.3f}", f"{r['static_focus_ms']:.3f}",
+        f"{r['static_speedup_vs_dense']:.2f}x",
+        f"{dense['launches']} / {dense['host_syncs']}; {focus['launches']} / {focus['host_syncs']}",
+        "-" if None in kernels else f"{kernels[0]}; {kernels[1]}",
+        f"{100 * r['static_blocks_visited']:.1f}%", f"{r['max_abs_diff_static_vs_dense']:.1e}",
     ]  # fmt: skip

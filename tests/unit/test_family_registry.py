@@ -237,3 +237,16 @@ def test_the_family_test_pattern_finds_family_tests():
     assert not any(
         isinstance(node, ast.Compare) for node in ast.walk(ast.parse('ModelConfig(family="gpt2")'))
     )
+
+
+def test_the_modeling_file_imports_every_shipped_file_itself():
+    """transformers 5.0 copies an export's remote code into its module cache by the relative
+    imports of the modeling file alone (5.24 follows them further): every other shipped file
+    must be imported by ``modeling_focus.py`` itself (found as transformers finds them)."""
+    from focus_pretrain.convert.hf_export import MODELING_DIR, SHIPPED_MODELING_FILES
+
+    source = (MODELING_DIR / "modeling_focus.py").read_text()
+    direct = set(re.findall(r"^\s*from\s+\.(\S+)\s+import", source, flags=re.MULTILINE))
+    direct |= set(re.findall(r"^\s*import\s+\.(\S+)", source, flags=re.MULTILINE))
+    others = {pathlib.Path(name).stem for name in SHIPPED_MODELING_FILES} - {"modeling_focus"}
+    assert others <= direct, sorted(others - direct)

@@ -193,25 +193,38 @@ def test_bench_attention_counts_and_captures(tmp_path):
 
 @pytest.mark.hf
 def test_bench_decode_smoke_on_cpu(tmp_path):
-    """The decode benchmark runs end to end at small sizes: the sparse step agrees with the
-    dense one and reads fewer keys than the context (a smoke check, not figures)."""
-    out, table = tmp_path / "decode.json", tmp_path / "decode.md"
-    args = ["--seq", "200", "700", "--batch", "3", "--groups", "4", "--top-k", "2"]
-    args += ["--window", "16", "--layers", "1", "--heads", "4", "--heads-kv", "2"]
-    args += ["--head-dim", "16"]
+    """The decode benchmark runs end to end at small sizes, on both caches: the sparse steps
+    agree with the dense one, the dynamic one reads fewer keys than the context, the static
+    one visits some of the key blocks, its eager step reads nothing on the host (a smoke
+    check, not figures)."""
+    args = ["--batch", "3", "--groups", "4", "--top-k", "2", "--window", "16", "--layers", "1"]
+    args += ["--heads", "4", "--heads-kv", "2", "--head-dim", "16"]
     args += ["--vocab", "64", "--warmup", "1", "--steps", "3"]
-    args += ["--json", str(out), "--markdown", str(table)]
-    subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_decode.py"), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["seq"], r["batch"]) for r in rows] == [(200, 3), (700, 3)]
-    for row in rows:  # three sequences decoded together, each with its own prompt
-        assert row["max_abs_diff_sparse_vs_dense"] < 1e-4
-        assert 16 < row["keys_read_per_step"] < row["keys_dense_per_step"]
-        assert min(row["dense_ms"], row["focus_dense_ms"], row["focus_sparse_ms"]) > 0
-    assert "| 700 | 3 |" in table.read_text()
+    runs = {"dynamic": ["200", "700"], "static": ["700"]}  # static: one length (compiling)
+    for cache, lengths in runs.items():
+        out, table = tmp_path / f"{cache}.json", tmp_path / f"{cache}.md"
+        more = ["--caches", cache, "--seq", *lengths, "--json", str(out), "--markdown", str(table)]
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "bench_decode.py"), *args, *more],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
+        )
+        rows = json.loads(out.read_text())["rows"]
+        assert [(r["seq"], r["batch"]) for r in rows] == [(int(n), 3) for n in lengths]
+        for row in rows:  # three sequences decoded together, each with its own prompt
+            assert row["focus_dense_ms"] > 0
+            if cache == "dynamic":
+                assert row["max_abs_diff_sparse_vs_dense"] < 1e-4
+                assert 16 < row["keys_read_per_step"] < row["keys_dense_per_step"]
+                assert min(row["dense_ms"], row["focus_sparse_ms"]) > 0
+                assert "static_focus_ms" not in row
+            else:
+                assert row["max_abs_diff_static_vs_dense"] < 1e-4
+                assert 0 < row["static_blocks_visited"] <= 1
+                assert min(row["static_dense_ms"], row["static_focus_ms"]) > 0
+                for name in ("static_dense_eager", "static_focus_eager"):
+                    assert row[name]["host_syncs"] == 0 and row[name]["launches"] > 0
+                assert "focus_sparse_ms" not in row
+        assert "| 700 | 3 |" in table.read_text()

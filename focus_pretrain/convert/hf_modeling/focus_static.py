@@ -295,18 +295,50 @@ def static_focus_forward(
         valid = new_valid.new_ones(b, length) if allowed is None else allowed.any(dim=1)
         origin = torch.arange(length, device=query.device)[None]  # [1, L]
         sink, window = row_sinks(valid, sinks), focus_window
-    else:  # the slots' positions (a sorted prefill) and HF's mask read through them
-        valid, origin, sink, window = (
-            layer.focus_valid, layer.focus_origin, layer.focus_sink, focus["window"]
-        )  # fmt: skip
-        if allowed is not None:
-            allowed = allowed.gather(2, origin[:, None, :].expand(-1, q_len, -1))  # [b, q, L]
-    causal, local = static_mask(
-        slots, origin, allowed, valid, sink, window=window, sliding_window=sliding_window
-    )
+        causal, local = static_mask(
+            slots, origin, allowed, valid, sink, window=window, sliding_window=sliding_window
+        )
+    else:
+        causal, local = routed_pairs(layer, slots, allowed, focus["window"], sliding_window)
     return _masked_step(
         layer, query, key, value, causal, local, routing, focus, mode, scale, softcap, focus_window
     )
+
+
+def routed_pairs(
+    layer: FocusStaticLayer,
+    slots: Tensor,
+    allowed: Tensor | None,
+    window: int,
+    sliding_window: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`static_mask` of a Focus layer's cache: the slots' positions
+    (``focus_origin``: a sorted prefill), real keys, sinks, and HF's mask ``allowed
+    [b, q, L]`` read through the positions -> ``(causal, local)`` ``[b, q, L]``."""
+    origin = layer.focus_origin  # [b, L]
+    if allowed is not None:
+        allowed = allowed.gather(2, origin[:, None, :].expand(-1, slots.numel(), -1))
+    return static_mask(
+        slots, origin, allowed, layer.focus_valid, layer.focus_sink,
+        window=window, sliding_window=sliding_window,
+    )  # fmt: skip
+
+
+def hard_keep(
+    layer: FocusStaticLayer,
+    slots: Tensor,
+    members: Tensor,
+    allowed: Tensor | None,
+    *,
+    window: int,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """``[b, q, L]`` bool: the hard pattern's pairs of queries at cache ``slots [q]`` with
+    group bitmasks ``members [b, q]`` on a Focus layer's static cache: causal real keys in the
+    window, sinks, or sharing one of the query's groups."""
+    causal, local = routed_pairs(layer, slots, allowed, window, sliding_window)
+    shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b, q, L]
+    return local | (causal & shares)
 
 
 def _masked_step(
