@@ -77,8 +77,9 @@ from .focus_router import (
 )
 from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
 from .focus_static import static_focus_forward, static_focus_layer
+from .focus_static_sparse import flex_ready as _static_flex_ready  # noqa: F401 (see below)
+
 # transformers 5.0 copies into its module cache only the files this module imports itself
-from .focus_static_sparse import flex_ready as _static_flex_ready  # noqa: F401
 
 _PACKAGE_PARAMETERS = (
     ()
