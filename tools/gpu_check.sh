@@ -22,7 +22,9 @@
 #           pattern, top-1: triton, flex), each checked against the reference (experiment E6)
 #   decode  the export's sparse KV decode step vs the dense cache (tools/bench_decode.py), bf16,
 #           16 heads x 128, K=8, top-1, at 16K, 64K and 256K, batch 1 and 8 (DECODE_SEQ,
-#           DECODE_BATCH); target >= 4x dense at 64K (issue 42)
+#           DECODE_BATCH): the static cache's compiled step as a CUDA graph (block-sparse vs
+#           dense SDPA) and the dynamic cache's eager step (DECODE_CACHES, default both; quick:
+#           static); target >= 4x dense at 64K (issue 42)
 #   tune    the triton training kernels: checked against the reference, every candidate tile
 #           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
 #           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
@@ -32,7 +34,7 @@
 #   bash tools/gpu_check.sh env tests recipe     # some
 #   bash tools/gpu_check.sh quick                # one device call of about 9 minutes: env (60 s),
 #       the GPU tests on 14 workers (240 s), graphs at 4K/16K (70 s), training rows at 8K/16K
-#       (70 s), decode at 64K, batch 1 and 8 (70 s); each stage's limit set so that the summary
+#       (70 s), decode at 64K, batch 1 and 8, static cache (120 s); each stage's limit set so that the summary
 #       always comes back (the device call's timeout_s: 570)
 #   bash tools/gpu_check.sh long                 # the second call: the longer rows (graphs at
 #       32K, training at 32K, sparse training, decode at 16K-256K), about 9 minutes too
@@ -177,6 +179,7 @@ stage_decode() {
   for batch in ${DECODE_BATCH:-1 8}; do
     # shellcheck disable=SC2086
     $PY tools/bench_decode.py --seq ${DECODE_SEQ:-16384 65536 262144} --batch "$batch" \
+      --caches ${DECODE_CACHES:-dynamic static} \
       --groups 8 --top-k 1 --window 128 --layers 2 --heads 16 --head-dim 128 --dtype bf16 \
       --device cuda --json "$OUT/bench_decode_b$batch.json" \
       --markdown "$LOGS/bench_decode_b$batch.md" ${DECODE_ARGS:-} || rc=$?
@@ -198,15 +201,15 @@ LONG=(graphs train sparse_train decode)
 set_sizes() {  # quick|long: the sizes and limits of the set's stages, unless already set
   if [ "$1" = quick ]; then
     : "${TIMEOUT_env:=60}" "${TIMEOUT_tests:=240}" "${TIMEOUT_graphs:=70}" "${TIMEOUT_train:=70}"
-    : "${TIMEOUT_decode:=70}" "${PYTEST_WORKERS:=14}" "${GRAPHS_SEQ:=4096 16384}" "${TRAIN_SEQ:=8192 16384}"
-    : "${DECODE_SEQ:=65536}" "${GRAPHS_ARGS:=--top-k 1 --warmup 2 --repeats 5}"
+    : "${TIMEOUT_decode:=120}" "${PYTEST_WORKERS:=14}" "${GRAPHS_SEQ:=4096 16384}" "${TRAIN_SEQ:=8192 16384}"
+    : "${DECODE_SEQ:=65536}" "${DECODE_CACHES:=static}" "${GRAPHS_ARGS:=--top-k 1 --warmup 2 --repeats 5}"
   else
     : "${TIMEOUT_graphs:=120}" "${TIMEOUT_train:=100}" "${TIMEOUT_sparse_train:=180}"
     : "${TIMEOUT_decode:=120}" "${GRAPHS_SEQ:=32768}" "${TRAIN_SEQ:=32768}"
     : "${SPARSE_TRAIN_SEQ:=65536 262144}" "${DECODE_SEQ:=16384 262144}"
   fi
   export PYTEST_WORKERS TIMEOUT_env TIMEOUT_tests TIMEOUT_graphs TIMEOUT_train TIMEOUT_decode TIMEOUT_sparse_train
-  export GRAPHS_SEQ GRAPHS_ARGS TRAIN_SEQ SPARSE_TRAIN_SEQ DECODE_SEQ
+  export GRAPHS_SEQ GRAPHS_ARGS TRAIN_SEQ SPARSE_TRAIN_SEQ DECODE_SEQ DECODE_CACHES
 }
 STAGES=()
 for name in "$@"; do

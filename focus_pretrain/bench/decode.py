@@ -115,7 +115,11 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
         if "static" in cfg.caches:
             graphs = cfg.cuda_graphs and device.type == "cuda"
             exact = row["_focus_dense_logits"]
-            row.update(static_row(cfg, model, plain, prompt, tokens, exact, graphs))
+            try:
+                row.update(static_row(cfg, model, plain, prompt, tokens, exact, graphs))
+            except torch.OutOfMemoryError:  # a length too long for this GPU: the row says so
+                row["static_error"] = "out of memory"
+                torch.cuda.empty_cache()
         for key in [k for k in row if k.startswith("_")]:
             row.pop(key)
         log(format_row(row))
@@ -167,7 +171,9 @@ def format_row(row: dict) -> str:
             f"({row['sparse_speedup_vs_dense']:.2f}x) | keys read "
             f"{row['keys_read_per_step']:.0f} of {row['keys_dense_per_step']:.0f}"
         )
-    if "static_dense_ms" in row:
+    if "static_error" in row:
+        parts.append(f"static compiled: {row['static_error']}")
+    elif "static_dense_ms" in row:
         parts.append(
             f"static compiled: dense {row['static_dense_ms']:.3f} ms | focus "
             f"{row['static_focus_ms']:.3f} ms ({row['static_speedup_vs_dense']:.2f}x) | "
@@ -187,7 +193,7 @@ def markdown_table(rows: list[dict]) -> str:
         columns += ["Focus, sparse (ms/step)", "speedup vs dense"]
         columns += ["keys read per step and sequence (of context)", "max abs diff"]
         tables.append(markdown(columns, "rrrrrrrr", (_dynamic_cells(r) for r in dynamic)))
-    static = [r for r in rows if "static_dense_ms" in r]
+    static = [r for r in rows if "static_dense_ms" in r or "static_error" in r]
     if static:
         columns = ["context", "batch", "CUDA graphs", "static dense SDPA, compiled (ms/step)"]
         columns += ["static Focus, compiled (ms/step)", "speedup vs dense"]
@@ -208,6 +214,8 @@ def _dynamic_cells(r: dict) -> list[object]:
 
 
 def _static_cells(r: dict) -> list[object]:
+    if "static_error" in r:
+        return [r["seq"], r.get("batch", 1), r["static_error"], *["-"] * 7]
     dense, focus = r["static_dense_eager"], r["static_focus_eager"]
     kernels = [r.get(f"static_{k}_cuda_kernels") for k in ("dense", "focus")]
     return [

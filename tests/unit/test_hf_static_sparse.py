@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -156,6 +157,29 @@ def test_the_prefill_sorts_each_layers_slots_by_group(monkeypatch):
             assert torch.equal(mine[:, :n], theirs[:, :n].gather(1, origin))
 
 
+def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact():
+    """Chunks after the first run over the cache (masked) and re-sort every written slot."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)
+    ids, mask = long_prompts()
+    cuts = (0, 300, 560, ids.shape[1])
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits  # [b, T, V]
+        for start, end in itertools.pairwise(cuts):
+            slots = torch.arange(start, end)
+            kwargs = step_kwargs(model, cache, mask[:, :end], slots)  # the mask so far
+            out = model(ids[:, start:end], **kwargs).logits
+            real = mask[:, start:end].bool()
+            torch.testing.assert_close(out[real], want[:, start:end][real], rtol=1e-4, atol=1e-4)
+            for layer in cache.layers:
+                assert layer.focus_sorted == end
+                valid = layer.focus_valid[:, :end]
+                for row in range(ids.shape[0]):
+                    members = layer.focus_members[row, :end][valid[row]]
+                    assert (members[1:] >= members[:-1]).all()
+                    assert sorted(layer.focus_origin[row, :end].tolist()) == list(range(end))
+
+
 def capture_routing(model) -> tuple[list, list]:
     """Forward hooks that record each router's output (the step's group probabilities)."""
     seen, hooks = [], []
@@ -193,41 +217,67 @@ def poison_skippable_blocks(model, cache, probs_per_layer, slot: int) -> int:
     return poisoned
 
 
-@pytest.mark.slow
-def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
-    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
-    new = 5
-    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
-    ids, mask = long_prompts()
-    fresh_dynamo()
+def decode_poisoned(model, ids, mask, new: int, mode: str | None = None, tol: float = 1e-4):
+    """Greedy decoding through one compiled step (``mode``: torch.compile's) on a static
+    cache whose skippable blocks hold NaN at every step, each step checked against the eager
+    masked step on a clean copy; returns ``(tokens [b, new], logits per step, blocks
+    poisoned)``."""
 
     def step(token, mask, slot, cache):
         return model(token, **step_kwargs(model, cache, mask, slot)).logits[:, -1]
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    fresh_dynamo()
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, mode=mode)
     with torch.no_grad():
-        kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
-        dynamic = greedy(model, ids, new, **kwargs)
         cache, token, full = prefilled(model, ids, mask, new)
-        tokens, poisoned = [token], 0
+        tokens, logits, poisoned = [token], [], 0
         for i in range(new - 1):
-            slot = torch.tensor([ids.shape[1] + i])
+            slot = torch.tensor([ids.shape[1] + i], device=ids.device)
             eager_cache = copy.deepcopy(cache)
             seen, hooks = capture_routing(model)
             want = step(tokens[-1][:, None], full, slot, eager_cache)
             for hook in hooks:
                 hook.remove()
             poisoned += poison_skippable_blocks(model, cache, seen, int(slot))
-            got = compiled(tokens[-1][:, None], full, slot, cache)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
+            got = compiled(tokens[-1][:, None], full, slot, cache).clone()
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
             tokens.append(got.argmax(-1))
+            logits.append(got)
             for layer, clean in zip(cache.layers, eager_cache.layers, strict=True):
                 layer.keys.copy_(clean.keys)  # the poison out again: the next step's
                 layer.values.copy_(clean.values)  # blocks differ
-    assert torch.stack(tokens, 1).tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
-    assert poisoned > 0  # blocks were skipped (and held NaN)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    return torch.stack(tokens, 1), logits, poisoned
+
+
+@pytest.mark.slow
+def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
+    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
+    new = 5
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
+    ids, mask = long_prompts()
+    kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = greedy(model, ids, new, **kwargs)
+    tokens, logits, poisoned = decode_poisoned(model, ids, mask, new)
+    for i, got in enumerate(logits):
+        torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
+    assert tokens.tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
+    assert poisoned > 0  # blocks were skipped (and held NaN)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compiled", "cuda-graphs"])
+def test_compiled_sparse_decoding_on_cuda(dtype, mode):
+    """The block-sparse step compiled for CUDA (FlexAttention's decoding kernel), also
+    replayed as a CUDA graph: the eager masked step's logits with NaN in the skipped blocks."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3).to("cuda", dtype)
+    ids, mask = (t.cuda() for t in long_prompts())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    _, _, poisoned = decode_poisoned(model, ids, mask, 5, mode=mode, tol=tol)
+    assert poisoned > 0
 
 
 @pytest.mark.skipif(

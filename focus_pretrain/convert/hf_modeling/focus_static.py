@@ -4,17 +4,21 @@ Shipped inside exported directories next to ``modeling_focus.py``; imports only 
 transformers.
 
 With a ``StaticCache`` (``generate(..., cache_implementation="static")``, or a ``StaticCache``
-passed as the cache) every step attends over the cache's whole preallocated length ``L``, as
-transformers' own static-cache attention does, with the Focus pattern as a mask built on the
-device: causal with respect to the step's cache slots, real keys only (not padding), and then,
-for a Focus layer's hard pattern, the local window, the keys sharing one of the query's top-k
-groups and the row's first ``S`` real tokens (the sinks); the soft pattern gates the rest. The
-routing of the cached keys lives on the cache layer (:class:`FocusStaticLayer`, the class a
-``StaticLayer`` becomes on its first Focus call) in buffers of length ``L`` written at the
-step's slots with ``index_copy_``. So a step has the same shapes every time, reads no tensor on
-the host and has no per-row Python loop: the decode step compiles whole
-(``torch.compile(fullgraph=True)``) and can be captured in a CUDA graph. The prefill runs the
-same masked path (a step of several tokens).
+passed as the cache) the routing of the cached keys lives on the cache layer
+(:class:`FocusStaticLayer`, the class a ``StaticLayer`` becomes on its first Focus call) in
+buffers of length ``L`` written at the step's slots with ``index_copy_``, with the cache
+position each slot holds (``focus_origin``) and whether it is a sink. An eager prefill (several
+tokens written from slot 0) runs its tokens among themselves (``whole_sequence``: the caller's
+fast or dense path) and, with the hard pattern, sorts a Focus layer's prompt slots by group
+(``focus_static_sparse``). Every other step attends over the cache's whole preallocated length
+``L``, as transformers' own static-cache attention does, with the Focus pattern built on the
+device from the slots' positions: causal, real keys only (not padding), HF's mask read through
+the positions, and then, for a Focus layer's hard pattern, the local window, the keys sharing
+one of the query's top-k groups and the row's first ``S`` real tokens (the sinks); the soft
+pattern gates the rest. So a step has the same shapes every time, reads no tensor on the host
+and has no per-row Python loop: the decode step compiles whole (``torch.compile(fullgraph=
+True)``) and can be captured in a CUDA graph; compiled, a hard step runs block-sparse
+(``focus_static_sparse.sparse_static_attention``: the blocks holding a kept key only).
 
 The step's cache slots come from the cache layer's ``cumulative_length`` tensor where the
 release counts the cached tokens on the device (5.24: the keys were just written at its previous
@@ -272,37 +276,51 @@ def static_focus_forward(
     the step's ``routing`` ``(probs [b, q, K], members [b, q])`` for a Focus layer (``None``:
     a window-only twin's ``focus_window``, a family's ``sliding_window`` or plain causal) ->
     ``[b, q, H, d]``. Fixed shapes, no host reads (see the module docstring), except in an
-    eager prefill: several tokens written from slot 0 run ``whole_sequence(q, valid [b, q])``
-    (their attention among themselves, ``[b, q, H, d]``), and a Focus layer's hard pattern
-    then sorts their slots by group (``focus_static_sparse.sort_by_groups``)."""
+    eager step of several tokens: written from slot 0 (a prefill), they run
+    ``whole_sequence(q, valid [b, q])`` (their attention among themselves, ``[b, q, H, d]``);
+    after any such step a Focus layer's hard pattern sorts the written slots by group
+    (``focus_static_sparse.sort_by_groups``)."""
     b, _, q_len, _ = query.shape
-    length = key.shape[2]
     slots = step_slots(layer, q_len, cache_position)  # [q]
-    prefill = q_len > 1 and whole_sequence is not None and not _is_compiling()
-    prefill = prefill and int(slots[0]) == 0  # eager: a host read
+    kw = dict(mode=mode, scale=scale, softcap=softcap, sliding_window=sliding_window)
+    kw.update(focus_window=focus_window, sinks=sinks)
+    several = q_len > 1 and whole_sequence is not None and not _is_compiling()
+    first = int(slots[0]) if several else None  # eager steps of several tokens: a host read
     if allowed is None:
         new_valid = torch.ones(b, q_len, dtype=torch.bool, device=query.device)
     else:  # a real token is a key its own row attends; padding is a key nobody attends
         new_valid = allowed.index_select(2, slots).any(dim=1)  # [b, q, q] -> [b, q]
     if routing is not None:
         layer.focus_store(slots, *routing, new_valid, sinks)
-    if prefill:
+    if first == 0:
         out = whole_sequence(q_len, new_valid)
-        if routing is not None and mode == "hard" and focus["inference_backend"] != "dense":
-            sort_by_groups(layer, q_len)
-        return out
+    else:
+        out = _cached_step(
+            layer, query, key, value, allowed, routing, focus, slots, new_valid, **kw
+        )
+    sparse = mode == "hard" and focus["inference_backend"] != "dense"
+    if first is not None and routing is not None and sparse:
+        sort_by_groups(layer, first + q_len)  # every written slot, by group
+    return out
+
+
+def _cached_step(layer, query, key, value, allowed, routing, focus, slots, new_valid, **kw):
+    """A step over the whole static length (:func:`static_focus_forward`'s keywords)."""
+    b, length = query.shape[0], key.shape[2]
+    mode, sliding_window, focus_window = kw["mode"], kw["sliding_window"], kw["focus_window"]
     if routing is None:  # no routing kept: cache order, validity from HF's mask alone
         valid = new_valid.new_ones(b, length) if allowed is None else allowed.any(dim=1)
         origin = torch.arange(length, device=query.device)[None]  # [1, L]
-        sink, window = row_sinks(valid, sinks), focus_window
+        sink, window = row_sinks(valid, kw["sinks"]), focus_window
         causal, local = static_mask(
             slots, origin, allowed, valid, sink, window=window, sliding_window=sliding_window
         )
     else:
         causal, local = routed_pairs(layer, slots, allowed, focus["window"], sliding_window)
     return _masked_step(
-        layer, query, key, value, causal, local, routing, focus, mode, scale, softcap, focus_window
-    )
+        layer, query, key, value, causal, local, routing, focus, mode, kw["scale"],
+        kw["softcap"], focus_window,
+    )  # fmt: skip
 
 
 def routed_pairs(

@@ -65,12 +65,14 @@ def _permute(layer, count: int, order: Tensor) -> None:
 
 
 def sort_by_groups(layer, count: int) -> None:
-    """After a prefill of ``count`` tokens into slots ``0 .. count - 1``: sort those slots by
-    group membership (the int64 bitmask; stable, so positions stay ascending inside a group;
-    padding last). Eager, once per prefill."""
-    key = torch.where(layer.focus_valid[:, :count], layer.focus_members[:, :count], _LAST)
-    order = torch.sort(key, dim=1, stable=True).indices  # [b, count]
-    _permute(layer, count, order)
+    """After an eager step of several tokens, the last written at slot ``count - 1``: sort
+    the first ``count`` slots by group membership (the int64 bitmask), positions ascending
+    inside a group, padding last (two stable sorts: by position, then by group)."""
+    origin = layer.focus_origin[:, :count]  # [b, count]
+    by_position = torch.sort(origin, dim=1, stable=True).indices
+    members = torch.where(layer.focus_valid[:, :count], layer.focus_members[:, :count], _LAST)
+    by_group = torch.sort(members.gather(1, by_position), dim=1, stable=True).indices
+    _permute(layer, count, by_position.gather(1, by_group))  # [b, count] slot indices
     layer.focus_sorted = count
 
 

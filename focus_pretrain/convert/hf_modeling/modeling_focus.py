@@ -21,10 +21,12 @@ mode: ``focus["backend"]``; default ``"auto"``: the fastest exact backend, e.g. 
 FlexAttention kernels on GPU; padded rows run on their real tokens). Otherwise this file's
 exact masked dense attention runs (``O(n^2)``; the backend ``"dense"`` forces it). A hard
 one-token decode step reads only its window and its groups' keys (``focus_cache.sparse_decode``).
-With transformers' ``StaticCache`` (``generate(..., cache_implementation="static")``) every step,
-the prefill included, runs ``focus_static``'s fixed-shape masked attention over the whole static
-length instead: no host reads, so the decode step compiles whole and can be captured in CUDA
-graphs (``generate`` with ``compile_config``, or ``torch.compile(model.forward)``).
+With transformers' ``StaticCache`` (``generate(..., cache_implementation="static")``) an eager
+prefill runs its tokens among themselves (as above) and, with the hard pattern, sorts each Focus
+layer's prompt slots by group; every later step runs ``focus_static``'s fixed-shape attention:
+no host reads, so the decode step compiles whole and can be captured in CUDA graphs (``generate``
+with ``compile_config``, or ``torch.compile(model.forward)``), and compiled, a hard step visits
+only the key blocks that hold a kept key (``focus_static_sparse``).
 
 Padding: HF's attention mask is applied (a boolean ``"focus"`` mask function is registered);
 rows with no key (left padding) output zeros. The routing of cached keys lives in the KV cache
@@ -77,9 +79,9 @@ from .focus_router import (
 )
 from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
 from .focus_static import static_focus_forward, static_focus_layer
-from .focus_static_sparse import flex_ready as _static_flex_ready  # noqa: F401 (see below)
 
 # transformers 5.0 copies into its module cache only the files this module imports itself
+from .focus_static_sparse import flex_ready as _static_flex_ready  # noqa: F401
 
 _PACKAGE_PARAMETERS = (
     ()
