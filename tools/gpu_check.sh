@@ -28,7 +28,9 @@
 #   tune    the triton training kernels: checked against the reference, every candidate tile
 #           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
 #           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
-#           ingredient, non-kernel time, dense beside) and the step per length (tools/tune_triton.py)
+#           ingredient, non-kernel time, dense beside) and the step per length against dense and
+#           TUNE_RIVALS (default flex), written to the table as the ranking auto trains by
+#           (tools/tune_triton.py)
 # and writes every log and JSON to $OUT (default runs/gpu-check). Stages are chosen by name:
 #   bash tools/gpu_check.sh                      # all of them
 #   bash tools/gpu_check.sh env tests recipe     # some
@@ -191,7 +193,7 @@ stage_tune() {
   cp focus_pretrain/focus/triton_tiles.json "$OUT/triton_tiles.json" 2>/dev/null
   # shellcheck disable=SC2086
   $PY tools/tune_triton.py --table "$OUT/triton_tiles.json" --json "$OUT/tune.json" \
-    --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} ${TUNE_ARGS:-}
+    --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} --rivals ${TUNE_RIVALS:-flex} ${TUNE_ARGS:-}
 }
 
 ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot decode)

@@ -13,7 +13,9 @@ Stages (``--stages``, in this order):
 * ``profile`` where the time goes, with the tuned tiles: each kernel and the whole operator per
               variant (each ingredient on in turn; the control is the same kernels computing
               plain causal attention), dense SDPA's forward and backward beside them;
-* ``lengths`` the training step against dense per ``--lengths``: soft and sparse top-1.
+* ``lengths`` the training step against dense per ``--lengths``: soft and sparse top-1, and the
+              same through ``--rivals`` (e.g. ``flex``); the speedups are written to the table
+              per mode and length (``training``: what ``auto`` trains by on this GPU).
 
 On CUDA the candidates are first compiled by ``--processes`` workers in parallel. On a CPU the
 kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): a smoke run on tiny shapes with
@@ -63,6 +65,13 @@ def _parser():
         default=None,
         help="tile table to update (default: the package's tile table)",
     )
+    parser.add_argument(
+        "--rivals",
+        nargs="*",
+        default=[],
+        help="backends whose training steps the lengths stage also times (e.g. flex): with "
+        "triton, the ranking auto trains by, written to the table per mode and length",
+    )
     parser.add_argument("--tiny", action="store_true",
                         help="16x16 and 32x16 candidates only (a CPU smoke run)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write every row here")
@@ -88,7 +97,8 @@ def _markdown(result: dict) -> str:
         lines.append("")
     if "lengths" in result:
         lines += ["| seq | dense ms (TFLOP/s) | soft ms (TFLOP/s, x dense) | sparse top-1 ms "
-                  "(x dense; ideal) |", "|---:|---:|---:|---:|"]  # fmt: skip
+                  "(x dense; ideal) | rivals (x dense: soft, sparse) |",
+                  "|---:|---:|---:|---:|---|"]  # fmt: skip
         for r in result["lengths"]:
             soft, hard = r["soft"], r["hard_gated"]
             soft_text = soft.get("error") or (
@@ -97,9 +107,16 @@ def _markdown(result: dict) -> str:
             hard_text = hard.get("error") or (
                 f"{hard['ms']:.2f} ({hard['speedup']:.2f}x; {hard['ideal']:.1f}x)"
             )
+            rivals = "; ".join(
+                f"{name}: " + ", ".join(
+                    f"{m[name]['speedup']:.2f}x" if "speedup" in m[name] else "failed"
+                    for m in (soft["rivals"], hard["rivals"])
+                )
+                for name in soft.get("rivals", {})
+            )  # fmt: skip
             lines.append(
                 f"| {r['seq']} | {r['dense_ms']:.2f} ({r['dense_tflops']:.0f}) | {soft_text} "
-                f"| {hard_text} |"
+                f"| {hard_text} | {rivals or '-'} |"
             )
     return "\n".join(lines)
 
@@ -170,7 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"profile": result["profile"]}), flush=True)
     if "lengths" in args.stages:
         with environment({"FOCUS_TRITON_BLOCKS": override_text(tiles)}):
-            result["lengths"] = tk.length_rows(case, args.lengths, device, measure)
+            rivals = tuple(args.rivals)
+            result["lengths"] = tk.length_rows(case, args.lengths, device, measure, rivals=rivals)
+        if device == "cuda" or args.table:  # the ranking auto reads (on a CPU: a named table)
+            gpu = result.get("gpu", "Triton interpreter (CPU)")
+            table = args.table or table_path()
+            result["training"] = tk.write_training(table, gpu, case, result["lengths"])
     print(_markdown(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -1,8 +1,9 @@
 """The compiled decode step on transformers' ``StaticCache``: dense SDPA vs Focus, block-sparse.
 
 For one context length, each model gets a static cache of ``n + steps + 1`` slots, an eager
-prefill (the plain model in chunks: its SDPA mask is ``[b, 1, chunk, L]``; the Focus model in
-one forward: its whole-sequence path, after which it sorts each layer's prompt slots by group),
+prefill (the Focus model in one forward: its whole-sequence path, after which it sorts each
+layer's prompt slots by group; the plain model into a dynamic cache, copied over: its SDPA
+prefill into a static cache would build a ``[b, 1, n, L]`` mask),
 then one-token decode steps through one ``torch.compile(fullgraph=True)`` graph per model
 (``mode="reduce-overhead"``, CUDA graphs, on CUDA unless ``--no-cuda-graphs``), timed after the
 compiling warm-up steps. Reported next to each time: the eager step's launches and host syncs
@@ -20,15 +21,13 @@ import inspect
 import statistics
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.bench.report import elapsed_ms
 from focus_pretrain.convert.hf_modeling.focus_cache import cache_kwargs
 from focus_pretrain.convert.hf_modeling.focus_static import hard_keep
 from focus_pretrain.convert.hf_modeling.focus_static_sparse import key_blocks
-
-PLAIN_PREFILL_CHUNK = 2048
 
 
 def _step_kwargs(model, cache, slots: torch.Tensor, batch: int) -> dict:
@@ -39,16 +38,22 @@ def _step_kwargs(model, cache, slots: torch.Tensor, batch: int) -> dict:
     return {**kwargs, **cache_kwargs(model, cache)}
 
 
-def prefilled(model, prompt: torch.Tensor, length: int, chunk: int | None) -> StaticCache:
-    """A ``StaticCache`` of ``length`` slots holding ``prompt [b, n]`` (in chunks of ``chunk``
-    tokens; ``None``: one forward)."""
+def prefilled(model, prompt: torch.Tensor, length: int, copied: bool) -> StaticCache:
+    """A ``StaticCache`` of ``length`` slots holding ``prompt [b, n]``: one forward into it, or
+    (``copied``: the plain model, whose SDPA prefill would need a ``[b, 1, n, L]`` mask) a
+    forward into a ``DynamicCache`` whose keys and values are then written into it through the
+    cache API."""
     cache = StaticCache(config=model.config, max_cache_len=length)
     b, n = prompt.shape
-    step = chunk or n
+    slots = torch.arange(n, device=prompt.device)
     with torch.no_grad():
-        for start in range(0, n, step):
-            slots = torch.arange(start, min(n, start + step), device=prompt.device)
-            model(prompt[:, slots], **_step_kwargs(model, cache, slots, b))
+        if not copied:
+            model(prompt, **_step_kwargs(model, cache, slots, b))
+            return cache
+        dynamic = DynamicCache(config=model.config)
+        model(prompt, use_cache=True, past_key_values=dynamic)
+        for index, layer in enumerate(dynamic.layers):
+            cache.update(layer.keys, layer.values, index, {"cache_position": slots})
     return cache
 
 
@@ -121,11 +126,8 @@ def static_row(cfg, model, plain, prompt, tokens, exact_logits, graphs: bool) ->
     n = prompt.shape[1]
     length = n + tokens.shape[0] + 1
     row = {"static_cuda_graphs": graphs}
-    for name, runner, chunk in (
-        ("static_dense", plain, PLAIN_PREFILL_CHUNK),
-        ("static_focus", model, None),
-    ):
-        cache = prefilled(runner, prompt, length, chunk)
+    for name, runner in (("static_dense", plain), ("static_focus", model)):
+        cache = prefilled(runner, prompt, length, copied=runner is plain)
         row[f"{name}_eager"] = _eager_counts(runner, cache, tokens[0], n)
         times, logits, compiled = _decode(runner, cache, tokens, n, cfg.warmup, graphs)
         row[f"{name}_ms"] = statistics.median(times)

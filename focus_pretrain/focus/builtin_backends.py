@@ -32,7 +32,7 @@ from focus_pretrain.focus.segments import segments_attention
 from focus_pretrain.focus.soft_triton import cuda_refusal, runs_on, supports
 from focus_pretrain.focus.soft_triton_launch import precision_class
 from focus_pretrain.focus.sorted_triton import triton_attention
-from focus_pretrain.focus.triton_tiles import triton_fastest_here
+from focus_pretrain.focus.triton_tiles import TRAINING_MODES, triton_fastest_here
 
 CPU_DECOMPOSED_MIN_SEQ = 1024  # below it the reference is as fast on CPU (docs/benchmarks.md)
 _FAST_GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,10 +69,11 @@ def _segments_priority(r: AttentionRequest) -> int | None:
 def _triton_priority(r: AttentionRequest) -> int | None:
     if not runs_on(r.device, r.dtype) or not supports(r.head_dim) or _triton_unavailable(r):
         return None
-    # ``auto`` trains the soft gate on it where the tile table measured it fastest for this
-    # GPU (focus/triton_tiles.json, tools/tune_triton.py); elsewhere by name only
-    fastest = r.kind == "soft" and r.needs_grad and r.device == "cuda"
-    if fastest and triton_fastest_here(precision_class(r.dtype), r.head_dim, "soft"):
+    # ``auto`` trains on it (the soft gate, sparse training) where the tile table measured it
+    # fastest for this GPU at the nearest length (focus/triton_tiles.json, tools/tune_triton.py);
+    # elsewhere by name only
+    fastest = r.kind in TRAINING_MODES and r.needs_grad and r.device == "cuda"
+    if fastest and triton_fastest_here(precision_class(r.dtype), r.head_dim, r.kind, r.seq):
         return 40
     return -30
 

@@ -12,8 +12,9 @@ from, first match wins:
    checked against the first, the fastest kept), for the GPU by name, the input precision
    (``half``: fp16/bf16; ``tf32``; ``fp32``: 3xTF32 products), the head dim's size class and the
    layout (``packed``: the group-sorted top-1 path; without its own entry, the one-sequence
-   entry). The table also records the training speed of each backend measured there, which
-   ``auto`` ranks by (:func:`fastest_training_backend`).
+   entry). The table also records the training speed of each backend measured there, per
+   mode and length (``training``: ``half/128/soft@8192``), which ``auto`` ranks by
+   (:func:`fastest_training_backend`: the record at the nearest measured length).
 3. :data:`DEFAULTS`: at half precision and head dim 128 an H200's measured tiles, elsewhere tiles
    that compile for sm_90 without a register spill (not tuned). A GPU missing from the table is
    reported once (``logging``), naming the tool that measures it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 KERNELS = ("fwd", "kv", "q")
+TRAINING_MODES = ("soft", "hard_gated")  # the modes whose training backends the table ranks
 ATOMIC = "kva"  # the dK/dV kernel adding dQ atomically: used (no dQ pass) when the table has it
 TABLE_PATH = Path(__file__).with_name("triton_tiles.json")
 logger = logging.getLogger(__name__)
@@ -164,24 +167,59 @@ def _resolved_tiles(
     return override_tiles(tiles, override)
 
 
-def fastest_training_backend(gpu: str, precision: str, head_dim: int, mode: str) -> str | None:
+def training_key(precision: str, head_dim: int, mode: str, seq: int | None = None) -> str:
+    """A ``training`` record's name: ``half/128/soft`` (any length) or ``half/128/soft@8192``
+    (measured at that length)."""
+    key = f"{precision}/{size_class(head_dim)}/{mode}"
+    return key if seq is None else f"{key}@{seq}"
+
+
+def training_ranking(
+    gpu: str, precision: str, head_dim: int, mode: str, seq: int | None = None
+) -> dict[str, float] | None:
+    """The speedups over dense attention of the backends measured together for a training
+    step of ``mode`` on ``gpu`` (``{"triton": 0.40, "flex": 0.01}``): the record measured at
+    the length nearest ``seq`` (by ratio; the shorter on a tie) among those that rank two
+    backends or more, else the length-free record; ``None``: nothing ranked there."""
+    return _ranking(str(table_path()), gpu, precision, head_dim, mode, seq)
+
+
+@functools.cache  # auto asks at every attention call
+def _ranking(
+    table: str, gpu: str, precision: str, head_dim: int, mode: str, seq: int | None
+) -> dict[str, float] | None:
+    records = _read_table(table).get(gpu, {}).get("training", {})
+    base = training_key(precision, head_dim, mode)
+    by_length = {}
+    for key, speeds in records.items():
+        name, _, length = key.partition("@")
+        if name == base and length.isdigit() and len(speeds) >= 2:
+            by_length[int(length)] = speeds
+    if seq is not None and by_length:
+        nearest = min(by_length, key=lambda n: (abs(math.log(n / max(seq, 1))), n))
+        return by_length[nearest]
+    speeds = records.get(base)
+    return speeds if speeds and len(speeds) >= 2 else None
+
+
+def fastest_training_backend(
+    gpu: str, precision: str, head_dim: int, mode: str, seq: int | None = None
+) -> str | None:
     """The backend the table measured fastest for a training step (forward + backward) of
-    ``mode`` on ``gpu`` at this precision and head dim (``None``: nothing measured there): the
-    ``training`` record of the GPU's entry, ``{"half/128/soft": {"triton": 0.40, "flex": 0.01}}``
-    (speedups over dense attention)."""
-    entry = measured_table().get(gpu, {})
-    speeds = entry.get("training", {}).get(f"{precision}/{size_class(head_dim)}/{mode}")
+    ``mode`` on ``gpu`` at this precision, head dim and length (:func:`training_ranking`;
+    ``None``: no ranking measured there)."""
+    speeds = training_ranking(gpu, precision, head_dim, mode, seq)
     return max(speeds, key=speeds.get) if speeds else None
 
 
 @torch.compiler.assume_constant_result
-def triton_fastest_here(precision: str, head_dim: int, mode: str) -> bool:
-    """Whether the table says ``triton`` trains ``mode`` fastest on this process's GPU (a
-    constant while tracing: ``auto`` dispatches inside compiled graphs)."""
+def triton_fastest_here(precision: str, head_dim: int, mode: str, seq: int | None = None) -> bool:
+    """Whether the table says ``triton`` trains ``mode`` fastest at ``seq`` tokens on this
+    process's GPU (a constant while tracing: ``auto`` dispatches inside compiled graphs)."""
     if not torch.cuda.is_available():
         return False
     gpu = _gpu_name(torch.cuda.current_device())
-    return fastest_training_backend(gpu, precision, head_dim, mode) == "triton"
+    return fastest_training_backend(gpu, precision, head_dim, mode, seq) == "triton"
 
 
 def cuda_tiles(device: torch.device, precision: str, head_dim: int, packed: bool) -> dict:

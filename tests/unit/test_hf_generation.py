@@ -34,7 +34,7 @@ def register_local_modeling() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register("focus", modeling.focus_attention_forward)
-    AttentionMaskInterface.register("focus", modeling.sdpa_mask)
+    AttentionMaskInterface.register("focus", modeling.focus_mask)
 
 
 @pytest.fixture(autouse=True)

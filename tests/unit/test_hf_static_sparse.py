@@ -157,6 +157,40 @@ def test_the_prefill_sorts_each_layers_slots_by_group(monkeypatch):
             assert torch.equal(mine[:, :n], theirs[:, :n].gather(1, origin))
 
 
+def test_unpadded_static_steps_of_several_tokens_get_no_quadratic_mask():
+    """Before the attention, transformers builds a ``[b, 1, q, L]`` mask for a static cache's
+    steps of several tokens (5.0: the prefill too; 5.24: the chunks after it); the ``"focus"``
+    mask function leaves it out where it only says "causal, no padding" and keeps it for
+    padded rows. The logits are the full forward's either way."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)
+    seen = []
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True
+        )
+        for layer in model.model.layers
+    ]
+    ids, mask = long_prompts()  # row 0: no padding; row 1: left-padded
+    n = ids.shape[1]
+    try:
+        for rows, unpadded in ((slice(0, 1), True), (slice(0, 2), False)):
+            cache = StaticCache(config=model.config, max_cache_len=n + 2)
+            with torch.no_grad():
+                want = model(ids[rows], attention_mask=mask[rows], use_cache=False).logits
+                for start, end in ((0, 400), (400, n)):  # a prefill, then a chunk
+                    kwargs = step_kwargs(model, cache, mask[rows, :end], torch.arange(start, end))
+                    seen.clear()
+                    got = model(ids[rows, start:end], **kwargs).logits
+                    assert [m is None for m in seen] == [unpadded] * len(model.model.layers)
+                    real = mask[rows, start:end].bool()
+                    torch.testing.assert_close(
+                        got[real], want[:, start:end][real], rtol=1e-4, atol=1e-4
+                    )
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact():
     """Chunks after the first run over the cache (masked) and re-sort every written slot."""
     model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)

@@ -50,7 +50,7 @@ import torch
 import transformers
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 try:  # the fast exact backends, when the training package is installed
     from focus_pretrain.focus import focus_attention as _package_focus_attention
@@ -362,8 +362,27 @@ def _fast_path(
     return out  # [b, s, H, d]
 
 
+def focus_mask(*args, **kwargs) -> Tensor | None:
+    """The ``"focus"`` attention's mask: transformers' boolean SDPA mask (padding, packed
+    sequences, windows), or ``None`` where it would only say "causal, no padding": the Focus
+    layers take causality from the positions. SDPA's own rule returns ``None`` there only when
+    the keys are the queries, for one query and (5.24) a static cache's first prefill; a
+    static cache's later chunks (and, with 5.0, its prefill) would get a ``[b, 1, q, L]`` mask
+    (4 GB a row at 64K tokens). Eager steps of several queries only (reading the padding is a
+    host sync, as in transformers' own check): a one-token step and a compiled one get
+    transformers' mask."""
+    padding = kwargs.get("attention_mask")
+    plain = kwargs.get("mask_function") is causal_mask_function and not kwargs.get("local_size")
+    positions = kwargs.get("cache_position")  # transformers 5.0; later releases: q_length
+    queries = kwargs.get("q_length") or (positions.numel() if positions is not None else 1)
+    prefill = plain and queries > 1 and not torch.compiler.is_compiling()  # eager
+    if prefill and (padding is None or (padding.dim() == 2 and bool(padding.all()))):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register("focus", focus_attention_forward)
-AttentionMaskInterface.register("focus", sdpa_mask)  # bool masks (padding), None when causal
+AttentionMaskInterface.register("focus", focus_mask)  # bool masks (padding), None when causal
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
