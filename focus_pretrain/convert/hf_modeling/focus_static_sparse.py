@@ -33,10 +33,12 @@ import inspect
 import torch
 from torch import Tensor
 
-try:  # FlexAttention with device-built block masks (torch >= 2.6)
+try:  # FlexAttention with block masks built on the device from tensors
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    _FLEX = "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    _FLEX = {"seq_lengths", "compute_q_blocks"} <= set(
+        inspect.signature(BlockMask.from_kv_blocks).parameters
+    )
 except ImportError:  # pragma: no cover - older torch: the masked path
     BlockMask = flex_attention = None
     _FLEX = False
@@ -114,6 +116,7 @@ def key_blocks(keep: Tensor, block: int = KEY_BLOCK) -> BlockMask:
         BLOCK_SIZE=(128, block),  # one query block: q <= MAX_SPARSE_QUERIES
         mask_mod=mask_mod,
         seq_lengths=(q_len, length),
+        compute_q_blocks=False,  # the backward's tables: inference needs none
     )
 
 
