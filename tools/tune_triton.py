@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from focus_pretrain.bench import triton_kernels as tk
+    from focus_pretrain.bench import triton_lengths as tl
     from focus_pretrain.environment import environment
     from focus_pretrain.focus.soft_triton_launch import _blocks
     from focus_pretrain.focus.triton_tiles import Tile, override_text, table_path
@@ -188,11 +189,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "lengths" in args.stages:
         with environment({"FOCUS_TRITON_BLOCKS": override_text(tiles)}):
             rivals = tuple(args.rivals)
-            result["lengths"] = tk.length_rows(case, args.lengths, device, measure, rivals=rivals)
+            result["lengths"] = tl.length_rows(case, args.lengths, device, measure, rivals=rivals)
         if device == "cuda" or args.table:  # the ranking auto reads (on a CPU: a named table)
             gpu = result.get("gpu", "Triton interpreter (CPU)")
             table = args.table or table_path()
-            result["training"] = tk.write_training(table, gpu, case, result["lengths"])
+            result["training"] = tl.write_training(table, gpu, case, result["lengths"])
     print(_markdown(result), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -10,8 +10,8 @@
   timed and checked against the first candidate's result; :func:`best_tiles` keeps the fastest
   that agrees, :func:`write_table` records it for the GPU in ``triton_tiles.json``.
 * :func:`reference_errors`: the kernels (fast gate and exact) against the reference.
-* :func:`length_rows`: the training step (forward + backward) against dense per length, soft and
-  sparse (``hard_gated`` top-1), with TFLOP/s.
+* the training step per length, against dense and other backends:
+  :mod:`~focus_pretrain.bench.triton_lengths`.
 
 On CUDA the times are ``triton.testing.do_bench`` medians; on a CPU (Triton's interpreter: the
 tests) one wall-clock call. Layout: ``[batch, seq, heads, head_dim]``.
@@ -43,11 +43,9 @@ from focus_pretrain.focus.soft_triton_launch import (
 from focus_pretrain.focus.triton_tiles import (
     ATOMIC,
     KERNELS,
-    TRAINING_MODES,
     Tile,
     override_text,
     table_key,
-    training_key,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -328,43 +326,17 @@ def write_table(path: Path, gpu: str, case: Case, best: dict[str, dict], packed:
         "dim and kernel: the fastest candidate measured by tools/tune_triton.py that agreed "
         "with the others (focus_pretrain/focus/triton_tiles.py reads it)."
     )
-    _write_atomically(path, table)
+    write_atomically(path, table)
     return entry
 
 
-def write_training(path: Path, gpu: str, case: Case, rows: list[dict]) -> dict:
-    """Merge the training speedups of :func:`length_rows` (``triton`` and its rivals, per mode
-    and length) into the table at ``path`` for ``gpu`` (``training``, the records ``auto``
-    ranks by); returns the records written."""
-    table = json.loads(path.read_text()) if path.exists() else {}
-    entry = table.setdefault("gpus", {}).setdefault(gpu, {"tiles": {}})
-    precision, written = precision_class(DTYPES[case.dtype]), {}
-    for row in rows:
-        for mode in TRAINING_MODES:
-            result = row.get(mode, {})
-            speeds = {name: r["speedup"] for name, r in result.get("rivals", {}).items()
-                      if "speedup" in r}  # fmt: skip
-            if "speedup" in result:
-                speeds["triton"] = result["speedup"]
-            if speeds:
-                written[training_key(precision, case.head_dim, mode, row["seq"])] = speeds
-    entry.setdefault("training", {}).update(written)
-    entry["training_lengths_measured"] = (
-        f"{datetime.date.today().isoformat()}: tools/tune_triton.py --stages lengths "
-        f"(batch {case.batch}, {case.heads} heads x {case.head_dim}, K={case.groups}, "
-        f"window {case.window}, {case.dtype}; speedups over dense SDPA's training step)"
-    )
-    _write_atomically(path, table)
-    return written
-
-
-def _write_atomically(path: Path, table: dict) -> None:
+def write_atomically(path: Path, table: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
 
 
-def _api_step(case: Case, data: dict, backend: str, mode: str) -> Callable[[], list[Tensor]]:
+def api_step(case: Case, data: dict, backend: str, mode: str) -> Callable[[], list[Tensor]]:
     """Forward + backward through ``focus_attention`` (``backend``, ``mode``; top-1):
     ``[out, lse, dq, dk, dv, dprobs]`` in fp32 (``dprobs`` absent for a sliding-window layer)."""
     from focus_pretrain.focus import Routing, focus_attention
@@ -394,61 +366,15 @@ def reference_errors(case: Case, device: str, mode: str = "soft") -> dict:
     with the fast gate and the exact one."""
     data = inputs(case, device, seed=1)
     rounded = {k: (v.to(DTYPES[case.dtype]) if k in "qkv" else v) for k, v in data.items()}
-    want = _api_step(case, rounded, "reference", mode)()
+    want = api_step(case, rounded, "reference", mode)()
     names = ["out", "lse", "dq", "dk", "dv", "dprobs"][: len(want)]
     result = {}
     for exact in (False, True):
         with environment({"FOCUS_TRITON_EXACT_GATE": "1" if exact else None}):
-            got = _api_step(case, rounded, "triton", mode)()
+            got = api_step(case, rounded, "triton", mode)()
         errors = {n: _agreement([g], [w]) for n, g, w in zip(names, got, want, strict=True)}
         result["exact_gate" if exact else "fast_gate"] = errors
     return result
-
-
-def length_rows(
-    case: Case,
-    lengths: list[int],
-    device: str,
-    measure: Callable,
-    log=print,
-    rivals: tuple[str, ...] = (),
-):
-    """Per length: dense SDPA's training step, the soft one and sparse top-1 (``hard_gated``)
-    through the ``triton`` backend, each in ms with TFLOP/s (dense-equivalent: the causal
-    pairs' FLOPs over the time) and its speedup over dense; sparse with the pair-count ideal;
-    ``rivals``: the same steps through other backends (``rivals: {name: {ms, speedup}}`` per
-    mode, an ``error`` where one fails), what ``auto`` ranks ``triton`` against."""
-    from focus_pretrain.focus.pattern import pattern_density
-    from focus_pretrain.focus.router import Routing
-
-    rows = []
-    for seq in lengths:
-        sized = replace(case, seq=seq)
-        data = inputs(sized, device)
-        dense = dense_times(sized, data, measure)["fwd_bwd"]
-        flops = causal_flops(sized)
-        row = dict(seq=seq, dense_ms=dense, dense_tflops=flops / dense / 1e9)
-        for mode in TRAINING_MODES:
-            row[mode] = _timed_step(sized, data, "triton", mode, measure, flops, dense)
-            if rivals:
-                row[mode]["rivals"] = {
-                    name: _timed_step(sized, data, name, mode, measure, flops, dense)
-                    for name in rivals
-                }
-        member = Routing(data["probs"].float()).membership(1).cpu()
-        row["hard_gated"]["ideal"] = 1.0 / float(pattern_density(member, case.window).mean())
-        log(json.dumps(row))
-        rows.append(row)
-    return rows
-
-
-def _timed_step(case, data, backend, mode, measure, flops: float, dense: float) -> dict:
-    """``{ms, tflops, speedup}`` of one training step through ``backend``, or ``{error}``."""
-    try:
-        ms = measure(_api_step(case, data, backend, mode))
-    except Exception as exc:
-        return dict(error=str(exc)[:200])
-    return dict(ms=ms, tflops=flops / ms / 1e9, speedup=dense / ms)
 
 
 # candidates per kernel for fp16/bf16 on sm_90-class GPUs (BMxBNxWARPSxSTAGES): FlashAttention-2

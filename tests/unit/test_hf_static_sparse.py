@@ -287,7 +287,7 @@ def decode_poisoned(model, ids, mask, new: int, mode: str | None = None, tol: fl
 @pytest.mark.slow
 def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
     """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
-    new = 5
+    new = 4
     model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
     ids, mask = long_prompts()
     kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)

@@ -1,6 +1,7 @@
 """What a Focus model's hooks read from a forward's inputs (shipped inside the exported
 directory; standalone: imports only torch and transformers): the KV cache and the router's input
-of each attention module, the packed documents of the batch, and the padding of a mask.
+of each attention module, the packed documents of the batch, the padding of a mask, the mask
+the ``"focus"`` attention asks transformers for, and each layer's sink keys.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 from transformers import Cache
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 
 def passed_cache(args: tuple, kwargs: dict) -> Cache | None:
@@ -114,3 +116,54 @@ def real_spans(allowed: Tensor | None, b: int, s: int, sliding_window: int | Non
             return None
         spans.append((start, end))
     return "all" if all(sp == (0, s) for sp in spans) else spans
+
+
+def sinks_of(module: nn.Module) -> int:
+    """Attention sinks of a Focus layer (or a window-only twin's); 0 for a family's own
+    sliding-window layers and without Focus."""
+    router = getattr(module, "router", None)
+    if router is not None:
+        return int(router.focus.get("sinks", 0))
+    if getattr(module, "focus_window", None) is None:
+        return 0
+    return int(getattr(module.config, "focus", {}).get("sinks", 0))
+
+
+def sink_keys(
+    module, routing, allowed: Tensor | None, b: int, kv_len: int, device, docs: Tensor | None = None
+) -> Tensor | None:
+    """``[b, kv]`` bool: the layer's sink keys, the first ``sinks`` real keys of each row (real:
+    the cached routing's ``valid``, else a key some query of HF's mask attends) or, given
+    document starts ``docs [b, kv]`` (packed, no padding), of each document; ``None`` without
+    sinks."""
+    sinks = sinks_of(module)
+    if not sinks:
+        return None
+    if docs is not None:
+        return torch.arange(kv_len, device=device)[None] - docs < sinks  # [b, kv]
+    valid = routing[2] if routing is not None else None  # [b, kv]
+    if valid is None and allowed is not None:
+        valid = allowed.any(dim=1)  # a real key is attended by some query (its own, or later)
+    if valid is None:  # no padding
+        return (torch.arange(kv_len, device=device) < sinks)[None].expand(b, kv_len)
+    before = valid.long().cumsum(dim=1) - 1  # [b, kv]: real tokens before each key
+    return valid & (before < sinks)
+
+
+def focus_mask(*args, **kwargs) -> Tensor | None:
+    """The ``"focus"`` attention's mask: transformers' boolean SDPA mask (padding, packed
+    sequences, windows), or ``None`` where it would only say "causal, no padding": the Focus
+    layers take causality from the positions. SDPA's own rule returns ``None`` there only when
+    the keys are the queries, for one query and (5.24) a static cache's first prefill; a
+    static cache's later chunks (and, with 5.0, its prefill) would get a ``[b, 1, q, L]`` mask
+    (4 GB a row at 64K tokens). Eager steps of several queries only (reading the padding is a
+    host sync, as in transformers' own check): a one-token step and a compiled one get
+    transformers' mask."""
+    padding = kwargs.get("attention_mask")
+    plain = kwargs.get("mask_function") is causal_mask_function and not kwargs.get("local_size")
+    positions = kwargs.get("cache_position")  # transformers 5.0; later releases: q_length
+    queries = kwargs.get("q_length") or (positions.numel() if positions is not None else 1)
+    prefill = plain and queries > 1 and not torch.compiler.is_compiling()  # eager
+    if prefill and (padding is None or (padding.dim() == 2 and bool(padding.all()))):
+        return None
+    return sdpa_mask(*args, **kwargs)

@@ -50,7 +50,6 @@ import torch
 import transformers
 from torch import Tensor, nn
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 try:  # the fast exact backends, when the training package is installed
     from focus_pretrain.focus import focus_attention as _package_focus_attention
@@ -67,7 +66,10 @@ from .focus_inputs import (
     Documents,
     capture_documents,
     capture_input,
+    focus_mask,
     real_spans,
+    sink_keys,
+    sinks_of,
 )
 from .focus_router import (
     FocusRouter,
@@ -90,38 +92,6 @@ _PACKAGE_PARAMETERS = (
 )  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
 _PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
 _PACKAGE_GATE_FORMS = "gate_form" in (*_PACKAGE_PARAMETERS, *_PACKAGE_SETTINGS)
-
-
-def _sinks(module: nn.Module) -> int:
-    """Attention sinks of a Focus layer (or a window-only twin's); 0 for a family's own
-    sliding-window layers and without Focus."""
-    router = getattr(module, "router", None)
-    if router is not None:
-        return int(router.focus.get("sinks", 0))
-    if getattr(module, "focus_window", None) is None:
-        return 0
-    return int(getattr(module.config, "focus", {}).get("sinks", 0))
-
-
-def _sink_keys(
-    module, routing, allowed: Tensor | None, b: int, kv_len: int, device, docs: Tensor | None = None
-) -> Tensor | None:
-    """``[b, kv]`` bool: the layer's sink keys, the first ``sinks`` real keys of each row (real:
-    the cached routing's ``valid``, else a key some query of HF's mask attends) or, given
-    document starts ``docs [b, kv]`` (packed, no padding), of each document; ``None`` without
-    sinks."""
-    sinks = _sinks(module)
-    if not sinks:
-        return None
-    if docs is not None:
-        return torch.arange(kv_len, device=device)[None] - docs < sinks  # [b, kv]
-    valid = routing[2] if routing is not None else None  # [b, kv]
-    if valid is None and allowed is not None:
-        valid = allowed.any(dim=1)  # a real key is attended by some query (its own, or later)
-    if valid is None:  # no padding
-        return (torch.arange(kv_len, device=device) < sinks)[None].expand(b, kv_len)
-    before = valid.long().cumsum(dim=1) - 1  # [b, kv]: real tokens before each key
-    return valid & (before < sinks)
 
 
 def focus_attention_forward(
@@ -173,7 +143,7 @@ def focus_attention_forward(
                 num_groups=focus["num_groups"],
                 scale=scale,
                 softcap=softcap,
-                sinks=_sinks(module),
+                sinks=sinks_of(module),
                 dot_lambda=focus["gate_lambda"] if focus["gate_form"] == "dot" else None,
             )
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
@@ -233,7 +203,7 @@ def _static(
         softcap=softcap,
         sliding_window=sliding_window,
         focus_window=getattr(module, "focus_window", None),
-        sinks=_sinks(module),
+        sinks=sinks_of(module),
         cache_position=getattr(module, "_focus_cache_position", None),
         whole_sequence=whole_sequence,
     )
@@ -256,7 +226,7 @@ def _dense(
         documents = dict(q_doc=docs[:, kv_len - q_len :, None], k_doc=docs[:, None, :])
     causal, _ = pair_rule(q_pos, k_pos, window=0, **documents)  # [q, kv] or [b, q, kv]
     neg_inf = torch.tensor(float("-inf"), device=device)
-    sink = _sink_keys(module, routing, allowed, query.shape[0], kv_len, device, docs)
+    sink = sink_keys(module, routing, allowed, query.shape[0], kv_len, device, docs)
     term = None  # the dot gate form's logit term [b, q, kv], before soft-capping
     if routing is None:  # a sliding-window layer, a window-only twin, or Focus disabled
         keep = causal
@@ -318,8 +288,8 @@ def _fast_path(
     router = getattr(module, "router", None)
     focus_window = getattr(module, "focus_window", None)
     kwargs = dict(scale=scale, softcap=softcap, backend=backend)
-    if _sinks(module):  # padded rows run on their real tokens: the sinks are their first ones
-        kwargs.update(sinks=_sinks(module))
+    if sinks_of(module):  # padded rows run on their real tokens: the sinks are their first ones
+        kwargs.update(sinks=sinks_of(module))
     probs = None
     if router is not None:
         focus = router.focus
@@ -360,25 +330,6 @@ def _fast_path(
                 **kwargs,
             )[0]
     return out  # [b, s, H, d]
-
-
-def focus_mask(*args, **kwargs) -> Tensor | None:
-    """The ``"focus"`` attention's mask: transformers' boolean SDPA mask (padding, packed
-    sequences, windows), or ``None`` where it would only say "causal, no padding": the Focus
-    layers take causality from the positions. SDPA's own rule returns ``None`` there only when
-    the keys are the queries, for one query and (5.24) a static cache's first prefill; a
-    static cache's later chunks (and, with 5.0, its prefill) would get a ``[b, 1, q, L]`` mask
-    (4 GB a row at 64K tokens). Eager steps of several queries only (reading the padding is a
-    host sync, as in transformers' own check): a one-token step and a compiled one get
-    transformers' mask."""
-    padding = kwargs.get("attention_mask")
-    plain = kwargs.get("mask_function") is causal_mask_function and not kwargs.get("local_size")
-    positions = kwargs.get("cache_position")  # transformers 5.0; later releases: q_length
-    queries = kwargs.get("q_length") or (positions.numel() if positions is not None else 1)
-    prefill = plain and queries > 1 and not torch.compiler.is_compiling()  # eager
-    if prefill and (padding is None or (padding.dim() == 2 and bool(padding.all()))):
-        return None
-    return sdpa_mask(*args, **kwargs)
 
 
 AttentionInterface.register("focus", focus_attention_forward)
