@@ -69,7 +69,7 @@ def run_workers(
             if time.monotonic() >= deadline:
                 _dump_and_kill(context.processes)
                 stacks = "".join(
-                    f"\n--- rank {r} ---\n" + (Path(out_dir) / f"stacks{r}.txt").read_text()
+                    f"\n--- rank {r} ---\n" + _stacks(Path(out_dir) / f"stacks{r}.txt")
                     for r in range(world_size)
                 )
                 raise TimeoutError(
@@ -79,6 +79,13 @@ def run_workers(
         return [
             torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)
         ]
+
+
+def _stacks(path: Path) -> str:
+    """A rank's stacks as faulthandler wrote them, or why there are none."""
+    if not path.exists():
+        return "(none: the process had not yet started its worker, still importing)\n"
+    return path.read_text()
 
 
 def _dump_and_kill(processes: list) -> None:
