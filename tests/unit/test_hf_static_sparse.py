@@ -191,12 +191,26 @@ def test_unpadded_static_steps_of_several_tokens_get_no_quadratic_mask():
             hook.remove()
 
 
-def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact():
-    """Chunks after the first run over the cache (masked) and re-sort every written slot."""
+@pytest.mark.parametrize("rows", [None, 37])
+def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact(monkeypatch, rows):
+    """Chunks after the first run over the cache (masked; ``rows``: in blocks of that many
+    query rows, as a long chunk over a long cache) and re-sort every written slot."""
     model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)
     ids, mask = long_prompts()
     cuts = (0, 300, 560, ids.shape[1])
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 2)
+    length = ids.shape[1] + 2
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    if rows is not None:
+        static = importlib.import_module("focus_hf_modeling.focus_static")  # the model's copy
+        heads = model.config.num_attention_heads
+        monkeypatch.setattr(static, "MASKED_STEP_ELEMENTS", rows * ids.shape[0] * heads * length)
+        blocks = []
+        original = static._cached_step
+        monkeypatch.setattr(
+            static,
+            "_cached_step",
+            lambda *a, **k: blocks.append(a[1].shape[2]) or original(*a, **k),
+        )
     with torch.no_grad():
         want = model(ids, attention_mask=mask, use_cache=False).logits  # [b, T, V]
         for start, end in itertools.pairwise(cuts):
@@ -212,6 +226,8 @@ def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact():
                     members = layer.focus_members[row, :end][valid[row]]
                     assert (members[1:] >= members[:-1]).all()
                     assert sorted(layer.focus_origin[row, :end].tolist()) == list(range(end))
+    if rows is not None:  # two chunks after the prompt, each layer in blocks of 37 rows
+        assert max(blocks) == rows and len(blocks) > 2 * len(model.model.layers)
 
 
 def capture_routing(model) -> tuple[list, list]:

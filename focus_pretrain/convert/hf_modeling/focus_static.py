@@ -15,7 +15,8 @@ fast or dense path) and, with the hard pattern, sorts a Focus layer's prompt slo
 device from the slots' positions: causal, real keys only (not padding), HF's mask read through
 the positions, and then, for a Focus layer's hard pattern, the local window, the keys sharing
 one of the query's top-k groups and the row's first ``S`` real tokens (the sinks); the soft
-pattern gates the rest. So a step has the same shapes every time, reads no tensor on the host
+pattern gates the rest (an eager chunk after the prompt in blocks of query rows,
+``MASKED_STEP_ELEMENTS`` scores each). So a step has the same shapes every time, reads no tensor on the host
 and has no per-row Python loop: the decode step compiles whole (``torch.compile(fullgraph=
 True)``) and can be captured in a CUDA graph; compiled, a hard step runs block-sparse
 (``focus_static_sparse.sparse_static_attention``: the blocks holding a kept key only).
@@ -43,6 +44,10 @@ from .focus_static_sparse import (
     sort_by_groups,
     sparse_static_attention,
 )
+
+# an eager step of several tokens after the prompt attends over the cache in blocks of query
+# rows of at most this many fp32 scores each (2**26: 256 MiB)
+MASKED_STEP_ELEMENTS = 2**26
 
 try:  # is the running code being traced by dynamo (then no static-address marks)?
     from torch.compiler import is_compiling as _is_compiling
@@ -294,6 +299,8 @@ def static_focus_forward(
         layer.focus_store(slots, *routing, new_valid, sinks)
     if first == 0:
         out = whole_sequence(q_len, new_valid)
+    elif first is not None:  # an eager chunk after the prompt: bounded memory, row blocks
+        out = _cached_rows(layer, query, key, value, allowed, routing, focus, slots, new_valid, kw)
     else:
         out = _cached_step(
             layer, query, key, value, allowed, routing, focus, slots, new_valid, **kw
@@ -302,6 +309,22 @@ def static_focus_forward(
     if first is not None and routing is not None and sparse:
         sort_by_groups(layer, first + q_len)  # every written slot, by group
     return out
+
+
+def _cached_rows(layer, query, key, value, allowed, routing, focus, slots, new_valid, kw):
+    """:func:`_cached_step` over blocks of query rows, each with at most
+    ``MASKED_STEP_ELEMENTS`` scores (``[b, H, rows, L]``): an eager chunk of thousands of
+    tokens over a long cache would otherwise hold its whole ``[b, H, q, L]`` scores at once."""
+    b, heads, q_len, _ = query.shape
+    rows = max(1, MASKED_STEP_ELEMENTS // (b * heads * key.shape[2]))
+    outs = []
+    for start in range(0, q_len, rows):
+        part = slice(start, start + rows)
+        part_allowed = None if allowed is None else allowed[:, part]  # [b, rows, L]
+        part_routing = None if routing is None else tuple(t[:, part] for t in routing)
+        args = (layer, query[:, :, part], key, value, part_allowed, part_routing, focus)
+        outs.append(_cached_step(*args, slots[part], new_valid[:, part], **kw))  # [b, rows, H, d]
+    return torch.cat(outs, dim=1)  # [b, q, H, d]
 
 
 def _cached_step(layer, query, key, value, allowed, routing, focus, slots, new_valid, **kw):
