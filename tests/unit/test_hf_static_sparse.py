@@ -115,6 +115,28 @@ def long_prompts(lengths=(700, 610), seed=4) -> tuple[torch.Tensor, torch.Tensor
     return padded(sequences(*lengths, seed=seed), "left")
 
 
+def test_a_pattern_computed_inside_the_compiled_step_compiles():
+    """A small elementwise ``keep`` built in the graph (a window-only twin's): inductor's CPU
+    FlexAttention found no kernel for it before ``sparse_static_attention`` realized it."""
+    gen = torch.Generator().manual_seed(7)
+    b, heads, length, d = 2, 4, 700, 8
+    q = torch.randn(b, heads, 1, d, generator=gen)
+    k, v = (torch.randn(b, 2, length, d, generator=gen) for _ in range(2))
+    valid = torch.rand(b, length, generator=gen) < 0.7
+
+    def step(q, k, v, valid, slot):
+        distance = slot - torch.arange(length)  # [L]
+        keep = valid[:, None, :] & (distance >= 0) & (distance <= 20)  # [b, 1, L]
+        return sparse.sparse_static_attention(q, k, v, keep, scale=0.3, softcap=None)
+
+    fresh_dynamo()
+    slot = torch.tensor([600])
+    got = torch.compile(step, fullgraph=True, dynamic=False)(q, k, v, valid, slot)
+    keep = valid[:, None, :] & ((slot - torch.arange(length)) >= 0)
+    keep &= (slot - torch.arange(length)) <= 20
+    torch.testing.assert_close(got, masked_reference(q, k, v, keep, None, None))
+
+
 def prefilled(model, ids, mask, new: int):
     """``(cache, first token [b], full mask [b, L])`` after an eager prefill into a static
     cache of ``T + new`` slots."""
@@ -234,30 +256,46 @@ def capture_routing(model) -> tuple[list, list]:
     """Forward hooks that record each router's output (the step's group probabilities)."""
     seen, hooks = [], []
     for layer in model.model.layers:
+        if not hasattr(layer.self_attn, "router"):  # a window-only twin
+            continue
         hooks.append(
             layer.self_attn.router.register_forward_hook(lambda m, a, out: seen.append(out))
         )
     return seen, hooks
 
 
-def poison_skippable_blocks(model, cache, probs_per_layer, slot: int) -> int:
+def twin_keep(focus: dict, full: torch.Tensor, slot: int) -> torch.Tensor:
+    """``[b, L]`` the keys a window-only twin's step at ``slot`` attends (cache order, the
+    full mask ``[b, L]``): real, causal, in the window or among the row's first sinks."""
+    valid = full.bool()
+    distance = slot - torch.arange(full.shape[1])  # [L]
+    sink = valid & (valid.long().cumsum(dim=1) <= focus["sinks"])
+    return valid & (distance >= 0) & ((distance <= focus["window"]) | sink)
+
+
+def poison_skippable_blocks(model, cache, probs_per_layer, slot: int, full) -> int:
     """NaN into the keys and values of every block the step at ``slot`` keeps no key of (per
-    layer, from its routing ``probs [b, 1, K]``); returns how many blocks were poisoned."""
+    layer, from its routing ``probs [b, 1, K]``, or for a window-only twin, ``probs_per_layer``
+    empty, from the full mask ``[b, L]``); returns how many blocks were poisoned."""
     focus, poisoned = model.config.focus, 0
+    probs_per_layer = probs_per_layer or [None] * len(cache.layers)
     for layer, probs in zip(cache.layers, probs_per_layer, strict=True):
-        member = membership(probs, focus["top_k"])[:, 0]  # [b]
-        origin, valid = layer.focus_origin, layer.focus_valid
-        distance = slot - origin
-        keep = (
-            valid
-            & (distance >= 0)
-            & (
-                (distance <= focus["window"])
-                | layer.focus_sink
-                | ((layer.focus_members & member[:, None]) != 0)
-            )
-        )  # [b, L]
-        keep |= origin == slot  # the step's own token (written by the step itself)
+        if probs is None:
+            keep = twin_keep(focus, full, slot)
+        else:
+            member = membership(probs, focus["top_k"])[:, 0]  # [b]
+            origin, valid = layer.focus_origin, layer.focus_valid
+            distance = slot - origin
+            keep = (
+                valid
+                & (distance >= 0)
+                & (
+                    (distance <= focus["window"])
+                    | layer.focus_sink
+                    | ((layer.focus_members & member[:, None]) != 0)
+                )
+            )  # [b, L]
+            keep |= origin == slot  # the step's own token (written by the step itself)
         length = keep.shape[1]
         blocks = torch.nn.functional.pad(keep, (0, -length % BLOCK)).view(keep.shape[0], -1, BLOCK)
         skip = (~blocks.any(-1)).repeat_interleave(BLOCK, 1)[:, :length]  # [b, L]
@@ -288,7 +326,7 @@ def decode_poisoned(model, ids, mask, new: int, mode: str | None = None, tol: fl
             want = step(tokens[-1][:, None], full, slot, eager_cache)
             for hook in hooks:
                 hook.remove()
-            poisoned += poison_skippable_blocks(model, cache, seen, int(slot))
+            poisoned += poison_skippable_blocks(model, cache, seen, int(slot), full)
             got = compiled(tokens[-1][:, None], full, slot, cache).clone()
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
             tokens.append(got.argmax(-1))
@@ -314,6 +352,23 @@ def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
         torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
     assert tokens.tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
     assert poisoned > 0  # blocks were skipped (and held NaN)
+
+
+def test_a_window_only_twin_decodes_block_sparse_too():
+    """The twin's compiled step visits the window's and the sinks' blocks only."""
+    new = 4
+    model = focus_model(window_only=True, window=8, sinks=3)
+    ids, mask = long_prompts()
+    kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = greedy(model, ids, new, **kwargs)
+    tokens, logits, poisoned = decode_poisoned(model, ids, mask, new)
+    for i, got in enumerate(logits):
+        torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
+    assert tokens.tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
+    blocks = -(-(ids.shape[1] + new) // BLOCK)
+    kept = 3  # at most: the sinks' block and the window's two
+    assert poisoned >= (new - 1) * len(model.model.layers) * ids.shape[0] * (blocks - kept)
 
 
 @pytest.mark.gpu

@@ -16,10 +16,11 @@ device from the slots' positions: causal, real keys only (not padding), HF's mas
 the positions, and then, for a Focus layer's hard pattern, the local window, the keys sharing
 one of the query's top-k groups and the row's first ``S`` real tokens (the sinks); the soft
 pattern gates the rest (an eager chunk after the prompt in blocks of query rows,
-``MASKED_STEP_ELEMENTS`` scores each). So a step has the same shapes every time, reads no tensor on the host
-and has no per-row Python loop: the decode step compiles whole (``torch.compile(fullgraph=
-True)``) and can be captured in a CUDA graph; compiled, a hard step runs block-sparse
-(``focus_static_sparse.sparse_static_attention``: the blocks holding a kept key only).
+``MASKED_STEP_ELEMENTS`` scores each). So a step has the same shapes every time, reads no
+tensor on the host and has no per-row Python loop: the decode step compiles whole
+(``torch.compile(fullgraph=True)``) and can be captured in a CUDA graph; compiled, a hard
+step runs block-sparse (``focus_static_sparse.sparse_static_attention``: the blocks holding a
+kept key only), and so does a window-only twin's step (its window's and sinks' blocks).
 
 The step's cache slots come from the cache layer's ``cumulative_length`` tensor where the
 release counts the cached tokens on the device (5.24: the keys were just written at its previous
@@ -390,6 +391,8 @@ def _masked_step(
     neg_inf = torch.tensor(float("-inf"), device=query.device)
     if routing is None:
         keep = local if focus_window is not None else causal
+        if focus_window is not None and _sparse_step(query, "hard", focus):  # the window's blocks
+            return sparse_static_attention(query, key, value, keep, scale=scale, softcap=softcap)
         return static_attention(
             query, key, value, torch.where(keep, 0.0, neg_inf), scale=scale, softcap=softcap
         )

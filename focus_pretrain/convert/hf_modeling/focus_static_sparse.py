@@ -147,6 +147,11 @@ def sparse_static_attention(
         return score
 
     plain = dot_lambda is None and softcap is None
+    # compiled, `keep` must be a buffer of its own: inductor's CPU FlexAttention (torch 2.11 to
+    # 2.13) reads the mask's captured tensors before it realizes them and finds no choice for
+    # a small elementwise one (a window-only twin's); `as_strided` realizes it (eager: a view)
+    keep = keep.contiguous()
+    keep = keep.as_strided(keep.shape, keep.stride())  # [b, q, L]
     if probs_k is not None:
         probs_q, probs_k = probs_q.float(), probs_k.float()
     out = flex_attention(
