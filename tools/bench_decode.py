@@ -5,7 +5,8 @@ and times one-token decode steps (median after warm-up). Dynamic cache (eager): 
 with SDPA on the same keys, the Focus model over its whole cache, and the Focus model's sparse
 step (window + the query's groups). Static cache (``StaticCache``, each step one compiled graph,
 CUDA graphs on CUDA): the plain model with SDPA against the Focus model's block-sparse step.
-Checks the sparse steps against the dense Focus step; writes JSON and markdown tables.
+Checks the sparse steps against the dense Focus step; ``--generate N``: ``generate()`` end to
+end too (prefill + N tokens). Writes JSON and markdown tables.
 
     python tools/bench_decode.py --seq 4096 16384 65536 --batch 8 --groups 8 --top-k 1 \\
         --json decode.json --markdown decode.md
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
         "--no-cuda-graphs", action="store_true",
         help="compile the static rows' steps without CUDA graphs (mode=reduce-overhead)",
     )  # fmt: skip
+    parser.add_argument(
+        "--generate", type=int, default=0, metavar="N",
+        help="also time generate() end to end (prefill + N new tokens, greedy) per cache, "
+        "plain and Focus (static: compiled by transformers on CUDA)",
+    )  # fmt: skip
     parser.add_argument("--json", help="write environment and rows to this JSON file")
     parser.add_argument("--markdown", help="write the markdown table to this file")
     args = parser.parse_args(argv)
@@ -67,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         caches=args.caches,
         cuda_graphs=not args.no_cuda_graphs,
+        generate=args.generate,
     )
     env = environment(cfg, cfg.device)
     run_and_report(env, lambda: run_decode_benchmark(cfg), markdown_table, args.json, args.markdown)

@@ -25,6 +25,9 @@
 #           DECODE_BATCH): the static cache's compiled step as a CUDA graph (block-sparse vs
 #           dense SDPA) and the dynamic cache's eager step (DECODE_CACHES, default both; quick:
 #           static); target >= 4x dense at 64K (issue 42)
+#   generate  generate() end to end (prefill + GENERATE_TOKENS, default 64, greedy) at
+#           GENERATE_SEQ (default 65536), batch 1, plain SDPA vs Focus, dynamic cache (eager) and
+#           static cache (transformers compiles the step, CUDA graphs): what a user waits for
 #   tune    the triton training kernels: checked against the reference, every candidate tile
 #           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
 #           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
@@ -189,6 +192,14 @@ stage_decode() {
   return $rc
 }
 
+stage_generate() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_decode.py --seq ${GENERATE_SEQ:-65536} --batch 1 --caches dynamic static \
+    --generate ${GENERATE_TOKENS:-64} --steps 2 --warmup 1 \
+    --groups 8 --top-k 1 --window 128 --layers 2 --heads 16 --head-dim 128 --dtype bf16 \
+    --device cuda --json "$OUT/bench_generate.json" --markdown "$LOGS/bench_generate.md"
+}
+
 stage_tune() {
   cp focus_pretrain/focus/triton_tiles.json "$OUT/triton_tiles.json" 2>/dev/null
   # shellcheck disable=SC2086
@@ -196,7 +207,7 @@ stage_tune() {
     --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} --rivals ${TUNE_RIVALS:-flex} ${TUNE_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot decode)
+ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot decode generate)
 # two sets sized for one device call each (about 9 minutes; each limit overridable)
 QUICK=(env tests graphs train decode)
 LONG=(graphs train sparse_train decode)

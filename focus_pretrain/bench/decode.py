@@ -10,6 +10,9 @@ decode steps on copies of that cache, median after warm-up:
   the whole cache);
 * ``focus_sparse``: the default: each step reads its window and the keys of its groups only.
 
+With ``generate > 0`` each row also times ``generate()`` end to end (prefill and decode) on
+each cache (:mod:`~focus_pretrain.bench.decode_generate`).
+
 It checks first that the sparse and dense Focus steps give the same logits, and reports the
 keys a sparse step read (counted by the model) against the context. Rows are dicts (JSON);
 :func:`markdown_table` renders them. Layout: HF ``[b, heads, seq, d]`` caches.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from focus_pretrain.bench.decode_generate import generate_cells, generate_columns, generate_row
 from focus_pretrain.bench.decode_static import static_row
 from focus_pretrain.bench.report import markdown
 from focus_pretrain.convert.hf_export import load_modeling
@@ -55,6 +59,7 @@ class DecodeBenchConfig:
     seed: int = 0
     caches: list[str] = field(default_factory=lambda: list(CACHES))  # dynamic | static
     cuda_graphs: bool = True  # the static rows' compiled steps as CUDA graphs (on CUDA)
+    generate: int = 0  # > 0: also time generate() end to end for this many new tokens
 
 
 def _models(cfg: DecodeBenchConfig):
@@ -120,6 +125,12 @@ def run_decode_benchmark(cfg: DecodeBenchConfig, log=print) -> list[dict]:
             except torch.OutOfMemoryError:  # a length too long for this GPU: the row says so
                 row["static_error"] = "out of memory"
                 torch.cuda.empty_cache()
+        if cfg.generate > 0:
+            try:
+                row.update(generate_row(cfg, model, plain, prompt))
+            except torch.OutOfMemoryError:
+                row["generate_error"] = "out of memory"
+                torch.cuda.empty_cache()
         for key in [k for k in row if k.startswith("_")]:
             row.pop(key)
         log(format_row(row))
@@ -179,6 +190,16 @@ def format_row(row: dict) -> str:
             f"{row['static_focus_ms']:.3f} ms ({row['static_speedup_vs_dense']:.2f}x) | "
             f"blocks visited {100 * row['static_blocks_visited']:.1f}%"
         )
+    if "generate_error" in row:
+        parts.append(f"generate: {row['generate_error']}")
+    elif "generate_new_tokens" in row:
+        times = [
+            f"{cache} dense {row[f'generate_{cache}_dense_s']:.3f} s / focus "
+            f"{row[f'generate_{cache}_focus_s']:.3f} s ({row[f'generate_{cache}_speedup']:.2f}x)"
+            for cache in CACHES
+            if f"generate_{cache}_dense_s" in row
+        ]
+        parts.append(f"generate {row['generate_new_tokens']} tokens: " + ", ".join(times))
     return " | ".join(parts)
 
 
@@ -200,6 +221,12 @@ def markdown_table(rows: list[dict]) -> str:
         columns += ["eager step: launches / host syncs (dense; Focus)", "CUDA kernels per step"]
         columns += ["key blocks visited", "max abs diff vs exact"]
         tables.append(markdown(columns, "rrrrrrrrrr", (_static_cells(r) for r in static)))
+    ends = [r for r in rows if "generate_new_tokens" in r]
+    if ends:
+        caches = [c for c in CACHES if f"generate_{c}_dense_s" in ends[0]]
+        columns = generate_columns(caches, ends[0]["generate_compiled"])
+        cells = (generate_cells(r, caches) for r in ends)
+        tables.append(markdown(columns, "r" * len(columns), cells))
     return "\n\n".join(tables)
 
 

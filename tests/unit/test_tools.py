@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -191,13 +192,16 @@ def test_bench_attention_counts_and_captures(tmp_path):
     assert row["backends"]["flex"]["host_syncs"] == 0
 
 
-def run_bench_decode(tmp_path, cache: str, lengths: list[str]) -> tuple[list[dict], str]:
+def run_bench_decode(
+    tmp_path, cache: str, lengths: list[str], extra: tuple[str, ...] = ()
+) -> tuple[list[dict], str]:
     """``tools/bench_decode.py`` at small sizes on one kind of cache: its rows and table."""
     args = ["--batch", "3", "--groups", "4", "--top-k", "2", "--window", "16", "--layers", "1"]
     args += ["--heads", "4", "--heads-kv", "2", "--head-dim", "16"]
     args += ["--vocab", "64", "--warmup", "1", "--steps", "3"]
     out, table = tmp_path / f"{cache}.json", tmp_path / f"{cache}.md"
     args += ["--caches", cache, "--seq", *lengths, "--json", str(out), "--markdown", str(table)]
+    args += list(extra)
     subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_decode.py"), *args],
         capture_output=True,
@@ -215,13 +219,35 @@ def test_bench_decode_smoke_on_cpu(tmp_path):
     """The decode benchmark runs end to end at small sizes on the dynamic cache: the sparse step
     agrees with the dense one and reads fewer keys than the context (a smoke check, not
     figures)."""
-    rows, table = run_bench_decode(tmp_path, "dynamic", ["200", "700"])
+    rows, table = run_bench_decode(tmp_path, "dynamic", ["200", "700"], ("--generate", "3"))
     for row in rows:  # three sequences decoded together, each with its own prompt
         assert row["max_abs_diff_sparse_vs_dense"] < 1e-4
         assert 16 < row["keys_read_per_step"] < row["keys_dense_per_step"]
         assert min(row["dense_ms"], row["focus_dense_ms"], row["focus_sparse_ms"]) > 0
         assert "static_focus_ms" not in row
-    assert "| 700 | 3 |" in table
+        assert row["generate_new_tokens"] == 3 and row["generate_dynamic_focus_s"] > 0
+        assert row["generate_dynamic_dense_tokens_per_s"] > 0
+        assert "generate_static_focus_s" not in row
+    assert "| 700 | 3 |" in table and "| 700 | 3 | 3 |" in table  # the generate table
+
+
+@pytest.mark.hf
+def test_bench_decode_generate_gives_the_same_tokens_on_both_caches():
+    """``generate()`` end to end on the dynamic and the static cache (eager on a CPU): Focus's
+    greedy tokens agree, and every figure is there."""
+    from focus_pretrain.bench.decode import DecodeBenchConfig, _models
+    from focus_pretrain.bench.decode_generate import generate_row
+
+    cfg = DecodeBenchConfig(seq=[300], batch=2, groups=4, top_k=1, window=16, layers=2)
+    cfg.heads, cfg.heads_kv, cfg.head_dim, cfg.vocab, cfg.generate = 4, 2, 16, 64, 4
+    model, plain = _models(cfg)
+    prompt = torch.randint(0, cfg.vocab, (2, 300), generator=torch.Generator().manual_seed(3))
+    row = generate_row(cfg, model, plain, prompt)
+    assert row["generate_focus_static_equals_dynamic"] is True
+    for cache in ("dynamic", "static"):
+        for name in ("dense", "focus"):
+            assert row[f"generate_{cache}_{name}_s"] > 0
+        assert row[f"generate_{cache}_speedup"] > 0
 
 
 @pytest.mark.capture
