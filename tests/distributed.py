@@ -3,7 +3,10 @@
 A worker is a module-level function ``fn(rank, world_size, *args) -> object`` (picklable by
 name); its return value is saved with ``torch.save`` and handed back in rank order. The
 processes meet through a file in a temporary directory, not a TCP port, so concurrent test runs
-on one machine cannot collide. A run that outlives its deadline has every rank's Python stacks
+on one machine cannot collide. Gloo ranks fork from a forkserver that has imported the heavy
+modules once (:data:`PRELOAD`), with the caller's environment, working directory and
+``sys.path`` at the call; ``FOCUS_TEST_START_METHOD=spawn`` spawns them instead (as NCCL ranks
+always are). A run that outlives its deadline has every rank's Python stacks
 taken (faulthandler, SIGUSR1) before it is killed and put in the error, so a hang fails in
 minutes and says where.
 """
@@ -14,6 +17,7 @@ import faulthandler
 import importlib
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,9 +31,35 @@ from focus_pretrain.parallel.launch import free_port
 __all__ = ["free_port", "run_workers"]
 
 
+# what every rank imports, and what takes its time to start (~8 s a process on a 2-core CPU):
+# gloo ranks are forked from a forkserver that imported these once per test process (the GPU
+# tests' NCCL ranks are spawned: a fork must not inherit CUDA state)
+PRELOAD = ["torch", "torch.distributed", "focus_pretrain.model", "focus_pretrain.train.trainer"]
+
+
+def _start_method(backend: str) -> str:
+    method = os.environ.get("FOCUS_TEST_START_METHOD", "forkserver")
+    if backend == "nccl" or method == "spawn":
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # before the server starts
+    return "forkserver"
+
+
 def _entry(
-    rank: int, world_size: int, target: str, args: tuple, out_dir: str, backend: str = "gloo"
+    rank: int,
+    world_size: int,
+    target: str,
+    args: tuple,
+    out_dir: str,
+    backend: str = "gloo",
+    parent: tuple[dict, str, list] | None = None,
 ):
+    if parent is not None:  # forked from the forkserver: the caller's environment, not its own
+        env, cwd, path = parent
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     stacks = open(Path(out_dir) / f"stacks{rank}.txt", "w")  # noqa: SIM115 (open till exit)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for the deadline
@@ -57,12 +87,14 @@ def run_workers(
     so does a run still going after ``timeout`` seconds (the error holds every rank's stacks).
     """
     with tempfile.TemporaryDirectory() as out_dir:
+        method = _start_method(backend)
+        parent = (dict(os.environ), os.getcwd(), list(sys.path)) if method != "spawn" else None
         context = mp.start_processes(
             _entry,
-            args=(world_size, target, args, out_dir, backend),
+            args=(world_size, target, args, out_dir, backend, parent),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=method,
         )
         deadline = time.monotonic() + timeout
         while not context.join(timeout=max(0.0, min(30.0, deadline - time.monotonic()))):
