@@ -119,8 +119,9 @@ def test_static_generate_equals_the_dynamic_cache(case):
             assert sorted(origin[valid].tolist()) == list(range(first_real, written))
 
 
-def test_the_decode_step_compiles_whole_and_gives_the_eager_tokens():
-    model = focus_model(top_k=2, window=4, sinks=3)
+@pytest.mark.parametrize("family", ["Llama", "GPT2"])  # GPT-2: a query viewed from c_attn
+def test_the_decode_step_compiles_whole_and_gives_the_eager_tokens(family):
+    model = focus_model(family, top_k=2, window=4, sinks=3)
     ids, mask = prompt_batch()
     fresh_dynamo()
     with torch.no_grad():

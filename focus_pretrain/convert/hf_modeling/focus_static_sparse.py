@@ -120,6 +120,13 @@ def key_blocks(keep: Tensor, block: int = KEY_BLOCK) -> BlockMask:
     )
 
 
+def _own_buffer(tensor: Tensor) -> Tensor:
+    """``tensor`` contiguous in a buffer of its own shape when compiled (``as_strided`` makes
+    inductor realize it); eagerly a view."""
+    tensor = tensor.contiguous()
+    return tensor.as_strided(tensor.shape, tensor.stride())
+
+
 def sparse_static_attention(
     query: Tensor,
     key: Tensor,
@@ -147,11 +154,11 @@ def sparse_static_attention(
         return score
 
     plain = dot_lambda is None and softcap is None
-    # compiled, `keep` must be a buffer of its own: inductor's CPU FlexAttention (torch 2.11 to
-    # 2.13) reads the mask's captured tensors before it realizes them and finds no choice for
-    # a small elementwise one (a window-only twin's); `as_strided` realizes it (eager: a view)
-    keep = keep.contiguous()
-    keep = keep.as_strided(keep.shape, keep.stride())  # [b, q, L]
+    # compiled, `keep` and the query must be buffers of their own: inductor's CPU FlexAttention
+    # (torch 2.11 to 2.13) reads the mask's captured tensors before it realizes them (no
+    # choice for a small elementwise one: a window-only twin's), and takes the query's buffer
+    # for 4-D (GPT-2's is a view of the fused [b, 3 * hidden] projection)
+    keep, query = _own_buffer(keep), _own_buffer(query)  # [b, q, L], [b, H, q, d]
     if probs_k is not None:
         probs_q, probs_k = probs_q.float(), probs_k.float()
     out = flex_attention(
