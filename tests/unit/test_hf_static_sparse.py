@@ -338,12 +338,9 @@ def decode_poisoned(model, ids, mask, new: int, mode: str | None = None, tol: fl
     return torch.stack(tokens, 1), logits, poisoned
 
 
-@pytest.mark.slow
-def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
-    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
-    new = 4
-    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
-    ids, mask = long_prompts()
+def decoded_like_the_dynamic_cache(model, ids, mask, new: int) -> int:
+    """:func:`decode_poisoned` checked against greedy decoding on the dynamic cache (logits
+    and tokens); returns how many blocks held NaN."""
     kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         dynamic = greedy(model, ids, new, **kwargs)
@@ -351,7 +348,14 @@ def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
     for i, got in enumerate(logits):
         torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
     assert tokens.tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
-    assert poisoned > 0  # blocks were skipped (and held NaN)
+    return poisoned
+
+
+@pytest.mark.slow
+def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
+    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
+    assert decoded_like_the_dynamic_cache(model, *long_prompts(), new=4) > 0  # NaN skipped
 
 
 def test_a_window_only_twin_decodes_block_sparse_too():
@@ -359,13 +363,7 @@ def test_a_window_only_twin_decodes_block_sparse_too():
     new = 4
     model = focus_model(window_only=True, window=8, sinks=3)
     ids, mask = long_prompts()
-    kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        dynamic = greedy(model, ids, new, **kwargs)
-    tokens, logits, poisoned = decode_poisoned(model, ids, mask, new)
-    for i, got in enumerate(logits):
-        torch.testing.assert_close(got, dynamic.logits[i + 1], rtol=1e-4, atol=1e-4)
-    assert tokens.tolist() == dynamic.sequences[:, ids.shape[1] :].tolist()
+    poisoned = decoded_like_the_dynamic_cache(model, ids, mask, new)
     blocks = -(-(ids.shape[1] + new) // BLOCK)
     kept = 3  # at most: the sinks' block and the window's two
     assert poisoned >= (new - 1) * len(model.model.layers) * ids.shape[0] * (blocks - kept)
