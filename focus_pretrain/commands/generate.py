@@ -12,7 +12,9 @@ rest (``generate``), so every option it has works on the export from Python too.
 ``--focus KEY=VALUE`` infers with other settings than the export's (``enabled=false``: the
 original dense model; ``top_k=2``; ``window_only=true``), without exporting again.
 ``--json`` writes the prompts, completions, tokens/s, the keys read per decode step and the
-Focus settings inferred with.
+Focus settings inferred with. ``--cache static`` decodes on transformers' static cache (fixed
+shapes: on CUDA transformers compiles the one-token step, which then visits only the key blocks
+holding a key it keeps; docs/convert.md); the default is the dynamic cache.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
         "--focus", action="append", default=[], metavar="KEY=VALUE",
         help="infer with this Focus setting instead of the export's (repeatable): "
         "enabled=false (the original dense model), top_k=2, sinks=4, window=256, window_only=true",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache", choices=["dynamic", "static"], default="dynamic",
+        help="the KV cache: dynamic, or transformers' static one (compiled by it on CUDA)",
     )  # fmt: skip
     parser.add_argument("--device", type=device, default="cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -77,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(args.device)
     options = dict(max_new_tokens=args.max_new_tokens, num_beams=args.num_beams)
     options.update(pad_token_id=tokenizer.pad_token_id)
+    if args.cache == "static":
+        options.update(cache_implementation="static")
     if args.sample:
         options.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
     else:
@@ -89,17 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     completions = tokenizer.batch_decode(new, skip_special_tokens=True)
     for prompt, text in zip(prompts, completions, strict=True):
         print(f"{prompt}{text}\n")
-    reads = [getattr(m, "focus_keys_read", None) for m in model.modules()]
-    reads = [r for r in reads if r is not None]
+    routed = [m for m in model.modules() if getattr(m, "router", None) is not None]
+    reads = [getattr(m, "focus_keys_read", 0) for m in routed]
     result = {
         "prompts": prompts,
         "completions": completions,
         "new_tokens": int(new.numel()),
         "seconds": seconds,
         "tokens_per_second": new.numel() / seconds,
-        "focus_keys_read": sum(reads),
-        "focus_layers": len(reads),
+        # counted by the dynamic cache's sparse step (the static cache's compiled step does not)
+        "focus_keys_read": sum(reads) if args.cache == "dynamic" else None,
+        "focus_layers": len(routed),
         "focus": _settings(model),
+        "cache": args.cache,
     }
     print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
     if args.json:

@@ -174,7 +174,7 @@ def test_sparse_decode_of_the_trained_export_equals_full_recomputation(exported,
         assert kept < 0.7 * sum(range(prompt.shape[1] + 1, n))  # fewer than the dense cache
 
 
-def test_generate_tool_batches_prompts_like_one_by_one(exported, tmp_path):
+def test_generate_tool_batches_prompts_like_one_by_one(exported, tmp_path, monkeypatch):
     """tools/generate.py (left-padded batch, KV cache) completes each prompt as greedy
     generation of that prompt alone does."""
     import subprocess
@@ -198,6 +198,25 @@ def test_generate_tool_batches_prompts_like_one_by_one(exported, tmp_path):
             alone = model.generate(ids, max_new_tokens=12, do_sample=False)
         assert tokenizer.decode(alone[0, ids.shape[1] :], skip_special_tokens=True) == completion
     assert result["new_tokens"] == 36 and result["focus_keys_read"] > 0
+    assert result["cache"] == "dynamic" and result["focus_layers"] > 0
+    # the static cache (in process: the tool's main) completes the same batch the same way
+    from transformers.generation.utils import GenerationMixin
+
+    from focus_pretrain.commands import generate
+
+    caches, plain_generate = [], GenerationMixin.generate
+
+    def recording_generate(self, *a, **kw):
+        caches.append(kw.get("cache_implementation"))
+        return plain_generate(self, *a, **kw)
+
+    monkeypatch.setattr(GenerationMixin, "generate", recording_generate)
+    generate.main([*args[2:-1], str(tmp_path / "static.json"), "--cache", "static"])
+    assert caches == ["static"]
+    static = json.loads((tmp_path / "static.json").read_text())
+    assert static["completions"] == result["completions"]
+    assert static["cache"] == "static" and static["focus_keys_read"] is None
+    assert static["focus_layers"] == result["focus_layers"]
 
 
 def test_generate_tool_infers_with_the_focus_settings_given(exported, tmp_path):

@@ -12,6 +12,7 @@ set -euo pipefail
 MODELS=$1 CORPUS=$2 OUT=$3 STEPS=${4:-15}
 shift $(( $# < 4 ? $# : 4 ))
 HERE=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$OUT"
 # the shared setting: 512-token samples, K=4 groups, window 128, fp32 on a CPU; 8 samples a
 # step; 8 validation micro-batches of 4 (16K tokens, the same for every run of a corpus)
 COMMON=(--groups 4 --window 128 --report-samples 2 --set data.seq_length=512
