@@ -111,8 +111,15 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, purpose: str = "training") -> RunLock:
-        """Take the lock or raise :class:`RunInUseError` naming the holder."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Take the lock or raise :class:`RunInUseError` naming the holder (an
+        :class:`InputError` when a file stands where the directory should be)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise InputError(
+                f"{self.directory} cannot be a run directory: it or a folder above it is a "
+                "file; give another run.output_dir"
+            ) from None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -27,6 +27,7 @@ which converts the checkpoint to DeepSpeed's universal form and loads that
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,35 @@ def check_resume(
     if layout is not None:
         check_layout(Path(checkpoint), config, layout)
     return changes
+
+
+def check_run_config(path: Path) -> None:
+    """Refuse a run directory whose ``config.yaml`` this program did not write: the run writes
+    its resolved recipe there (and would replace the file). Ours is a YAML mapping of the
+    recipe's sections (``run``, ``model``, ``data``, ``train`` at least, nothing else), each a
+    mapping; anything else is the user's.
+
+    Raises:
+        InputError: ``path`` exists and is not a resolved recipe.
+    """
+    import yaml
+
+    if not path.exists() and not path.is_symlink():
+        return
+    refusal = InputError(
+        f"{path} is not a recipe this program wrote (a run writes its resolved recipe there): "
+        "move the file away or choose another run.output_dir"
+    )
+    if not path.is_file() or path.is_symlink():
+        raise refusal
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        raise refusal from None
+    sections = {field.name for field in dataclasses.fields(Config)}
+    if (
+        not isinstance(data, dict)
+        or not {"run", "model", "data", "train"} <= set(data) <= sections
+        or not all(isinstance(value, dict) for value in data.values())
+    ):
+        raise refusal

@@ -71,7 +71,7 @@ from focus_pretrain.train.optim import (
     lr_lambda,
     parameter_groups,
 )
-from focus_pretrain.train.resume import check_resume
+from focus_pretrain.train.resume import check_resume, check_run_config
 from focus_pretrain.train.stop import StopSignal
 from focus_pretrain.train.validate import Validator, validation_samples
 
@@ -116,9 +116,6 @@ class Trainer:
             config,
             self.run_layout,
         )
-        if self.layout.is_main:
-            path = save_config(config, self.output_dir / "config.yaml")
-            print(f"focus-pretrain: resolved config ({path}):\n{path.read_text()}", flush=True)
         self.device = torch.device("cpu")
         if torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -128,6 +125,9 @@ class Trainer:
         self.routers = [m for m in self.model.modules() if isinstance(m, FocusRouter)]
         self.focus_layers = [m for m in self.model.modules() if isinstance(m, FocusSelfAttention)]
         self.engine, self.optimizer, self.gate = self._build_engine()
+        if self.layout.is_main:  # the inputs checked: the run's own record of its recipe
+            path = save_config(config, self.output_dir / "config.yaml")
+            print(f"focus-pretrain: resolved config ({path}):\n{path.read_text()}", flush=True)
         self.schedule = lr_lambda(config.train)
         self.objective = Objective.from_config(config.train)  # lm, or distillation (retrofits)
         self.checkpointer = Checkpointer(
@@ -160,6 +160,7 @@ class Trainer:
             try:
                 self.run_lock.acquire()
                 read_latest(self.output_dir / "checkpoints")
+                check_run_config(self.output_dir / "config.yaml")
             except InputError as err:
                 refusal = err
         if dist.is_initialized() and self.layout.world_size > 1:

@@ -618,6 +618,8 @@ def inputs(tmp_path_factory) -> Path:
         (root / name / "checkpoints" / "latest").write_text(pointer)
     for suffix in (".bin", ".idx"):  # a dataset of the user's at an --output-prefix
         (root / f"dataset{suffix}").write_bytes(b"the user's tokens")
+    (root / "user_config").mkdir()
+    (root / "user_config" / "config.yaml").write_text("# the user's notes\nfoo: 1\n")
     (root / "user_files").mkdir()
     (root / "user_files" / "notes.txt").write_text("the user's, never deleted\n")
     focus = {"num_groups": 4, "window": 8, "top_k": 1}
@@ -740,6 +742,16 @@ def test_bad_input_is_one_line_and_status_2(row, substring, inputs, tmp_path, mo
             ["generate", "{in}/export", "--prompt", "", "--json", "{out}/g.json"],
             '--prompt "" is empty',
             id="generate-empty-prompt",
+        ),
+        pytest.param(  # the user's config.yaml there is kept (tests/unit/test_resume.py)
+            ["train", "--config", TINY, "--set", "run.output_dir={in}/user_config"],
+            "user_config/config.yaml is not a recipe this program wrote",
+            id="train-user-config-yaml",
+        ),
+        pytest.param(
+            ["train", "--config", TINY, "--set", "run.output_dir={in}/blank.txt/run"],
+            "blank.txt/run cannot be a run directory: it or a folder above it is a file",
+            id="train-output-below-a-file",
         ),
     ],
 )

@@ -78,3 +78,43 @@ def test_nothing_to_compare_and_unreadable_recipes(tmp_path):
         check_resume(tmp_path, _config())
     (change,) = check_resume(tmp_path, _config("train.allow_changes=true"))
     assert change[0] == "<checkpoint recipe>"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "# the user's notes\nfoo: 1\n",
+        "run: {}\nmodel: {}\n",  # a partial recipe
+        "defaults: tiny.yaml\nrun: {}\nmodel: {}\ndata: {}\ntrain: {}\n",  # a user's recipe
+        "run: 1\nmodel: {}\ndata: {}\ntrain: {}\n",
+        "not: [valid",
+        "",
+    ],
+)
+def test_a_config_yaml_this_program_did_not_write_is_refused_and_kept(tmp_path, text):
+    """A run replaces ``run.output_dir/config.yaml`` with its resolved recipe: a file there
+    that is not one (the user's) is refused, before anything is written, and kept."""
+    from focus_pretrain.errors import InputError
+    from focus_pretrain.train.resume import check_run_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    refusal = r"is not a recipe this program wrote \(a run writes .*\): move the file"
+    with pytest.raises(InputError, match=refusal):
+        check_run_config(path)
+    assert path.read_text() == text
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(InputError, match="is not a recipe this program wrote"):
+        check_run_config(tmp_path / "dir.yaml")
+
+
+def test_the_runs_own_config_yaml_is_accepted(tmp_path):
+    """What a run wrote (the resolved recipe, every section) is taken over; so is an older
+    run's with fewer sections, and no file at all."""
+    from focus_pretrain.train.resume import check_run_config
+
+    path = save_config(_config(), tmp_path / "config.yaml")
+    check_run_config(path)
+    path.write_text("run: {}\nmodel: {}\ndata: {}\ntrain: {}\n")
+    check_run_config(path)
+    check_run_config(tmp_path / "absent.yaml")
