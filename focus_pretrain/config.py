@@ -285,6 +285,7 @@ class Config:
                 f"data.seq_length ({self.data.seq_length})"
             )
         self._check_objective()
+        check_split(self.data.split, validates=validates(self.train))
         for length in self.probes.lengths:
             if length > self.model.max_seq_length:
                 raise ValueError(
@@ -319,6 +320,34 @@ class Config:
                 f"(parallel.context_parallel_size={self.parallel.context_parallel_size}); "
                 "retrofit at context_parallel_size=1 or use train.objective=distill"
             )
+
+
+def validates(train: TrainConfig) -> bool:
+    """Whether a run with ``train`` validates (``eval_interval`` and ``eval_iters`` both > 0)."""
+    return bool(train.eval_interval) and bool(train.eval_iters)
+
+
+def split_shares(split: str) -> tuple[float, float, float]:
+    """The train, validation and test shares of a ``data.split`` (checked by ``DataConfig``)."""
+    train, valid, test = (float(part) for part in split.split(","))
+    return train, valid, test
+
+
+def check_split(split: str, validates: bool) -> None:
+    """Refuse a ``data.split`` that gives training no documents, or validation none when the
+    run validates (Megatron would build an empty split, and the run fail at its first use)."""
+    train, valid, _ = split_shares(split)
+    if train <= 0:
+        raise ValueError(
+            f"data.split {split!r} gives the training split no documents: give its first "
+            "number a share, e.g. data.split=98,2,0"
+        )
+    if validates and valid <= 0:
+        raise ValueError(
+            f"data.split {split!r} gives the validation split no documents, but the run "
+            "validates (train.eval_interval and train.eval_iters > 0): give its second number "
+            "a share, e.g. data.split=98,2,0, or set train.eval_interval=0"
+        )
 
 
 # Recipes and checkpoints written before the parallel section became the only home of these.

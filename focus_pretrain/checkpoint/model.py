@@ -10,7 +10,7 @@ its recipe (another corpus, another inference pattern).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +61,11 @@ def _world_size() -> int:
 
 
 def load_checkpoint_model(
-    checkpoint: str | os.PathLike, overrides: Sequence[str] = (), *, need_tokenizer: bool = False
+    checkpoint: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    *,
+    need_tokenizer: bool = False,
+    check: Callable[[Config], None] | None = None,
 ) -> EvalModel:
     """The model of ``checkpoint`` (a checkpoint or run directory) with ``overrides``
     (``section.key=value``) applied to its config.
@@ -69,7 +73,9 @@ def load_checkpoint_model(
     In a lone process the checkpoint's tensor and context parallelism default to 1 (pass
     ``parallel.*`` overrides and launch with ``torchrun`` to evaluate sharded). Data
     overrides keep the checkpoint's tokenizer unless ``data.tokenizer`` is given.
-    ``need_tokenizer``: a tokenizer file that is gone is refused before the model is loaded.
+    ``need_tokenizer``: a tokenizer file that is gone is refused before the model is loaded;
+    ``check``: called with the resolved config before the model is loaded (raises what the
+    caller refuses).
 
     Raises:
         MissingInputError: no checkpoint there (the message says what a checkpoint is), or no
@@ -95,6 +101,8 @@ def load_checkpoint_model(
             f"the tokenizer {config.data.tokenizer} of {ckpt} is gone; pass "
             "--set data.tokenizer=PATH (the .model the run was trained with)"
         )
+    if check is not None:
+        check(config)
     layout = ParallelLayout.initialize(config.parallel, config.run.seed)
     device = torch.device("cpu")
     if torch.cuda.is_available():

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from focus_pretrain.data.tokenizer import Tokenizer, check_document_prefix
+from focus_pretrain.errors import InputError
 
 FORMAT = "focus-pretrain-shards"
 MANIFEST = "manifest.json"
@@ -56,7 +57,7 @@ def manifest_shards(
     or false, with the document prefix it asks for).
 
     Raises:
-        ValueError: another tokenizer made the shards, or another document prefix (naming
+        InputError: another tokenizer made the shards, or another document prefix (naming
             both and the fix).
         FileNotFoundError: a listed shard is missing.
     """
@@ -65,7 +66,7 @@ def manifest_shards(
     if tokenizer is not None and not made_with["sha256"].startswith(
         tokenizer.unique_identifiers["sha256"]
     ):
-        raise ValueError(
+        raise InputError(
             f"the shards of {path} were made with tokenizer {made_with['path']} (sha256 "
             f"{made_with['sha256'][:16]}, {made_with['vocab_size']} pieces) but data.tokenizer "
             f"is {tokenizer.path} (sha256 {tokenizer.unique_identifiers['sha256']}, "

@@ -167,7 +167,14 @@ class Tokenizer:
             self._init_hf(path)
             digest_of = path / "tokenizer.json"
         else:
-            self.processor = spm.SentencePieceProcessor(model_file=str(path))
+            try:
+                self.processor = spm.SentencePieceProcessor(model_file=str(path))
+            except RuntimeError as err:  # "could not parse ModelProto": not a model file
+                raise InputError(
+                    f"tokenizer {path} is not a SentencePiece model ({err}); give a .model "
+                    "file (focus-pretrain preprocess --train-tokenizer writes one) or a "
+                    "directory with tokenizer.json"
+                ) from None
             self.hf = None
             self._adds_bos = None
             self.vocab_size = self.processor.get_piece_size()

@@ -160,8 +160,9 @@ def check_cp_heads(heads: int, tp: int, cp: int, cp_mode: str) -> None:
 
 
 def check_cp_seq_length(seq_len: int, cp: int, name: str = "data.seq_length") -> None:
-    """Each context-parallel rank holds two equal chunks of every sequence."""
-    if seq_len % (2 * cp):
+    """Each context-parallel rank holds two equal chunks of every sequence (any length
+    without context parallelism: nothing is split)."""
+    if cp > 1 and seq_len % (2 * cp):
         raise ValueError(
             f"{name} ({seq_len}) must be divisible by 2 x "
             f"parallel.context_parallel_size (2 x {cp} = {2 * cp}): each context-parallel "

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from focus_pretrain.checkpoint.model import EvalModel, load_checkpoint_model
-from focus_pretrain.config import config_to_dict
+from focus_pretrain.config import Config, config_to_dict, split_shares
 from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import build_datasets
 from focus_pretrain.errors import InputError
@@ -64,6 +64,24 @@ class DensityMeter:
         return sum(self.values) / len(self.values) if self.values else None
 
 
+def check_evaluation(config: Config) -> None:
+    """Refuse an evaluation of nothing: ``train.eval_iters=0``, or a ``data.split`` that gives
+    the validation split no documents.
+
+    Raises:
+        InputError: naming the key and the fix.
+    """
+    if config.train.eval_iters < 1:
+        raise InputError(
+            f"train.eval_iters={config.train.eval_iters} evaluates no batch: give it >= 1"
+        )
+    if split_shares(config.data.split)[1] <= 0:
+        raise InputError(
+            f"data.split {config.data.split!r} gives the validation split no documents: "
+            "nothing to evaluate; give its second number a share, e.g. data.split=98,2,0"
+        )
+
+
 def evaluate_checkpoint(
     checkpoint: str | os.PathLike,
     overrides: Sequence[str] = (),
@@ -84,7 +102,9 @@ def evaluate_checkpoint(
     """
     if out is not None and Path(out).is_dir():
         raise InputError(f"--out {out} is a directory: give a file name for the JSON")
-    loaded = load_checkpoint_model(checkpoint, overrides, need_tokenizer=True)
+    loaded = load_checkpoint_model(
+        checkpoint, overrides, need_tokenizer=True, check=check_evaluation
+    )
     config, layout = loaded.config, loaded.layout
     trained = config.train  # the split the run validated on: the same size, the same shuffle
     train = replace(config.train, eval_interval=max(config.train.eval_interval, 1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import re
 import resource
 import sys
@@ -258,6 +259,10 @@ class MetricsLogger:
 
     def _append(self, record: dict) -> None:
         record = {**record, "time": round(time.time(), 3)}  # unix seconds: when it was written
+        record = {  # strict JSON: a non-finite value is written as null
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in record.items()
+        }
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
 

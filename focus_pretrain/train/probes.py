@@ -32,6 +32,7 @@ from torch import Tensor
 
 from focus_pretrain.config import ProbesConfig
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import InputError
 from focus_pretrain.train.scoring import Packing, masked_means, token_scores
 
 PROBE_SEED_OFFSET = 2_000_003  # probe sequences never share a seed with training data
@@ -139,7 +140,7 @@ def _sequence(
     budget = length  # ids: [eod] + text, length + 1 in all
     low, high = 0, max(1, budget)
     if len(encoded(0)[0]) > budget:
-        raise ValueError(
+        raise InputError(
             f"probes.lengths has {length}: too short for a {kind} probe "
             f"({len(encoded(0)[0]) + 1} tokens without filler); raise it"
             + (" or lower probes.keys" if kind == "multikey" else "")

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from focus_pretrain.data.demo_corpus import DemoSpec, demo_document
 from focus_pretrain.data.tokenizer import Tokenizer
+from focus_pretrain.errors import InputError
 from focus_pretrain.train.scoring import Packing, masked_means, token_scores
 
 HELD_OUT_SEED_OFFSET = 1_000_003  # demo documents of seed + offset are never trained on
@@ -84,9 +85,9 @@ def recall_batch(
     ids = torch.tensor(rows, dtype=torch.long)  # [n, s + 1]
     value_mask = torch.tensor(recall_rows, dtype=torch.bool)  # [n, s]
     if not value_mask.any():
-        raise ValueError(
+        raise InputError(
             f"no recalled value of the demo documents fits in {seq_length} tokens; raise "
-            "data.seq_length or lower data.demo_filler_sentences"
+            "data.seq_length, lower data.demo_filler_sentences or set train.recall_docs=0"
         )
     return RecallBatch(
         tokens=ids[:, :-1].contiguous(),

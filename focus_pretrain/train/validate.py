@@ -124,8 +124,9 @@ class Validator:
             )
 
     def due(self, step: int) -> bool:
-        """Whether step ``step`` validates."""
-        return bool(self.interval) and (step % self.interval == 0 or step == self.steps)
+        """Whether step ``step`` validates (never with ``eval_interval`` or ``eval_iters`` 0)."""
+        due = step % self.interval == 0 or step == self.steps if self.interval else False
+        return due and bool(self.iters)
 
     @torch.no_grad()
     def run(self, model, during_loss: AbstractContextManager | None = None) -> dict[str, float]:
@@ -166,9 +167,9 @@ class Validator:
         self.last_scalars = scalars
         return scalars
 
-    def loss_by_distance(self, model) -> dict[str, float]:
+    def loss_by_distance(self, model) -> dict[str, float | None]:
         """Mean loss over ``eval_iters`` micro-batches per data-parallel rank (all ranks'
-        tokens), and on the :func:`distance_masks` subsets."""
+        tokens), and on the :func:`distance_masks` subsets (None for a subset with no token)."""
         layout = self.layout
         sampler = ResumableSampler(
             len(self.valid_set),
@@ -213,12 +214,11 @@ class Validator:
         sums = sums.cpu()
         loss = float(sums[0, 0] / sums[0, 1].clamp(min=1))
 
-        def mean(row: int) -> float:
-            return float(sums[row, 0] / sums[row, 1]) if sums[row, 1] > 0 else float("nan")
+        def mean(row: int) -> float | None:  # no token of the subset: None (strict JSON)
+            return float(sums[row, 0] / sums[row, 1]) if sums[row, 1] > 0 else None
 
         self.last_loss_by_position = {  # an empty bucket (no valid token there): None
-            f"{lo}-{hi}": mean(3 + j) if sums[3 + j, 1] > 0 else None
-            for j, (lo, hi) in enumerate(itertools.pairwise(edges))
+            f"{lo}-{hi}": mean(3 + j) for j, (lo, hi) in enumerate(itertools.pairwise(edges))
         }
         return {
             "loss": loss,

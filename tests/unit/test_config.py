@@ -265,3 +265,58 @@ def test_training_recipes_leave_the_nan_debugging_knob_off():
         config = load_config(path, filled.get(path.name, []))
         assert not config.model.focus.check_finite, path.name
         assert config.train.max_consecutive_bad_steps >= 1, path.name
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (["data.split=0,100,0"], r"data.split '0,100,0' gives the training split no documents"),
+        (["data.split=0,0,0"], r"gives the training split no documents: give its first number"),
+        (
+            ["data.split=100,0,0"],
+            r"gives the validation split no documents, but the run validates .*"
+            r"or set train.eval_interval=0",
+        ),
+        (["parallel.context_parallel_size=2", "data.seq_length=37", "model.max_seq_length=37"],
+         r"data.seq_length \(37\) must be divisible by 2 x parallel.context_parallel_size"),
+    ],
+)  # fmt: skip
+def test_a_split_or_length_the_run_cannot_use_is_refused_at_load(overrides, error):
+    """Refused when the recipe loads, not at the first validation (or inside Megatron)."""
+    with pytest.raises(ValueError, match=error):
+        load_config(RECIPE, overrides)
+
+
+def test_what_the_split_and_length_checks_let_through():
+    """No validation share is fine for a run that does not validate; any length is fine
+    without context parallelism (nothing is split)."""
+    for off in ("train.eval_interval=0", "train.eval_iters=0"):
+        assert load_config(RECIPE, ["data.split=100,0,0", off]).data.split == "100,0,0"
+    odd = load_config(RECIPE, ["data.seq_length=37", "model.max_seq_length=37"])
+    assert odd.data.seq_length == 37
+
+
+def test_validation_is_never_due_with_eval_iters_or_interval_zero():
+    from types import SimpleNamespace
+
+    from focus_pretrain.train.validate import Validator
+
+    due = [
+        s for s in range(1, 9) if Validator.due(SimpleNamespace(interval=3, iters=2, steps=8), s)
+    ]
+    assert due == [3, 6, 8]
+    for interval, iters in ((3, 0), (0, 2)):
+        validator = SimpleNamespace(interval=interval, iters=iters, steps=8)
+        assert not any(Validator.due(validator, s) for s in range(1, 9))
+
+
+def test_an_evaluation_of_nothing_is_refused():
+    from focus_pretrain.errors import InputError
+    from focus_pretrain.train.evaluate import check_evaluation
+
+    check_evaluation(load_config(RECIPE))
+    with pytest.raises(InputError, match=r"train.eval_iters=0 evaluates no batch: give it >= 1"):
+        check_evaluation(load_config(RECIPE, ["train.eval_iters=0"]))
+    no_valid = load_config(RECIPE, ["data.split=100,0,0", "train.eval_interval=0"])
+    with pytest.raises(InputError, match=r"gives the validation split no documents: nothing"):
+        check_evaluation(no_valid)
