@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_input_error(parser.prog):  # bad input: one line, status 2, before any loading
         prompts = read_prompts(args.prompt, args.prompts_file)
         settings = check_export(args.export, args.mode, args.backend, args.focus)
+        check_json_target(args.json, args.export, args.prompts_file)
     export = pathlib.Path(args.export)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         out = model.generate(**batch, **options)
     seconds = time.perf_counter() - start
-    new = out[:, batch["input_ids"].shape[1] :]
+    new = out[:, batch["input_ids"].shape[1] :]  # [b, new]: a row that ended is padded
     completions = tokenizer.batch_decode(new, skip_special_tokens=True)
+    generated = generated_tokens(new, model.generation_config.eos_token_id)
     for prompt, text in zip(prompts, completions, strict=True):
         print(f"{prompt}{text}\n")
     routed = [m for m in model.modules() if getattr(m, "router", None) is not None]
@@ -102,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "prompts": prompts,
         "completions": completions,
-        "new_tokens": int(new.numel()),
+        "new_tokens": generated,
         "seconds": seconds,
-        "tokens_per_second": new.numel() / seconds,
+        "tokens_per_second": generated / seconds,
         # counted by the dynamic cache's sparse step (the static cache's compiled step does not)
         "focus_keys_read": sum(reads) if args.cache == "dynamic" else None,
         "focus_layers": len(routed),
@@ -115,6 +117,34 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def generated_tokens(new, eos: int | list[int] | None) -> int:
+    """The tokens ``generate`` produced in ``new`` ``[b, n]``: per row up to and including
+    its first end-of-sequence token (what follows is padding), every token without one."""
+    import torch
+
+    if eos is None:
+        return int(new.numel())
+    ends = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos]))  # [b, n]
+    first = torch.where(ends.any(1), ends.int().argmax(1) + 1, new.shape[1])  # [b]
+    return int(first.sum())
+
+
+def check_json_target(json_path: str | None, export: str, prompts_file: str | None) -> None:
+    """Refuse a ``--json`` that would overwrite an input: a file of the export, or the
+    prompts file.
+
+    Raises:
+        InputError: naming the file.
+    """
+    if json_path is None:
+        return
+    target = pathlib.Path(json_path).resolve()
+    if target.is_relative_to(pathlib.Path(export).resolve()):
+        raise InputError(f"--json {json_path} is inside the export {export}: write it elsewhere")
+    if prompts_file is not None and target == pathlib.Path(prompts_file).resolve():
+        raise InputError(f"--json {json_path} is the --prompts-file: write it elsewhere")
 
 
 def _settings(model) -> dict | None:

@@ -97,3 +97,17 @@ def test_no_scripts_help_loses_a_line_break():
         source = script.read_text()
         doc = source[3 : source.index('"""', 3)] if source.startswith('"""') else ""
         assert not re.search(r"(?<!\\)\\\n", doc), f"{script.name}: a line ends in one backslash"
+
+
+def test_generate_counts_a_rows_tokens_up_to_its_end_of_sequence():
+    """``generate`` pads a row that ended (EOS) to the batch's length: the padding is not
+    generated text (one or several EOS ids, or none)."""
+    import torch
+
+    from focus_pretrain.commands.generate import generated_tokens
+
+    new = torch.tensor([[5, 2, 2, 2], [7, 8, 9, 4], [2, 2, 2, 2]])  # [b, n]; eos 2
+    assert generated_tokens(new, 2) == 2 + 4 + 1
+    assert generated_tokens(new, [4, 2]) == 2 + 4 + 1
+    assert generated_tokens(new, [9]) == 4 + 3 + 4
+    assert generated_tokens(new, None) == 12

@@ -137,6 +137,16 @@ GENERATE = rows(
         "empty-prompt",
     ),
     (["{in}/export"], "give at least one --prompt", "no-prompt"),
+    (
+        ["{in}/export", "--prompt", "x", "--json", "{in}/export/config.json"],
+        "--json {in}/export/config.json is inside the export {in}/export: write it elsewhere",
+        "json-into-the-export",
+    ),
+    (
+        ["{in}/export", "--prompts-file", "{in}/prompts.txt", "--json", "{in}/prompts.txt"],
+        "--json {in}/prompts.txt is the --prompts-file: write it elsewhere",
+        "json-over-the-prompts",
+    ),
     (["{in}/export", "--prompt", "x", "--device", "tpu"], "'tpu' is not a device", "device"),
     (
         ["{in}/export", "--prompt", "x", "--max-new-tokens", "-3"],
@@ -611,6 +621,7 @@ def inputs(tmp_path_factory) -> Path:
     (root / "empty_dir").mkdir()
     (root / "empty.jsonl").write_text("")
     (root / "blank.txt").write_text("\n  \n")
+    (root / "prompts.txt").write_text("the user's prompt\n")
     (root / "corpus.csv").write_text("text\nsome text\n")
     _fake_run(root / "run")
     for name, pointer in (("run_empty_latest", ""), ("run_dangling_latest", "step_00000009")):
