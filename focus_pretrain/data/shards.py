@@ -127,12 +127,21 @@ def _load_plan(out: Path, units: list[Unit], overwrite: bool, trained: bool) -> 
     (``trained``: this run trains its tokenizer into ``out``)."""
     _clear(out, everything=overwrite, tokenizer=trained)
     plan_path = out / PLAN
-    leftovers = [p.name for p in out.iterdir() if _SHARD.fullmatch(p.name) or p.name == MANIFEST]
+    # without a plan, the files a run writes are not this program's: never replaced unasked
+    written = {
+        MANIFEST,
+        STATS,
+        *((TOKENIZER, Path(TOKENIZER).with_suffix(".vocab").name) if trained else ()),
+    }
+    leftovers = sorted(
+        p.name for p in out.iterdir() if _SHARD.fullmatch(p.name) or p.name in written
+    )
     if not plan_path.is_file():
         if leftovers:
             raise InputError(
-                f"{out} already holds shards ({leftovers[0]}, ...) but no {PLAN}; pass "
-                "--overwrite to replace them, or choose another --output"
+                f"{out} already holds {', '.join(leftovers[:3])}"
+                f"{', ...' if len(leftovers) > 3 else ''} but no {PLAN} (not a run of this "
+                "command): pass --overwrite to replace them, or choose another --output"
             )
         return None
     plan = json.loads(plan_path.read_text())

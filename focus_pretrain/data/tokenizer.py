@@ -114,7 +114,8 @@ def train_tokenizer(
         raise InputError(
             f"data.vocab_size={vocab_size} is more than a tokenizer can learn from this corpus "
             f"(SentencePiece: {str(err).strip().splitlines()[-1]}); lower data.vocab_size "
-            "(model.vocab_size may stay larger) or point data.sources at a larger corpus "
+            "(--vocab-size of focus-pretrain preprocess; model.vocab_size may stay larger) or "
+            "point data.sources at a larger corpus "
             "(the embedded demo corpus supports a few thousand pieces)"
         ) from err
     return prefix.with_suffix(".model")

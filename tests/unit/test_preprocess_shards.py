@@ -171,6 +171,33 @@ def test_a_trained_tokenizer_is_part_of_the_run(tmp_path):
     assert tokenizer_sha256(model) == third
 
 
+@pytest.mark.parametrize("trained", [True, False], ids=["train-tokenizer", "given-tokenizer"])
+def test_a_users_files_where_the_run_writes_are_refused_and_kept(tokenizer_path, tmp_path, trained):
+    """An --output directory that is no run of this command (no plan) but holds a file of the
+    names a run writes (tokenizer.model and .vocab when it trains one, stats.json) is refused,
+    the files kept; --overwrite replaces them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ["tokenizer.model", "tokenizer.vocab"] if trained else ["stats.json"]
+    for name in [*names, "notes.txt"]:
+        (out / name).write_text(f"the user's {name}")
+    tokenizer = None if trained else tokenizer_path
+
+    def run(**kwargs) -> dict:
+        return preprocess_corpus(
+            ["demo:40"], out, tokenizer, vocab_size=300, progress=False, **kwargs
+        )
+
+    with pytest.raises(InputError, match=rf"{out} already holds {names[0]}.* but no \.plan"):
+        run()
+    for name in [*names, "notes.txt"]:
+        assert (out / name).read_text() == f"the user's {name}"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, "notes.txt"])
+    assert run(overwrite=True)["documents"] == 40
+    assert (out / "notes.txt").read_text() == "the user's notes.txt"
+    assert (out / "stats.json").read_text() != "the user's stats.json"
+
+
 def test_adding_skip_bad_records_resumes_the_run(tokenizer_path, tmp_path):
     """A run stopped by a bad record resumes with --skip-bad-records, keeping the finished
     shards; turning it off again, with shards finished under it, is refused."""
