@@ -19,8 +19,25 @@ found is refused: --tokenizer names one, --no-tokenizer exports without.
 
 from __future__ import annotations
 
+import argparse
+import re
+
 from focus_pretrain.cli import tool_parser
 from focus_pretrain.errors import exit_on_input_error
+
+_SHARD_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]B)\s*", re.IGNORECASE)
+
+
+def shard_size(text: str) -> str:
+    """An argument type: a safetensors shard size as transformers takes it (``2GB``,
+    ``500MB``, ``1.5GB``; units KB, MB, GB, TB), above zero."""
+    match = _SHARD_SIZE.fullmatch(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a shard size: give a positive number with a unit KB, MB, GB or "
+            "TB, e.g. 2GB or 500MB"
+        )
+    return text.strip()
 
 
 def main() -> None:
@@ -28,7 +45,9 @@ def main() -> None:
     parser.add_argument("checkpoint", help="a run directory or a checkpoints/step_N directory")
     parser.add_argument("out_dir", help="where the HF directory goes")
     parser.add_argument("--adapter-only", action="store_true", help="export only the routers")
-    parser.add_argument("--max-shard-size", default="2GB", help="safetensors shard size")
+    parser.add_argument(
+        "--max-shard-size", type=shard_size, default="2GB", help="safetensors shard size"
+    )
     parser.add_argument("--force", action="store_true", help="replace an earlier export at OUT_DIR")
     parser.add_argument("--tokenizer", help="ship this tokenizer (.model or HF tokenizer dir)")
     parser.add_argument(

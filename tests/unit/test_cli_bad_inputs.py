@@ -529,6 +529,14 @@ EXPORT = rows(  # nothing is read past the checks: the runs are fakes with empty
     ),
     (["{in}/run", "{out}/hf", "--tokenizer", "{in}/missing.model"], "does not exist", "tok"),
     (
+        ["{in}/run", "{out}/hf", "--max-shard-size", "abc"],
+        "argument --max-shard-size: 'abc' is not a shard size: give a positive number with a "
+        "unit KB, MB, GB or TB",
+        "shard-size",
+    ),
+    (["{in}/run", "{out}/hf", "--max-shard-size", "0GB"], "'0GB' is not a shard size", "zero"),
+    (["{in}/run", "{out}/hf", "--max-shard-size", "5"], "'5' is not a shard size", "no-unit"),
+    (
         ["{in}/run", "{out}/hf", "--tokenizer", "x", "--no-tokenizer"],
         "give --tokenizer or --no-tokenizer, not both",
         "tok-both",
