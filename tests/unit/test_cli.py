@@ -111,3 +111,27 @@ def test_generate_counts_a_rows_tokens_up_to_its_end_of_sequence():
     assert generated_tokens(new, [4, 2]) == 2 + 4 + 1
     assert generated_tokens(new, [9]) == 4 + 3 + 4
     assert generated_tokens(new, None) == 12
+
+
+def test_the_recipe_list_tells_whole_recipes_from_bases(tmp_path, capsys):
+    """``focus-pretrain recipes``: each recipe's first sentence (cut at a word), and the bases
+    that ``--config`` cannot run alone (focus-defaults, retrofit) apart."""
+    from focus_pretrain.commands import recipes
+
+    text = "# First sentence: it goes on. Second one.\n# more\nrun: {}\n"
+    (tmp_path / "r.yaml").write_text(text)
+    assert recipes.summary(tmp_path / "r.yaml") == "First sentence: it goes on"
+    (tmp_path / "long.yaml").write_text("# " + "word " * 40 + "\n")
+    cut = recipes.summary(tmp_path / "long.yaml", width=30)
+    assert cut.endswith("...") and len(cut) <= 30 and "wor..." not in cut
+    import sys
+
+    argv, sys.argv = sys.argv, ["focus-pretrain recipes"]
+    try:
+        recipes.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    whole, bases = out.split("bases and fragments")
+    assert "  tiny " in whole and "  7b " in whole and "focus-defaults" not in whole
+    assert "  focus-defaults " in bases and "  retrofit " in bases and "tiny" not in bases
