@@ -11,10 +11,10 @@ rest (``generate``), so every option it has works on the export from Python too.
 
 ``--focus KEY=VALUE`` infers with other settings than the export's (``enabled=false``: the
 original dense model; ``top_k=2``; ``window_only=true``), without exporting again.
-``--json`` writes the prompts, completions, tokens/s, the keys its decode steps read (summed) and the
-Focus settings inferred with. ``--cache static`` decodes on transformers' static cache (fixed
-shapes: on CUDA transformers compiles the one-token step, which then visits only the key blocks
-holding a key it keeps; docs/convert.md); the default is the dynamic cache.
+``--json`` writes the prompts, completions, tokens/s, the keys its decode steps read (summed)
+and the Focus settings inferred with. ``--cache static`` decodes on transformers' static
+cache (fixed shapes: on CUDA transformers compiles the one-token step, which then visits only
+the key blocks holding a key it keeps; docs/convert.md); the default is the dynamic cache.
 """
 
 from __future__ import annotations
