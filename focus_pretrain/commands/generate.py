@@ -99,6 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     generated = generated_tokens(new, model.generation_config.eos_token_id)
     for prompt, text in zip(prompts, completions, strict=True):
         print(f"{prompt}{text}\n")
+    result = _result(model, prompts, completions, generated, seconds, args.cache)
+    print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def _result(model, prompts, completions, generated: int, seconds: float, cache: str) -> dict:
+    """What ``--json`` writes: prompts, completions, speed, keys read, settings, cache."""
     routed = [m for m in model.modules() if getattr(m, "router", None) is not None]
     reads = [getattr(m, "focus_keys_read", 0) for m in routed]
     result = {
@@ -108,15 +117,12 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": seconds,
         "tokens_per_second": generated / seconds,
         # counted by the dynamic cache's sparse step (the static cache's compiled step does not)
-        "focus_keys_read": sum(reads) if args.cache == "dynamic" else None,
+        "focus_keys_read": sum(reads) if cache == "dynamic" else None,
         "focus_layers": len(routed),
         "focus": _settings(model),
-        "cache": args.cache,
+        "cache": cache,
     }
-    print(f"{result['new_tokens']} tokens in {seconds:.2f} s ({result['tokens_per_second']:.1f}/s)")
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
 
 
 def generated_tokens(new, eos: int | list[int] | None) -> int:
