@@ -125,8 +125,9 @@ class Validator:
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` validates (never with ``eval_interval`` or ``eval_iters`` 0)."""
-        due = step % self.interval == 0 or step == self.steps if self.interval else False
-        return due and bool(self.iters)
+        if not (self.interval and self.iters):
+            return False
+        return step % self.interval == 0 or step == self.steps
 
     @torch.no_grad()
     def run(self, model, during_loss: AbstractContextManager | None = None) -> dict[str, float]:
