@@ -96,11 +96,16 @@ class RunInUseError(InputError):
 class RunLock:
     """An exclusive lock on a run directory, held while a run trains there.
 
-    ``flock`` on ``DIR/.lock`` (never deleted: deleting a lock file others wait on breaks the
-    lock); the holder's pid, host, start time and command are written into it, so a refused
-    second run names the holder. The operating system drops the lock when the holder dies
-    (also by SIGKILL), so a crashed run never blocks the next. On a filesystem without
-    ``flock`` support a warning says two runs are not prevented there.
+    ``flock`` on ``DIR/.lock``; the holder's pid, host, start time and command are written
+    into it, so a refused second run names the holder. The operating system drops the lock
+    when the holder dies (also by SIGKILL), so a crashed run never blocks the next. On a
+    filesystem without ``flock`` support a warning says two runs are not prevented there.
+
+    The lock file stays after a run, except where :meth:`release` is asked to discard a
+    directory this lock created and nothing else wrote into (a run refused before it began
+    leaves no empty run directory behind). A lock taken on a file that was unlinked meanwhile
+    is dropped and taken again on the new file (the usual lock-file protocol), so removing
+    the file never lets two runs hold the directory.
     """
 
     NAME = ".lock"
@@ -109,10 +114,12 @@ class RunLock:
         self.directory = Path(directory)
         self.path = self.directory / self.NAME
         self._fd: int | None = None
+        self._created: list[Path] = []  # the folders acquire made, deepest first
 
     def acquire(self, purpose: str = "training") -> RunLock:
         """Take the lock or raise :class:`RunInUseError` naming the holder (an
         :class:`InputError` when a file stands where the directory should be)."""
+        missing = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -120,22 +127,8 @@ class RunLock:
                 f"{self.directory} cannot be a run directory: it or a folder above it is a "
                 "file; give another run.output_dir"
             ) from None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunInUseError(
-                f"{self.directory} is in use by another run ({holder_of(self.path)}): wait for "
-                "it to end, stop it, or choose another run.output_dir"
-            ) from None
-        except OSError as err:  # no lock support here (some network filesystems)
-            print(
-                f"focus-pretrain: warning: cannot lock {self.path} ({err.strerror}): two runs "
-                "in this directory are not prevented on this filesystem",
-                file=sys.stderr,
-                flush=True,
-            )
+        self._created = missing
+        fd = self._lock_current_file()
         holder = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -148,12 +141,53 @@ class RunLock:
         self._fd = fd
         return self
 
-    def release(self) -> None:
-        """Drop the lock (the file stays)."""
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+    def _lock_current_file(self) -> int:
+        """An open descriptor of ``DIR/.lock`` holding its ``flock`` (the file now at the
+        path: a lock won on a file another process unlinked meanwhile is taken again)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunInUseError(
+                    f"{self.directory} is in use by another run ({holder_of(self.path)}): "
+                    "wait for it to end, stop it, or choose another run.output_dir"
+                ) from None
+            except OSError as err:  # no lock support here (some network filesystems)
+                print(
+                    f"focus-pretrain: warning: cannot lock {self.path} ({err.strerror}): two "
+                    "runs in this directory are not prevented on this filesystem",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return fd
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass  # unlinked by its last holder: lock the new file
+            os.close(fd)
+            if not self.directory.is_dir():
+                self.directory.mkdir(parents=True, exist_ok=True)
+
+    def release(self, discard_if_unused: bool = False) -> None:
+        """Drop the lock (the file stays). ``discard_if_unused``: when :meth:`acquire` made
+        the run directory and it holds nothing but the lock file, remove both, and the empty
+        folders above it that acquire made (a run refused before it wrote anything)."""
+        if self._fd is None:
+            return
+        if discard_if_unused and self._created and _only_entry(self.directory, self.NAME):
+            self.path.unlink()  # while locked: a waiting run then locks a new file
+            for folder in self._created:
+                try:
+                    folder.rmdir()  # only an empty folder: anything written there stays
+                except OSError:
+                    break
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        self._created = []
 
     @property
     def held(self) -> bool:
@@ -164,6 +198,14 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _only_entry(directory: Path, name: str) -> bool:
+    """Whether ``name`` is the only entry of ``directory``."""
+    try:
+        return [entry.name for entry in os.scandir(directory)] == [name]
+    except OSError:
+        return False
 
 
 def holder_of(lock_file: Path) -> str:

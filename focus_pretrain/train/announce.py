@@ -35,6 +35,7 @@ def announce_start(trainer: Any) -> None:
             f"grad_accum={trainer.grad_accum}; {where}",
             flush=True,
         )
+        _announce_nothing_to_train(trainer)
         for key, old, new in trainer.recipe_changes:  # allowed by train.allow_changes
             print(f"focus-pretrain: resuming with {key} {old!r} -> {new!r}", flush=True)
         _announce_sparse_training(trainer)
@@ -59,6 +60,21 @@ def announce_start(trainer: Any) -> None:
                 + "); TFLOP/s and MFU count the Focus model's pass only",
                 flush=True,
             )
+
+
+def _announce_nothing_to_train(trainer: Any) -> None:
+    """A resume whose checkpoint is already at (or past) ``train.steps``: say so, and how to
+    train further, instead of a silent "done"."""
+    steps = trainer.config.train.steps
+    if trainer.resumed_step is None or trainer.step < steps:
+        return
+    past = "past" if trainer.step > steps else "at"
+    print(
+        f"focus-pretrain: the run's last checkpoint is at step {trainer.step}, {past} "
+        f"train.steps={steps}: nothing to train; to train further, set train.steps above "
+        f"{trainer.step}",
+        flush=True,
+    )
 
 
 def _announce_sparse_training(trainer: Any) -> None:

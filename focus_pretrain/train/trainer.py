@@ -101,7 +101,7 @@ class Trainer:
         try:
             self._build(config)
         except BaseException:
-            self.close()
+            self.close(discard_if_unused=True)  # refused before it wrote: no empty run dir
             raise
 
     def _build(self, config: Config) -> None:
@@ -169,12 +169,13 @@ class Trainer:
             if shared[0] is not None and refusal is None:
                 refusal = shared[0][0](shared[0][1])
         if refusal is not None:
-            self.close()
+            self.close(discard_if_unused=True)
             raise refusal
 
-    def close(self) -> None:
-        """Release the run directory (its lock); idempotent."""
-        self.run_lock.release()
+    def close(self, discard_if_unused: bool = False) -> None:
+        """Release the run directory (its lock); idempotent. ``discard_if_unused``: a run
+        directory this run made and wrote nothing into is removed with its lock file."""
+        self.run_lock.release(discard_if_unused)
 
     def _gradient_accumulation(self) -> int:
         train = self.config.train

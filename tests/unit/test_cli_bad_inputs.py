@@ -772,6 +772,19 @@ def test_bad_input_is_one_line_and_status_2(row, substring, inputs, tmp_path, mo
             "blank.txt/run cannot be a run directory: it or a folder above it is a file",
             id="train-output-below-a-file",
         ),
+        pytest.param(  # refused inside the trainer: the run directory it made is gone again
+            [
+                "train",
+                "--config",
+                TINY,
+                "--set",
+                "run.output_dir={out}/runs/tiny",
+                "--set",
+                "data.tokenizer={in}/blank.txt",
+            ],
+            "blank.txt is not a SentencePiece model",
+            id="train-tokenizer-not-sentencepiece",
+        ),
     ],
 )
 def test_the_console_script_prints_one_line_and_exits_2(row, substring, inputs, tmp_path):

@@ -118,3 +118,28 @@ def test_the_runs_own_config_yaml_is_accepted(tmp_path):
     path.write_text("run: {}\nmodel: {}\ndata: {}\ntrain: {}\n")
     check_run_config(path)
     check_run_config(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("resumed", "step", "steps", "expected"),
+    [
+        (None, 0, 10, None),  # a fresh run
+        (3, 3, 10, None),  # a resume with steps to go
+        (6, 6, 6, "at step 6, at train.steps=6: nothing to train"),
+        (6, 6, 2, "at step 6, past train.steps=2: nothing to train"),
+    ],
+)
+def test_a_resume_with_nothing_to_train_says_so(capsys, resumed, step, steps, expected):
+    from types import SimpleNamespace
+
+    from focus_pretrain.train.announce import _announce_nothing_to_train
+
+    trainer = SimpleNamespace(
+        resumed_step=resumed, step=step, config=SimpleNamespace(train=SimpleNamespace(steps=steps))
+    )
+    _announce_nothing_to_train(trainer)
+    out = capsys.readouterr().out
+    if expected is None:
+        assert out == ""
+    else:
+        assert expected in out and f"set train.steps above {step}" in out

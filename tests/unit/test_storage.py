@@ -262,6 +262,57 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_blocks_nobo
     assert not lock.held
 
 
+def test_a_refused_run_leaves_no_directory_it_made_and_keeps_anything_written(tmp_path):
+    """``release(discard_if_unused=True)``: the folders acquire made, holding only the lock
+    file, go; a folder that existed, or one with anything else in it, stays."""
+    made = tmp_path / "a" / "b" / "run"
+    lock = RunLock(made).acquire()
+    lock.release(discard_if_unused=True)
+    assert not (tmp_path / "a").exists()  # every folder it made, and nothing above
+    assert tmp_path.is_dir()
+    written = tmp_path / "c" / "run"
+    lock = RunLock(written).acquire()
+    (written / "metrics.jsonl").write_text("{}\n")
+    lock.release(discard_if_unused=True)
+    assert sorted(p.name for p in written.iterdir()) == [".lock", "metrics.jsonl"]
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    lock = RunLock(existing).acquire()
+    lock.release(discard_if_unused=True)
+    assert existing.is_dir() and (existing / ".lock").is_file()  # not made by the lock
+    lock = RunLock(tmp_path / "d").acquire()
+    lock.release()  # a finished run's lock file stays
+    assert (tmp_path / "d" / ".lock").is_file()
+
+
+def test_a_lock_won_on_an_unlinked_lock_file_is_taken_again_on_the_new_one(tmp_path, monkeypatch):
+    """Removing the lock file (a refused run discarding its directory) never lets two runs
+    hold the directory: a lock won on a file its holder unlinked meanwhile (opened before,
+    locked after the holder's release) is dropped and taken on the file now at the path."""
+    import fcntl
+
+    from focus_pretrain.storage import files
+
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_the_holder_left(fd, op):
+        calls.append(op)
+        if len(calls) == 1:  # the holder discards the directory between our open and flock
+            (tmp_path / "run" / ".lock").unlink()
+            (tmp_path / "run").rmdir()
+        return real_flock(fd, op)
+
+    RunLock(tmp_path / "run").acquire().release()
+    monkeypatch.setattr(files.fcntl, "flock", flock_after_the_holder_left)
+    lock = RunLock(tmp_path / "run").acquire()
+    monkeypatch.setattr(files.fcntl, "flock", real_flock)
+    assert len(calls) == 2  # retried once, on the new file
+    assert os.stat(lock.path).st_ino == os.fstat(lock._fd).st_ino
+    with pytest.raises(RunInUseError):
+        RunLock(tmp_path / "run").acquire()  # the lock at the path is held
+    lock.release()
+
+
 # -- output directories -------------------------------------------------------------------------
 
 
