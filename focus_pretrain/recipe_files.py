@@ -133,7 +133,23 @@ def from_mapping(cls: type, values: Mapping[str, Any], section: str) -> Any:
     kwargs = {
         name: _coerce(hints[name], value, _join(section, name)) for name, value in values.items()
     }
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # its own validation: keys named as the recipe spells them
+        qualified = _qualify(str(err), section)
+        if qualified == str(err):
+            raise
+        raise ValueError(qualified) from err
+
+
+def _qualify(message: str, section: str) -> str:
+    """``message`` of a nested section's own validation with its keys spelled from the
+    recipe's top: ``focus.top_k`` -> ``model.focus.top_k`` for ``section="model.focus"``
+    (a section validates itself under its own name; the recipe nests it)."""
+    local = section.rsplit(".", 1)[-1]
+    if local == section:
+        return message
+    return re.sub(rf"(?<![\w.]){re.escape(local)}\.(?=[a-z_])", f"{section}.", message)
 
 
 def _join(section: str, key: str) -> str:

@@ -32,6 +32,9 @@ from focus_pretrain.parallel.launch import ParallelLayout
 
 __all__ = ["EvalModel", "load_checkpoint_model"]
 
+# the Focus keys that size a router's weights (the others change the pattern only)
+SHAPING_FOCUS_KEYS = frozenset({"model.focus.num_groups", "model.focus.group_dim"})
+
 
 @dataclass
 class EvalModel:
@@ -117,16 +120,51 @@ def load_checkpoint_model(
     model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
     if layout.context_parallel_group is not None:
         apply_context_parallel(model, layout.context_parallel_group, config.parallel.cp_mode)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise InputError(
-            f"{ckpt} does not fit the model its config.yaml describes: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]} (overrides that change the architecture are not "
-            "allowed when loading a checkpoint)"
-        )
+    _load_weights(model, state, ckpt, trained, config)
     model.to(device=device, dtype=dtype).eval()
     token_file = Path(config.data.tokenizer)
     tokenizer = Tokenizer(token_file) if token_file.exists() else None
     return EvalModel(model, config, tokenizer, device, layout, ckpt)
+
+
+def _load_weights(
+    model: torch.nn.Module, state: dict, ckpt: Path, trained: Config, config: Config
+) -> None:
+    """``state`` into ``model``; a mismatch is refused naming the overrides that changed the
+    architecture (or, with none, the checkpoint's own config)."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        mismatch = None
+    except RuntimeError as err:  # a tensor of another shape
+        missing, unexpected, mismatch = [], [], str(err).splitlines()[-1].strip()
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if not (missing or unexpected or mismatch):
+        return
+    changed = _model_overrides(trained, config)
+    if changed:
+        named = ", ".join(f"{key}={new!r} (the checkpoint's: {old!r})" for key, old, new in changed)
+        raise InputError(
+            f"--set {named} changes the model's weights: a checkpoint loads only into the "
+            "architecture it was trained with; drop the override (the inference pattern's "
+            "keys may change: model.focus.top_k, .inference_mode, .sinks, .window...)"
+        )
+    what = mismatch or f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+    raise InputError(f"{ckpt} does not fit the model its config.yaml describes: {what}")
+
+
+def _model_overrides(trained: Config, config: Config) -> list[tuple[str, object, object]]:
+    """``(key, the checkpoint's value, the value now)`` of every ``model.*`` key the caller's
+    overrides changed that may shape the weights (not the inference pattern's keys)."""
+    from focus_pretrain.recipe_files import config_to_dict
+    from focus_pretrain.train.resume import FREE_KEYS, flatten
+
+    old = flatten(config_to_dict(trained.model), "model.")
+    new = flatten(config_to_dict(config.model), "model.")
+    return [
+        (key, old.get(key), new.get(key))
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+        and key not in FREE_KEYS
+        and (not key.startswith("model.focus.") or key in SHAPING_FOCUS_KEYS)
+    ]

@@ -50,7 +50,7 @@ def test_recipe_and_overrides_are_typed():
         (
             "model.focus.soft_warmup_steps=5",
             r"soft_warmup_steps=5 warms up sparse training .*"
-            r"set focus.training_mode=hard",
+            r"set model.focus.training_mode=hard",
         ),
     ],
 )
@@ -115,7 +115,7 @@ def test_sparse_training_needs_a_backend_that_trains_on_the_hard_pattern():
     sparse_triton = ["model.focus.training_mode=hard", "model.focus.backend=triton"]
     assert load_config(RECIPE, sparse_triton).model.focus.backend == "triton"  # top-1
     refusal = (
-        r"'triton' does not train with focus.training_mode='hard' \(it computes the soft "
+        r"'triton' does not train with model.focus.training_mode='hard' \(it computes the soft "
         r"pattern, hard top-1 attention and gated hard top-1 attention\); use 'auto' or one of "
         r"\['reference', 'flex'\]"
     )
@@ -320,3 +320,24 @@ def test_an_evaluation_of_nothing_is_refused():
     no_valid = load_config(RECIPE, ["data.split=100,0,0", "train.eval_interval=0"])
     with pytest.raises(InputError, match=r"gives the validation split no documents: nothing"):
         check_evaluation(no_valid)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.focus.top_k=9", "model.focus.top_k must be <= num_groups (4), got 9"),
+        (
+            "model.focus.soft_warmup_steps=3",
+            "model.focus.soft_warmup_steps=3 warms up sparse training with the soft gate: set "
+            "model.focus.training_mode=hard",
+        ),
+    ],
+)
+def test_a_nested_sections_refusal_names_its_keys_as_the_recipe_spells_them(override, message):
+    """``FocusConfig`` validates itself as ``focus.*``; in a recipe it is ``model.focus``."""
+    from focus_pretrain.errors import InputError
+
+    with pytest.raises(InputError) as refused:
+        load_config(ROOT / "configs" / "tiny.yaml", [override])
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert "model.model." not in str(refused.value)
