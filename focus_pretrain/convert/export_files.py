@@ -62,13 +62,21 @@ def check_export_dir(
     """Refuse an output directory an export may not write (before any work): a file; one
     that is, holds or lies inside one of the export's ``inputs``; a non-empty one without
     ``overwrite`` (``--force``); with it, one that is not an earlier export (no ``marker``)
-    or holds files that export did not write (named). See :mod:`focus_pretrain.storage.files`."""
+    or holds files that export did not write (named). A full export may replace an
+    adapter-only one and the other way round (either marker: both are this command's).
+    See :mod:`focus_pretrain.storage.files`."""
+    markers = (marker, *(m for m in (EXPORT_MARKER, ADAPTER_MARKER) if m != marker))
+
+    def owned(out: Path) -> set[str] | None:
+        present = next(m for m in markers if (out / m).is_file())  # checked there first
+        return _files_written(out, present)
+
     check_output_dir(
         out_dir,
         force=overwrite,
-        marker=marker,
+        marker=markers,
         what="export",
-        owned=lambda out: _files_written(out, marker),
+        owned=owned,
         inputs=inputs,
     )
 

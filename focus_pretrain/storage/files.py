@@ -267,7 +267,7 @@ def check_output_dir(
     out: str | os.PathLike,
     *,
     force: bool,
-    marker: str,
+    marker: str | tuple[str, ...],
     what: str,
     owned: Callable[[Path], set[str] | None],
     inputs: Iterable[tuple] = (),
@@ -280,8 +280,9 @@ def check_output_dir(
     * ``out`` is, holds or lies inside one of ``inputs`` (:func:`check_not_overlapping`);
     * ``out`` is a non-empty directory and not ``force``;
     * with ``force``: ``out`` carries no ``marker`` (it is not an earlier output of this
-      command), or holds entries the earlier output did not write (``owned(out)``: the names
-      it wrote, ``None`` when the marker is unreadable), named in the refusal;
+      command; a tuple: any of them, e.g. a full or an adapter-only export), or holds entries
+      the earlier output did not write (``owned(out)``: the names it wrote, ``None`` when the
+      marker is unreadable), named in the refusal;
     * ``out`` or a directory in it is a run directory in use (its lock is held).
     """
     out = Path(out)
@@ -296,11 +297,13 @@ def check_output_dir(
             f"{option} to "
             f"replace an earlier {what} there"
         )
-    if not (out / marker).is_file():
+    markers = (marker,) if isinstance(marker, str) else marker
+    marker = next((name for name in markers if (out / name).is_file()), None)
+    if marker is None:
         raise InputError(
-            f"{option} replaces only an earlier {what} (a directory with {marker}); {out} has "
-            f"none, so it holds someone else's files: choose another directory, or empty it "
-            "yourself"
+            f"{option} replaces only an earlier {what} (a directory with "
+            f"{' or '.join(markers)}); {out} has none, so it holds someone else's files: "
+            "choose another directory, or empty it yourself"
         )
     mine = owned(out)
     if mine is None:

@@ -132,7 +132,8 @@ def test_export_force_never_deletes_what_it_did_not_write(faults, tmp_path, capf
         str(run / "checkpoints"): "checkpoints holds the checkpoint",
         str(run / "checkpoints" / "x"): "lies inside the checkpoints directory",
         str(tmp_path / "file"): "is a file",
-        str(user): "replaces only an earlier export (a directory with focus_export.json)",
+        str(user): "replaces only an earlier export (a directory with focus_export.json or "
+        "focus_adapter.json)",
     }
     for target, message in cases.items():
         code, err = _run_cli(["export", str(run), target, "--force"], capfd)

@@ -518,7 +518,8 @@ EXPORT = rows(  # nothing is read past the checks: the runs are fakes with empty
     (["{in}/run", "{in}/blank.txt", "--force", "--no-tokenizer"], "is a file", "onto-a-file"),
     (
         ["{in}/run", "{in}/user_files", "--force", "--no-tokenizer"],
-        "replaces only an earlier export (a directory with focus_export.json)",
+        "replaces only an earlier export (a directory with focus_export.json or "
+        "focus_adapter.json)",
         "onto-user-files",
     ),
     (["{in}/run", "{in}/run", "--force", "--no-tokenizer"], "holds the checkpoint", "onto-run"),

@@ -424,3 +424,32 @@ def test_retrofit_force_replaces_only_what_a_retrofit_wrote(tmp_path):
     with pytest.raises(InputError, match=r"holds files the earlier retrofit output did not"):
         tool.check_inputs(args)
     assert (out / "mine.txt").read_text() == "the user's"
+
+
+def test_an_export_replaces_an_earlier_export_of_either_kind_and_nothing_else(tmp_path):
+    """``--force``: a full export may replace an adapter-only one and the other way round
+    (both are this command's output); the files it did not write still stop it."""
+    from focus_pretrain.convert.export_files import ADAPTER_MARKER, EXPORT_MARKER, check_export_dir
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "focus_adapter.safetensors").write_bytes(b"x")
+    (adapter / ADAPTER_MARKER).write_text(
+        json.dumps({"files": ["focus_adapter.safetensors", ADAPTER_MARKER]})
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "model.safetensors").write_bytes(b"x")
+    (full / EXPORT_MARKER).write_text(json.dumps({"files": ["model.safetensors", EXPORT_MARKER]}))
+    for marker in (EXPORT_MARKER, ADAPTER_MARKER):  # the full export's, the adapter's
+        check_export_dir(adapter, True, marker=marker)
+        check_export_dir(full, True, marker=marker)
+    (adapter / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=r"did not write \(notes\.txt\)"):
+        check_export_dir(adapter, True, marker=EXPORT_MARKER)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    refusal = "a directory with focus_export.json or focus_adapter.json"
+    with pytest.raises(InputError, match=refusal):
+        check_export_dir(user, True)
