@@ -275,7 +275,13 @@ def prepare_data(
     raw = _raw_sources(config) if in_job and not config.tokenize_in_job else []
 
     def texts(source: str) -> list[str]:
-        return load_texts(source, seed=seed, demo_spec=spec)["text"]
+        documents = load_texts(source, seed=seed, demo_spec=spec)["text"]
+        if not any(text.strip() for text in documents):  # as preprocess refuses it
+            raise InputError(
+                f"{source} holds no text (an empty input): remove it from data.sources, or "
+                "give a corpus with some text"
+            )
+        return documents
 
     tokenizer_path = tokenizer_path_for(config, seed)
     if config.tokenizer is not None:

@@ -239,3 +239,30 @@ def test_huggingface_tokenizer_directory(tmp_path):
     assert max(sample) < 400
     with pytest.raises(FileNotFoundError, match=r"directory without tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("blank", ["", "\n  \n"], ids=["empty", "whitespace"])
+def test_a_job_tokenising_an_empty_file_refuses_it_as_preprocess_does(
+    tokenizer_path, tmp_path, blank
+):
+    """``data.tokenize_in_job`` with an empty file among the sources: one line naming it
+    (was: a zero-weight blend, megatron's assertion; alone, a misleading split error); with a
+    tokenizer to train on it, the same line. Nothing is written to the cache."""
+    from focus_pretrain.data.datasets import DataConfig, prepare_data
+    from focus_pretrain.errors import InputError
+
+    empty, text = tmp_path / "empty.txt", tmp_path / "text.txt"
+    empty.write_text(blank)
+    text.write_text(" ".join(demo_documents(20, seed=2)))
+    cache = tmp_path / "cache"
+    for sources, tokenizer in [
+        ([str(text), str(empty)], str(tokenizer_path)),
+        ([str(empty)], str(tokenizer_path)),
+        ([str(empty), str(text)], None),  # a tokenizer trained on data.sources[0]
+    ]:
+        config = DataConfig(
+            sources=sources, tokenizer=tokenizer, cache_dir=str(cache), tokenize_in_job=True
+        )
+        with pytest.raises(InputError, match=rf"{re.escape(str(empty))} holds no text"):
+            prepare_data(config, in_job=True)
+    assert not list(cache.glob("*empty*")) and not list(cache.glob("tokenizer-*"))
