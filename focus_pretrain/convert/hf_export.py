@@ -443,7 +443,9 @@ def _tokenizer_for(config: Config, ckpt: Path, given: str | os.PathLike | None) 
 def _save_tokenizer(tokenizer, out: Path) -> None:
     """HF tokenizer files: an HF tokenizer copied, or our SentencePiece BPE model rebuilt as a
     ``tokenizers`` BPE with the same pieces and merges, dummy prefix, digit splitting and byte
-    fallback (what Llama's ``tokenizer.json`` does), encoding identically."""
+    fallback (what Llama's ``tokenizer.json`` does), encoding identically, also text that
+    spells a special token (``<s>``, ``</s>``, ``<unk>``: text, as SentencePiece reads it;
+    the ids come from ``bos_token_id`` and the like)."""
     if tokenizer.hf is not None:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (tokenizer.path / name).is_file():
@@ -474,7 +476,11 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
         ]
     )
     hf.add_special_tokens(["<unk>", "<s>", "</s>"])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=hf, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    fast = PreTrainedTokenizerFast(  # split_special_tokens: "<s>" in text is text, as it was
+        tokenizer_object=hf,  # in training (SentencePiece encodes it as pieces; an HTML <s>)
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        split_special_tokens=True,
     )
     fast.save_pretrained(out)

@@ -271,8 +271,12 @@ def test_exported_tokenizer_encodes_like_ours(exported, cache):
     _, out = exported
     ours = Tokenizer(next(pathlib.Path(cache).glob("tokenizer-*.model")))
     theirs = AutoTokenizer.from_pretrained(out)
-    for text in [*demo_documents(20, seed=77), "Unseen: ünïcödé ☃ text\twith  spaces\n"]:
+    specials = "an HTML <s>strike</s> and <unk> spelled out, as training read them"
+    texts = [*demo_documents(20, seed=77), "Unseen: ünïcödé ☃ text\twith  spaces\n", specials]
+    for text in texts:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    assert theirs.decode(theirs(specials, add_special_tokens=False)["input_ids"]) == specials
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos, ours.eod)
     assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")
 
 
