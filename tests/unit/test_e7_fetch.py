@@ -71,9 +71,16 @@ def test_the_summary_gives_each_variant_its_gap_to_the_original(tmp_path):
     run.mkdir()
     report = {"original (dense)": metrics(3.0), "retrofit, hard": metrics(3.6, 0.7)}
     (run / "report.json").write_text(json.dumps({"evaluations": report}))
-    (run / "variants.json").write_text(json.dumps({"hard, sinks 4": metrics(3.03, 0.71)}))
+    variants = {
+        "hard, sinks 4": metrics(3.03, 0.71),
+        "original (dense), window 256": metrics(2.9),  # the positions beyond 256: another set
+        "hard, sinks 4, window 256": metrics(2.95, 0.8),
+    }
+    (run / "variants.json").write_text(json.dumps(variants))
     rows = {r["variant"]: r for r in summarize.rows(tmp_path)}
-    assert set(rows) == {"retrofit, hard", "hard, sinks 4"}
+    assert set(rows) == {"retrofit, hard", "hard, sinks 4", "hard, sinks 4, window 256"}
+    wide = rows.pop("hard, sinks 4, window 256")  # against the dense model at window 256
+    assert wide["original"] == 2.9 and wide["gap loss"] == pytest.approx(0.05)
     assert rows["retrofit, hard"]["gap loss"] == pytest.approx(0.6)
     assert rows["hard, sinks 4"]["gap loss_far_evidence"] == pytest.approx(0.03)
     assert rows["hard, sinks 4"]["kept_pairs"] == 0.71 and rows["hard, sinks 4"]["run"] == run.name

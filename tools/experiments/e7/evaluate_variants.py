@@ -4,7 +4,7 @@ control at equal density ("shuffled": each router's output permuted along the se
 sample and layer its own permutation, so every group keeps its trained size in every sample but
 no token keeps its own group). Writes RETROFIT_OUT/variants.json ({variant: metrics}); skips
 what is there already; names after the directory run those variants only (the top-3 ones,
-for K >= 3 routers, run only when named).
+for K >= 3 routers, and the window-256 ones run only when named).
 
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2 "hard, sinks 4, top-2"
@@ -41,8 +41,20 @@ VARIANTS = {  # name -> evaluate overrides of the trained checkpoint
     "hard, sinks 4, top-3, shuffled routing": [
         "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=3"
     ],
+    # a wider window at inference (the routers unchanged): "beyond the window" and "far
+    # evidence" then mean beyond 256 tokens, so these compare with the dense model's loss on
+    # those positions ("original (dense), window 256"; summarize.py pairs them by the name)
+    "original (dense), window 256": ["model.focus.enabled=false", "model.focus.window=256"],
+    "hard, sinks 4, window 256": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.window=256"
+    ],
+    "hard, sinks 4, top-2, window 256": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2",
+        "model.focus.window=256",
+    ],
 }  # fmt: skip
-ON_REQUEST = {"hard, sinks 4, top-3", "hard, sinks 4, top-3, shuffled routing"}  # K >= 3 only
+WIDE = {name for name in VARIANTS if name.endswith("window 256")}
+ON_REQUEST = {"hard, sinks 4, top-3", "hard, sinks 4, top-3, shuffled routing", *WIDE}
 SHUFFLE_SEED = 1234  # + N - 1 for a variant named "..., seed N"
 
 

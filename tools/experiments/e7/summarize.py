@@ -44,8 +44,14 @@ def rows(out: Path) -> list[dict]:
         variants = run / "variants.json"
         if variants.is_file():
             evaluations.update(json.loads(variants.read_text()))
-        original = evaluations.pop("original (dense)")
+        originals = {"": evaluations.pop("original (dense)")}
+        for name in [n for n in evaluations if n.startswith("original (dense), ")]:
+            originals[name.removeprefix("original (dense)")] = evaluations.pop(name)
         for variant, metrics in evaluations.items():
+            # a variant named "..., window W" against the dense model at that window (the
+            # loss-by-distance positions depend on it)
+            suffix = next((s for s in originals if s and variant.endswith(s)), "")
+            original = originals[suffix]
             row = {"run": report_path.parent.name, "variant": variant}
             row["original"] = round(original["loss"], 4)
             row.update({f"gap {m}": round(metrics[m] - original[m], 4) for m in METRICS})
