@@ -11,7 +11,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,20 +136,24 @@ def from_mapping(cls: type, values: Mapping[str, Any], section: str) -> Any:
     try:
         return cls(**kwargs)
     except ValueError as err:  # its own validation: keys named as the recipe spells them
-        qualified = _qualify(str(err), section)
+        qualified = _qualify(str(err), section, allowed)
         if qualified == str(err):
             raise
-        raise ValueError(qualified) from err
+        kind = type(err) if type(err) in (ValueError, InputError) else ValueError
+        raise kind(qualified) from err
 
 
-def _qualify(message: str, section: str) -> str:
-    """``message`` of a nested section's own validation with its keys spelled from the
+def _qualify(message: str, section: str, keys: Sequence[str]) -> str:
+    """``message`` of a nested section's own validation with its ``keys`` spelled from the
     recipe's top: ``focus.top_k`` -> ``model.focus.top_k`` for ``section="model.focus"``
-    (a section validates itself under its own name; the recipe nests it)."""
+    (a section validates itself under its own name; the recipe nests it). Only a whole key
+    name not inside a path, a dotted name or a quoted value is rewritten."""
     local = section.rsplit(".", 1)[-1]
-    if local == section:
+    if local == section or not keys:
         return message
-    return re.sub(rf"(?<![\w.]){re.escape(local)}\.(?=[a-z_])", f"{section}.", message)
+    names = "|".join(re.escape(key) for key in sorted(keys, key=len, reverse=True))
+    pattern = rf"(?<![\w./'\"]){re.escape(local)}\.({names})\b(?![.\w/])"
+    return re.sub(pattern, rf"{section}.\1", message)
 
 
 def _join(section: str, key: str) -> str:

@@ -32,8 +32,25 @@ from focus_pretrain.parallel.launch import ParallelLayout
 
 __all__ = ["EvalModel", "load_checkpoint_model"]
 
-# the Focus keys that size a router's weights (the others change the pattern only)
-SHAPING_FOCUS_KEYS = frozenset({"model.focus.num_groups", "model.focus.group_dim"})
+# the model keys that decide which weights there are and their shapes (the others, RoPE's
+# base, norms' epsilon, dropout, soft-capping, the Focus pattern, change no weight)
+SHAPING_KEYS = frozenset(
+    {
+        "model.family",
+        "model.num_layers",
+        "model.hidden_size",
+        "model.num_attention_heads",
+        "model.num_query_groups",
+        "model.ffn_hidden_size",
+        "model.vocab_size",
+        "model.head_dim",
+        "model.tie_embeddings",
+        "model.focus.num_groups",
+        "model.focus.group_dim",
+        "model.focus.enabled",  # routers present or not
+        "model.focus.window_only",
+    }
+)
 
 
 @dataclass
@@ -114,8 +131,10 @@ def load_checkpoint_model(
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     state, _ = megatron_state_dict(ckpt, layout.tensor_parallel_size, tp_rank)
-    if not config.model.focus.enabled:  # the trained model without Focus (a retrofit: the
-        state = {k: v for k, v in state.items() if ".router." not in k}  # original, dense)
+    focus = config.model.focus
+    if not focus.enabled or focus.window_only:  # the trained model without its routers: dense
+        state = {k: v for k, v in state.items() if ".router." not in k}  # (a retrofit's
+        # original) or the window alone (the floor)
     dtype = torch.bfloat16 if config.train.precision == "bf16" and device.type == "cuda" else None
     model = build_model(config.model, sequence_parallel=config.parallel.sequence_parallel)
     if layout.context_parallel_group is not None:
@@ -157,14 +176,15 @@ def _model_overrides(trained: Config, config: Config) -> list[tuple[str, object,
     """``(key, the checkpoint's value, the value now)`` of every ``model.*`` key the caller's
     overrides changed that may shape the weights (not the inference pattern's keys)."""
     from focus_pretrain.recipe_files import config_to_dict
-    from focus_pretrain.train.resume import FREE_KEYS, flatten
+    from focus_pretrain.train.resume import flatten
 
     old = flatten(config_to_dict(trained.model), "model.")
     new = flatten(config_to_dict(config.model), "model.")
+    shaping = set(SHAPING_KEYS)
+    if config.model.family_spec.positions == "learned_absolute":  # a table of positions
+        shaping.add("model.max_seq_length")
     return [
         (key, old.get(key), new.get(key))
         for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key)
-        and key not in FREE_KEYS
-        and (not key.startswith("model.focus.") or key in SHAPING_FOCUS_KEYS)
+        if old.get(key) != new.get(key) and key in shaping
     ]

@@ -50,6 +50,8 @@ def _files_written(out: Path, marker: str) -> set[str] | None:
         return None
     if isinstance(record.get("files"), list):
         return {str(name) for name in record["files"]}
+    if marker == ADAPTER_MARKER:  # an adapter of then wrote its weights alone (it may lie
+        return {"focus_adapter.safetensors"}  # next to the base model's files: not ours)
     return {p.name for p in out.iterdir() if any(fnmatch(p.name, g) for g in _EARLIER_EXPORT_FILES)}
 
 

@@ -276,7 +276,7 @@ def prepare_data(
 
     def texts(source: str) -> list[str]:
         documents = load_texts(source, seed=seed, demo_spec=spec)["text"]
-        if not any(text.strip() for text in documents):  # as preprocess refuses it
+        if not any(isinstance(text, str) and text.strip() for text in documents):  # no text
             raise InputError(
                 f"{source} holds no text (an empty input): remove it from data.sources, or "
                 "give a corpus with some text"

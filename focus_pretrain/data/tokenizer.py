@@ -206,6 +206,8 @@ class Tokenizer:
 
         self.bos = token_id("bos_token")
         self.eod = token_id("eos_token")
+        # transformers' split_special_tokens (our exports set it): "<s>" in text is text
+        self.hf.encode_special_tokens = settings.get("split_special_tokens") is True
         add_bos = settings.get("add_bos_token")  # transformers' own switch, when set
         self._adds_bos = add_bos if isinstance(add_bos, bool) else None
         if self.eod is None:

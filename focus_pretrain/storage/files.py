@@ -115,6 +115,7 @@ class RunLock:
         self.path = self.directory / self.NAME
         self._fd: int | None = None
         self._created: list[Path] = []  # the folders acquire made, deepest first
+        self._locked = False  # the flock held (not where the filesystem has none)
 
     def acquire(self, purpose: str = "training") -> RunLock:
         """Take the lock or raise :class:`RunInUseError` naming the holder (an
@@ -145,7 +146,11 @@ class RunLock:
         """An open descriptor of ``DIR/.lock`` holding its ``flock`` (the file now at the
         path: a lock won on a file another process unlinked meanwhile is taken again)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # its holder discarded the directory meanwhile
+                self.directory.mkdir(parents=True, exist_ok=True)
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -161,9 +166,11 @@ class RunLock:
                     file=sys.stderr,
                     flush=True,
                 )
+                self._locked = False
                 return fd
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    self._locked = True
                     return fd
             except FileNotFoundError:
                 pass  # unlinked by its last holder: lock the new file
@@ -177,14 +184,15 @@ class RunLock:
         folders above it that acquire made (a run refused before it wrote anything)."""
         if self._fd is None:
             return
-        if discard_if_unused and self._created and _only_entry(self.directory, self.NAME):
-            self.path.unlink()  # while locked: a waiting run then locks a new file
-            for folder in self._created:
-                try:
+        unused = discard_if_unused and self._created and _only_entry(self.directory, self.NAME)
+        if unused and self._locked:  # unlinked only while locked: a waiting run retakes it
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                for folder in self._created:
                     folder.rmdir()  # only an empty folder: anything written there stays
-                except OSError:
-                    break
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._locked:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
         self._created = []
@@ -227,7 +235,10 @@ def is_locked(directory: str | os.PathLike) -> str | None:
     path = Path(directory) / RunLock.NAME
     if not path.is_file():
         return None
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # a refused run discarded its directory meanwhile
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

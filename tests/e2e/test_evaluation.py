@@ -89,6 +89,16 @@ def test_kept_pairs_grow_with_top_k_and_bad_input_is_refused(trained, tmp_path):
     too_long = _evaluate(trained, tmp_path / "x.json", "probes.lengths=[4096]")
     assert too_long.returncode != 0
     assert "beyond model.max_seq_length (128)" in too_long.stderr
+    deeper = _evaluate(trained, tmp_path / "x.json", "model.num_layers=3")
+    assert deeper.returncode == 2 and not (tmp_path / "x.json").exists()
+    assert "--set model.num_layers=3 (the checkpoint's: 2) changes the model's weights" in (
+        deeper.stderr
+    )
+    # the window alone (the floor of a Focus model): the routers' weights are left out
+    floor = _evaluate(trained, tmp_path / "w.json", "model.focus.window_only=true")
+    assert floor.returncode == 0, floor.stderr[-3000:]
+    window_only = json.loads((tmp_path / "w.json").read_text())["metrics"]
+    assert "kept_pairs" not in window_only or window_only["kept_pairs"] < kept[0]
 
 
 def test_experiment_table_holds_each_runs_measurements(tmp_path):

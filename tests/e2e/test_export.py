@@ -276,6 +276,7 @@ def test_exported_tokenizer_encodes_like_ours(exported, cache):
     for text in texts:
         assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert theirs.decode(theirs(specials, add_special_tokens=False)["input_ids"]) == specials
+    assert Tokenizer(out).encode(specials) == ours.encode(specials)  # our reader of an export
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos, ours.eod)
     assert os.environ.get("HF_HUB_OFFLINE") in (None, "1")
 

@@ -31,7 +31,13 @@ def test_only_the_overrides_that_shape_weights_are_named():
         ("model.focus.num_groups", 4, 8),
         ("model.num_layers", 2, 3),
     ]
-    assert _model_overrides(trained, load_config(TINY, ["model.focus.sinks=4"])) == []
+    free = ["model.focus.sinks=4", "model.max_seq_length=256", "model.rotary_base=5e5"]
+    assert _model_overrides(trained, load_config(TINY, free)) == []  # RoPE: no position table
+    gpt2 = ["model.family=gpt2"]
+    longer = load_config(TINY, [*gpt2, "model.max_seq_length=256"])
+    assert _model_overrides(load_config(TINY, gpt2), longer) == [("model.max_seq_length", 128, 256)]
+    dense = load_config(TINY, ["model.focus.enabled=false"])
+    assert _model_overrides(dense, trained) == [("model.focus.enabled", False, True)]
 
 
 @pytest.mark.parametrize("shape", [(4, 3), (5, 4)], ids=["missing-key", "other-shape"])

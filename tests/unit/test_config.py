@@ -341,3 +341,14 @@ def test_a_nested_sections_refusal_names_its_keys_as_the_recipe_spells_them(over
         load_config(ROOT / "configs" / "tiny.yaml", [override])
     assert str(refused.value).startswith(message), str(refused.value)
     assert "model.model." not in str(refused.value)
+
+
+def test_a_value_that_looks_like_a_key_is_kept_as_typed():
+    """Only the section's own key names are qualified: a value repeated in the refusal,
+    or a path, stays as the user wrote it."""
+    from focus_pretrain.errors import InputError
+
+    with pytest.raises(InputError) as refused:
+        load_config(ROOT / "configs" / "tiny.yaml", ["model.focus.backend=focus.top_k"])
+    assert str(refused.value).startswith("model.focus.backend must be one of"), refused.value
+    assert "'focus.top_k'" in str(refused.value) and "'model.focus.top_k'" not in str(refused.value)

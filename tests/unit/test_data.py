@@ -247,7 +247,7 @@ def test_a_job_tokenising_an_empty_file_refuses_it_as_preprocess_does(
 ):
     """``data.tokenize_in_job`` with an empty file among the sources: one line naming it
     (was: a zero-weight blend, megatron's assertion; alone, a misleading split error); with a
-    tokenizer to train on it, the same line. Nothing is written to the cache."""
+    tokenizer to train on it, the same line. No token files of it, no tokenizer are made."""
     from focus_pretrain.data.datasets import DataConfig, prepare_data
     from focus_pretrain.errors import InputError
 

@@ -313,6 +313,33 @@ def test_a_lock_won_on_an_unlinked_lock_file_is_taken_again_on_the_new_one(tmp_p
     lock.release()
 
 
+def test_a_directory_discarded_between_the_checks_and_the_open_is_no_traceback(
+    tmp_path, monkeypatch
+):
+    """A refused run may remove its directory while another run, or an output check, is
+    between finding it and opening its lock file: the lock is taken on a new file, and the
+    check reports the directory free."""
+    from focus_pretrain.storage import files
+
+    real_open, opened = os.open, []
+
+    def open_after_a_discard(path, flags, *mode):
+        opened.append(path)
+        if len(opened) == 1:  # the other run removed the directory just before
+            (tmp_path / "run" / ".lock").unlink(missing_ok=True)
+            (tmp_path / "run").rmdir()
+        return real_open(path, flags, *mode)
+
+    RunLock(tmp_path / "run").acquire().release()
+    monkeypatch.setattr(files.os, "open", open_after_a_discard)
+    lock = RunLock(tmp_path / "run").acquire()
+    assert lock.held and len(opened) == 2
+    lock.release()
+    opened.clear()
+    assert is_locked(tmp_path / "run") is None  # its file gone between is_file and open
+    monkeypatch.setattr(files.os, "open", real_open)
+
+
 # -- output directories -------------------------------------------------------------------------
 
 
@@ -447,6 +474,13 @@ def test_an_export_replaces_an_earlier_export_of_either_kind_and_nothing_else(tm
     (adapter / "notes.txt").write_text("mine")
     with pytest.raises(InputError, match=r"did not write \(notes\.txt\)"):
         check_export_dir(adapter, True, marker=EXPORT_MARKER)
+    old = tmp_path / "old-adapter"  # an adapter of before the files list, by its base model
+    old.mkdir()
+    for name in ("focus_adapter.safetensors", "model.safetensors", "config.json"):
+        (old / name).write_bytes(b"x")
+    (old / ADAPTER_MARKER).write_text(json.dumps({"focus": {}}))
+    with pytest.raises(InputError, match=r"did not write \(config\.json, model\.safetensors\)"):
+        check_export_dir(old, True, marker=EXPORT_MARKER)  # the base model's files: not ours
     user = tmp_path / "user"
     user.mkdir()
     (user / "notes.txt").write_text("mine")
