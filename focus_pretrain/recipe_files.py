@@ -204,6 +204,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     raise ValueError(f"{key} must be {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and ``None`` stay values)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
     """The resolved config as plain YAML-ready data (every default filled in)."""
     return dataclasses.asdict(config)

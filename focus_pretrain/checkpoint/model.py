@@ -175,8 +175,7 @@ def _load_weights(
 def _model_overrides(trained: Config, config: Config) -> list[tuple[str, object, object]]:
     """``(key, the checkpoint's value, the value now)`` of every ``model.*`` key the caller's
     overrides changed that may shape the weights (not the inference pattern's keys)."""
-    from focus_pretrain.recipe_files import config_to_dict
-    from focus_pretrain.train.resume import flatten
+    from focus_pretrain.recipe_files import config_to_dict, flatten
 
     old = flatten(config_to_dict(trained.model), "model.")
     new = flatten(config_to_dict(config.model), "model.")

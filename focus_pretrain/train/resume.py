@@ -34,6 +34,7 @@ from typing import Any
 from focus_pretrain.checkpoint.layout import check_layout
 from focus_pretrain.config import Config, config_to_dict, load_config
 from focus_pretrain.errors import InputError
+from focus_pretrain.recipe_files import flatten
 
 GUARDED_SECTIONS = ("model.", "data.")
 GUARDED_KEYS = frozenset({"run.seed", "train.global_batch_size", "train.freeze"})
@@ -51,17 +52,6 @@ FREE_KEYS = frozenset(
         "data.prepare_timeout_s",
     }
 )
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists and ``None`` stay values)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def guarded(key: str) -> bool:
