@@ -120,15 +120,12 @@ class RunLock:
     def acquire(self, purpose: str = "training") -> RunLock:
         """Take the lock or raise :class:`RunInUseError` naming the holder (an
         :class:`InputError` when a file stands where the directory should be)."""
-        missing = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
+        self._created = _make_folders(self.directory)
+        if not self.directory.is_dir():  # a file, or a link to nothing, on the way
             raise InputError(
                 f"{self.directory} cannot be a run directory: it or a folder above it is a "
                 "file; give another run.output_dir"
-            ) from None
-        self._created = missing
+            )
         fd = self._lock_current_file()
         holder = {
             "pid": os.getpid(),
@@ -206,6 +203,25 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _make_folders(directory: Path) -> list[Path]:
+    """Make ``directory`` and its missing parents; returns, deepest first, exactly the folders
+    this call made (a folder another process makes meanwhile is not among them; a file or a
+    dangling link on the way stops it, making nothing below)."""
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    made: list[Path] = []
+    for folder in reversed(missing):  # outermost first
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir():
+                break
+            continue  # someone else's: never ours to remove
+        except (NotADirectoryError, FileNotFoundError):
+            break
+        made.append(folder)
+    return made[::-1]
 
 
 def _only_entry(directory: Path, name: str) -> bool:

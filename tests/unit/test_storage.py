@@ -285,6 +285,31 @@ def test_a_refused_run_leaves_no_directory_it_made_and_keeps_anything_written(tm
     assert (tmp_path / "d" / ".lock").is_file()
 
 
+def test_a_discard_never_removes_a_folder_someone_else_made_or_a_link(tmp_path, monkeypatch):
+    """Only the folders the lock's own ``mkdir`` made are removed: one another process makes
+    between the check and the ``mkdir`` stays (empty or not); a dangling link where the run
+    directory should be is refused, kept, and nothing is made behind it."""
+    import pathlib
+
+    real_mkdir = pathlib.Path.mkdir
+
+    def user_makes_it_first(self, *args, **kwargs):
+        if self == tmp_path / "theirs":
+            real_mkdir(self)  # the user's folder, made just before ours
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", user_makes_it_first)
+    lock = RunLock(tmp_path / "theirs" / "run").acquire()
+    monkeypatch.setattr(pathlib.Path, "mkdir", real_mkdir)
+    lock.release(discard_if_unused=True)
+    assert (tmp_path / "theirs").is_dir()  # theirs: kept although empty
+    assert not (tmp_path / "theirs" / "run").exists()  # ours: removed
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(InputError, match="cannot be a run directory"):
+        RunLock(tmp_path / "link").acquire()
+    assert (tmp_path / "link").is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_a_lock_won_on_an_unlinked_lock_file_is_taken_again_on_the_new_one(tmp_path, monkeypatch):
     """Removing the lock file (a refused run discarding its directory) never lets two runs
     hold the directory: a lock won on a file its holder unlinked meanwhile (opened before,
