@@ -42,6 +42,7 @@ def brute_force_focus(
     sinks: int = 0,
     documents: list[list[int]] | None = None,
     gate_form: str = "sigmoid",
+    key_groups: str = "own",
 ) -> Tensor:
     """Focus attention as a scalar double loop over (i, j), written from the spec alone.
 
@@ -51,6 +52,8 @@ def brute_force_focus(
     keys of other documents are skipped and the sinks count from each document's start.
     ``gate_form="dot"``: no sigmoid gate; ``gate_lambda * g_i . g_j`` is added to every allowed
     pair's score before soft-capping, and the soft pattern is every causal pair.
+    ``key_groups="own_and_previous"``: a key ``j`` also counts as in the top-k groups of ``j - 1``
+    (same document), and its soft assignment is ``p_j + p_{j-1} - p_j p_{j-1}`` per group.
     Returns ``[b, s, H, D]`` float64.
     """
     b, s, h, d = q.shape
@@ -69,6 +72,11 @@ def brute_force_focus(
             sets = [
                 set(sorted(range(n_groups), key=lambda c, t=t: -p[t][c])[:top_k]) for t in range(s)
             ]
+            key_sets, key_p = list(sets), [list(row) for row in p]
+            for t in range(s):
+                if key_groups == "own_and_previous" and t > start[t]:
+                    key_sets[t] = sets[t] | sets[t - 1]
+                    key_p[t] = [a + c - a * c for a, c in zip(p[t], p[t - 1], strict=True)]
         for hi in range(h):
             kv = hi // group
             for i in range(s):
@@ -85,14 +93,14 @@ def brute_force_focus(
                         if not local:
                             continue
                     elif mode in ("hard", "hard_gated"):
-                        if not local and not (sets[i] & sets[j]):
+                        if not local and not (sets[i] & key_sets[j]):
                             continue
                         gated = mode == "hard_gated" and gate_form != "dot"
                         if gated and not local:  # kept, and gated
-                            affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
+                            affinity = sum(p[i][c] * key_p[j][c] for c in range(n_groups))
                             bias = log_sigmoid(gate_lambda * (affinity - 0.5))
                     elif not local:
-                        affinity = sum(p[i][c] * p[j][c] for c in range(n_groups))
+                        affinity = sum(p[i][c] * key_p[j][c] for c in range(n_groups))
                         bias = log_sigmoid(gate_lambda * (affinity - 0.5))
                     score = scale * sum(qs[bi][i][hi][c] * ks[bi][j][kv][c] for c in range(d))
                     score += dot

@@ -297,13 +297,18 @@ def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> di
     this process, one start-up for all); returns the evaluations (:func:`evaluate`)."""
     from focus_pretrain.analysis.pipeline import inspect_groups
     from focus_pretrain.convert import export_hf, export_router_adapter
+    from focus_pretrain.convert.exportable import export_refusal
     from focus_pretrain.parallel.launch import shutdown_distributed
 
     try:
-        _step("export")
-        export_hf(out / "run", out / "export")
-        _step("router adapter")
-        export_router_adapter(out / "run", out / "adapter")
+        not_exported = export_refusal(config)
+        if not_exported is None:
+            _step("export")
+            export_hf(out / "run", out / "export")
+            _step("router adapter")
+            export_router_adapter(out / "run", out / "adapter")
+        else:  # an experiment's setting the shipped code lacks: evaluated, not exported
+            print(f"retrofit: no export or adapter: the run {not_exported}", flush=True)
         evaluations = evaluate(out)
         _step("group report")
         inspect_groups(
@@ -364,6 +369,9 @@ def main() -> None:
         "seq_length": config.data.seq_length,
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
+    if not (out / "export").is_dir():  # refused (export_and_report said why)
+        del meta["export"], meta["adapter"]
+        meta["no export"] = "the shipped modeling code lacks a setting of this run"
     report_json = json.loads((out / "groups" / "report.json").read_text())
     quality = hard_gap(evaluations, args.max_hard_gap, far_threshold=args.max_far_gap)
     report = write_report(out, meta, evaluations, report_json, quality)

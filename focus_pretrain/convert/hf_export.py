@@ -23,8 +23,6 @@ import torch
 from torch import Tensor
 
 from focus_pretrain.checkpoint.read import (
-    checkpoint_config,
-    resolve_checkpoint,
     trained_tp_shards,
 )
 from focus_pretrain.config import Config
@@ -36,10 +34,11 @@ from focus_pretrain.convert.export_files import (
     check_export_dir,
     shipped_code_digests,
 )
+from focus_pretrain.convert.exportable import exportable_checkpoint
 from focus_pretrain.convert.hf_import import load_hf_tensors
 from focus_pretrain.data.datasets import tokenizer_path_for
 from focus_pretrain.data.tokenizer import Tokenizer
-from focus_pretrain.errors import InputError, MissingInputError, UnsupportedInputError
+from focus_pretrain.errors import InputError, MissingInputError
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.model.config import ModelConfig
 from focus_pretrain.model.families import family as family_description
@@ -66,25 +65,6 @@ __all__ = [  # MODELING_DIR, SHIPPED_MODELING_FILES, check_export_dir: convert.e
 ]
 
 _ROUTER_KEYS = ("proj.weight", "centroids", "balance_offsets")
-
-
-def _exportable_checkpoint(checkpoint: str | os.PathLike) -> tuple[Path, Config]:
-    """The checkpoint directory and its config, refusing what an export (full model or router
-    adapter) cannot reproduce. The one place for that rule: the shipped modeling code routes
-    each token on its own (``balance=causal``: softmax of its logits plus the saved offsets;
-    ``balance=none``: the same with offsets that stay zero)."""
-    ckpt = resolve_checkpoint(checkpoint)
-    config = checkpoint_config(ckpt)
-    focus = config.model.focus
-    if focus.enabled and focus.balance == "sinkhorn":
-        raise UnsupportedInputError(
-            f"{ckpt} was trained with model.focus.balance={focus.balance}, whose routing is "
-            "balanced over the whole sequence (not causal); an export (full model or router "
-            "adapter) routes each token on its own, so its logits would differ from the trained "
-            "model's. Export a run trained with model.focus.balance=causal (the default), e.g. "
-            "fine-tune this one's routers with it"
-        )
-    return ckpt, config
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
@@ -216,7 +196,7 @@ def export_hf(
             it trained into ``data.cache_dir``; none found is refused, naming where it looked.
         with_tokenizer: ``False`` exports without tokenizer files.
     """
-    ckpt, config = _exportable_checkpoint(checkpoint)
+    ckpt, config = exportable_checkpoint(checkpoint)
     model_cfg = config.model
     found = _tokenizer_for(config, ckpt, tokenizer) if with_tokenizer else None
     check_export_dir(out_dir, overwrite, _export_inputs(ckpt, config, found))
@@ -346,7 +326,7 @@ def export_router_adapter(
     non-empty ``out_dir`` is refused unless ``overwrite``, which replaces only an earlier
     adapter (see :func:`check_export_dir`); written next to it and swapped in."""
 
-    ckpt, config = _exportable_checkpoint(checkpoint)
+    ckpt, config = exportable_checkpoint(checkpoint)
     check_export_dir(out_dir, overwrite, _export_inputs(ckpt, config, None), ADAPTER_MARKER)
     shards = trained_tp_shards(ckpt, config)  # the routers as trained (fp32 masters)
     routers = {k: v for k, v in hf_state_dict(shards, config.model).items() if ".router." in k}
@@ -392,6 +372,7 @@ NOT_EXPORTED_FOCUS_FIELDS = (
     "check_finite",
     "training_mode",
     "soft_warmup_steps",
+    "key_groups",  # only "own" is exported (refused otherwise: _check_exportable_focus)
 )
 EXPORTED_FOCUS_FIELDS = tuple(
     f.name for f in dataclasses.fields(FocusConfig) if f.name not in NOT_EXPORTED_FOCUS_FIELDS

@@ -63,7 +63,12 @@ from focus_pretrain.focus.backends import (
 )
 from focus_pretrain.focus.builtin_backends import CPU_DECOMPOSED_MIN_SEQ
 from focus_pretrain.focus.gate_forms import attend_with_dot_gate
-from focus_pretrain.focus.pattern import compute_dtype, document_starts
+from focus_pretrain.focus.pattern import (
+    compute_dtype,
+    document_starts,
+    key_assignments,
+    key_memberships,
+)
 from focus_pretrain.focus.pattern_settings import FocusPattern, with_settings
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.validation import check_int
@@ -160,11 +165,25 @@ def focus_attention(
     scale = pattern.scale_for(q.shape[-1])
     call = AttentionPattern.of(
         replace(pattern, scale=scale), probs=probs, member=member, documents=documents,
-        groups=0 if pattern.local_only else routing_groups,
+        groups=0 if pattern.local_only else routing_groups, **_key_side(pattern, probs, member,
+        documents),
     )  # fmt: skip
     chosen = select_backend(backend, _request(q, k, v, call, return_lse))
     out, lse = chosen.fn(q, k, v, call)
     return (out, lse) if return_lse else out
+
+
+def _key_side(
+    pattern: FocusPattern, probs: Tensor | None, member: Tensor | None, documents: Tensor | None
+) -> dict[str, Tensor | None]:
+    """The keys' own ``key_probs`` and ``key_member`` when ``key_groups`` makes them differ
+    from the queries' (:mod:`focus_pretrain.focus.pattern`, "Key groups"); else none."""
+    if pattern.key_groups == "own" or pattern.local_only:
+        return {}
+    return {
+        "key_probs": None if probs is None else key_assignments(probs, documents),
+        "key_member": None if member is None else key_memberships(member, documents),
+    }
 
 
 def _request(

@@ -48,12 +48,18 @@ class AttentionPattern(FocusPattern):
         groups: ``K``, the number of groups (0 for a sliding-window layer); with ``top_k``, a
             static int that bounds the group-sorted layout's segment table
             (:func:`~focus_pretrain.focus.sorted_layout.segment_slots`).
+        key_probs, key_member: the keys' side of ``probs`` and ``member`` when it differs from
+            the queries' (``key_groups="own_and_previous"``:
+            :func:`~focus_pretrain.focus.pattern.key_assignments`,
+            :func:`~focus_pretrain.focus.pattern.key_memberships`), else ``None``.
     """
 
     probs: Tensor | None = None
     member: Tensor | None = None
     documents: Tensor | None = None
     groups: int = 0
+    key_probs: Tensor | None = None
+    key_member: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.scale is None:  # a backend multiplies by it: resolved by the caller
@@ -62,8 +68,18 @@ class AttentionPattern(FocusPattern):
     @classmethod
     def of(cls, settings: FocusPattern, **tensors) -> AttentionPattern:
         """``settings`` with the call's ``tensors`` (``probs``, ``member``, ``documents``,
-        ``groups``)."""
+        ``groups``, ``key_probs``, ``key_member``)."""
         return cls(**settings.settings(), **tensors)
+
+    @property
+    def keys_probs(self) -> Tensor | None:
+        """The keys' soft assignments: :attr:`key_probs`, or the queries' :attr:`probs`."""
+        return self.probs if self.key_probs is None else self.key_probs
+
+    @property
+    def keys_member(self) -> Tensor | None:
+        """The keys' membership bitmasks: :attr:`key_member`, or the queries' :attr:`member`."""
+        return self.member if self.key_member is None else self.key_member
 
 
 BackendFn = Callable[[Tensor, Tensor, Tensor, AttentionPattern], tuple[Tensor, Tensor]]
@@ -109,6 +125,7 @@ class AttentionRequest:
         documents: whether the sequences are packed documents (``documents=`` given).
         needs_lse: whether the caller wants the log-sum-exp back (``return_lse``; unknown:
             ``True``).
+        key_groups: which groups a key counts as in (``"own"``: the method's symmetric rule).
     """
 
     device: str
@@ -127,6 +144,7 @@ class AttentionRequest:
     sinks: int = 0
     documents: bool = False
     needs_lse: bool = True
+    key_groups: str = "own"
 
     @property
     def kind(self) -> str:
@@ -152,6 +170,7 @@ class AttentionRequest:
             top_k=pattern.top_k, local_only=pattern.local_only, window=pattern.window,
             softcap=pattern.softcap is not None, needs_grad=needs_grad, sinks=pattern.sinks,
             documents=documents, needs_lse=needs_lse,
+            key_groups="own" if pattern.local_only else pattern.key_groups,
         )  # fmt: skip
 
 
@@ -170,6 +189,7 @@ class Capabilities:
         documents, sinks, softcap: whether it takes packed documents, sinks, soft-capping.
         devices: the device types it runs on (``None``: any).
         gradients_on: the device types where it differentiates (``None``: wherever it runs).
+        key_groups: the ``key_groups`` rules it computes (every backend: ``"own"``).
     """
 
     modes: frozenset[str]
@@ -179,6 +199,7 @@ class Capabilities:
     softcap: bool = True
     devices: frozenset[str] | None = None
     gradients_on: frozenset[str] | None = None
+    key_groups: frozenset[str] = frozenset({"own"})
 
     def refusal(self, r: AttentionRequest) -> str | None:
         """Why ``r`` is outside these capabilities (``None``: it is inside)."""
@@ -193,6 +214,7 @@ class Capabilities:
             (r.documents and not self.documents, "packed documents"),
             (r.sinks > 0 and not self.sinks, "attention sinks"),
             (r.softcap and not self.softcap, "soft-capping"),
+            (r.key_groups not in self.key_groups, f"key_groups={r.key_groups!r}"),
             (
                 self.devices is not None and r.device not in self.devices,
                 f"device {r.device!r} (it runs on {sorted(self.devices or ())})",

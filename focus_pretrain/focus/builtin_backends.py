@@ -26,6 +26,7 @@ from focus_pretrain.focus.decomposed import (
     torch_varlen_installed,
 )
 from focus_pretrain.focus.flex import flex_focus_attention
+from focus_pretrain.focus.pattern_settings import KEY_GROUPS
 from focus_pretrain.focus.reference import reference_attention
 from focus_pretrain.focus.sdpa import sdpa_attention, sdpa_priority, sdpa_refusal
 from focus_pretrain.focus.segments import segments_attention
@@ -87,8 +88,15 @@ def _triton_unavailable(r: AttentionRequest) -> str | None:
 
 _ALL_MODES = frozenset({"soft", "hard", "hard_gated", "local"})
 _CPU_CUDA = frozenset({"cpu", "cuda"})
+_ALL_KEY_GROUPS = frozenset(KEY_GROUPS)
 register_backend(
-    Backend("reference", reference_attention, Capabilities(_ALL_MODES), lambda r: 0, "blockwise")
+    Backend(
+        "reference",
+        reference_attention,
+        Capabilities(_ALL_MODES, key_groups=_ALL_KEY_GROUPS),
+        lambda r: 0,
+        "blockwise",
+    )
 )
 register_backend(
     Backend(

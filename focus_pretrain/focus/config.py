@@ -16,7 +16,12 @@ from typing import Any
 from focus_pretrain.focus import backends as registry
 from focus_pretrain.focus import builtin_backends  # noqa: F401  (fills the registry)
 from focus_pretrain.focus.gate_forms import dot_gate_pattern
-from focus_pretrain.focus.pattern_settings import GATE_FORMS, PATTERN_FIELDS, FocusPattern
+from focus_pretrain.focus.pattern_settings import (
+    GATE_FORMS,
+    KEY_GROUPS,
+    PATTERN_FIELDS,
+    FocusPattern,
+)
 from focus_pretrain.focus.router import BALANCE_MODES, MAX_GROUPS
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
@@ -101,6 +106,11 @@ class FocusConfig:
             (no gate on them in the soft one), like keys inside the window; ``S`` extra keys per
             query. Focus layers and the ``window_only`` twin take them; a family's own
             sliding-window layers do not. ``0`` (default) is the plain pattern.
+        key_groups: which groups a key counts as in: ``"own"`` (default, the method: each token
+            routed once, for both sides) or ``"own_and_previous"`` (a key also in the groups
+            of the token before it, so that a query finds the token after its match, the link
+            of induction heads: :mod:`focus_pretrain.focus.pattern`, "Key groups"; E7).
+            Computed by the ``reference`` backend (CPU and CUDA) and under ``cp_mode: a2a``.
     """
 
     enabled: bool = True
@@ -123,6 +133,7 @@ class FocusConfig:
     backend: str = "auto"
     inference_backend: str = "auto"
     sinks: int = 0
+    key_groups: str = "own"
 
     def __post_init__(self) -> None:
         check_int("focus.num_groups", self.num_groups, low=1, high=MAX_GROUPS)
@@ -150,6 +161,7 @@ class FocusConfig:
         check_choice("focus.inference_backend", self.inference_backend, registry.backend_names())
         self._check_inference_backend()
         self._check_training_backend()
+        self._check_key_groups()
 
     def pattern(self, **changes: Any) -> FocusPattern:
         """The attention pattern's settings of this recipe: every
@@ -189,6 +201,30 @@ class FocusConfig:
             f"{self.training_mode!r}{form} (it computes {computes}); use 'auto' or one of "
             f"{others}, or focus.training_mode='soft'"
         )
+
+    def _check_key_groups(self) -> None:
+        """``key_groups``: a known rule, the sigmoid gate, and named backends that compute it."""
+        check_choice("focus.key_groups", self.key_groups, KEY_GROUPS)
+        if self.key_groups == "own":
+            return
+        if self.gate_form != "sigmoid":
+            raise ValueError(
+                f"focus.key_groups={self.key_groups!r} needs focus.gate_form='sigmoid', got "
+                f"{self.gate_form!r}; set focus.key_groups=own or focus.gate_form=sigmoid"
+            )
+        for key in ("backend", "inference_backend"):
+            name = getattr(self, key)
+            rules = registry.get_backend(name).capabilities.key_groups if name != "auto" else ()
+            if name != "auto" and self.key_groups not in rules:
+                takes = [
+                    other
+                    for other in registry.backend_names()[1:]
+                    if self.key_groups in registry.get_backend(other).capabilities.key_groups
+                ]
+                raise ValueError(
+                    f"focus.{key} {name!r} does not compute focus.key_groups="
+                    f"{self.key_groups!r}; use 'auto' or one of {takes}"
+                )
 
     def _check_inference_backend(self) -> None:
         """The named inference backend computes the ``eval()`` pattern (its capabilities)."""

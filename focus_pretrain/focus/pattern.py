@@ -28,6 +28,15 @@ structure is ``[b, s]`` integers, never an ``n x n`` mask.
 * **local only** (the sliding-window layers of interleaved local/global models): only
   ``0 <= i - j <= window`` (and the sinks); no routing.
 
+**Key groups** (``key_groups``): by default a token is routed once and counts as the same
+groups on both sides of a pair (``"own"``, the method). With ``"own_and_previous"`` a *key*
+also counts as in the groups of the token before it in its document
+(:func:`key_memberships`, :func:`key_assignments`): a key is then found by what precedes it
+as well as by what it is, the link an induction head follows (the query matches the token
+before the one it copies). Queries keep their own groups; the first token of a document has
+no predecessor. In soft mode the key's assignment is the elementwise probabilistic or
+``g_j + g_{j-1} - g_j * g_{j-1}``, whose limit with one-hot assignments is the hard rule.
+
 The fast backends split the hard pattern into disjoint parts merged by log-sum-exp: pairs that
 share a group, the cross-group local band, and :func:`sink_only_pairs` (the sink keys neither
 of the others covers).
@@ -77,6 +86,37 @@ def groups_intersect(member_q: Tensor, member_k: Tensor) -> Tensor:
 def shares_group(member_q: Tensor, member_k: Tensor) -> Tensor:
     """``[b, Lq, Lk]`` bool: do the membership bitmasks ``[b, Lq]`` and ``[b, Lk]`` intersect?"""
     return groups_intersect(member_q[:, :, None], member_k[:, None, :])
+
+
+def previous_in_document(t: Tensor, documents: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(previous, has_previous)``: each token's predecessor's row of ``t`` ``[b, s, ...]``
+    (shifted by one along ``s``; the first row repeats row 0) and ``[b, s]`` bool, whether the
+    token has a predecessor in its document (``documents``: ``[b, s]`` document starts, or
+    ``None`` for one document per sample)."""
+    b, s = t.shape[:2]
+    previous = torch.cat([t[:, :1], t[:, :-1]], dim=1)  # [b, s, ...]: row i holds row i - 1
+    positions = torch.arange(s, device=t.device)
+    if documents is None:
+        return previous, (positions > 0).expand(b, s)
+    return previous, documents.to(positions.dtype) != positions  # [b, s]: not a start
+
+
+def key_memberships(member: Tensor, documents: Tensor | None = None) -> Tensor:
+    """``[b, s]`` int64: the groups a key counts as in under ``key_groups="own_and_previous"``:
+    its own membership bitmask ``member`` ``[b, s]`` or'ed with its predecessor's in its
+    document (``documents``: ``[b, s]`` document starts, or ``None``)."""
+    previous, has_previous = previous_in_document(member, documents)
+    return member | torch.where(has_previous, previous, torch.zeros_like(previous))
+
+
+def key_assignments(probs: Tensor, documents: Tensor | None = None) -> Tensor:
+    """``[b, s, K]``: a key's soft assignment under ``key_groups="own_and_previous"``: the
+    elementwise probabilistic or ``g + g_prev - g * g_prev`` of its own ``probs`` ``[b, s, K]``
+    and its predecessor's in its document (``g_prev = 0`` for a document's first token), in
+    ``probs``' dtype; one-hot assignments give :func:`key_memberships`' sets."""
+    previous, has_previous = previous_in_document(probs, documents)
+    previous = previous * has_previous[..., None].to(probs.dtype)  # [b, s, K]
+    return probs + previous - probs * previous
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

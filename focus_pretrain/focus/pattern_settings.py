@@ -26,6 +26,9 @@ from focus_pretrain.focus.pattern import PATTERN_MODES
 from focus_pretrain.validation import check_choice, check_int, check_positive
 
 GATE_FORMS = ("sigmoid", "dot")  # the soft gate's forms (focus_pretrain.focus.gate_forms)
+# which groups a key counts as in (focus_pretrain.focus.pattern, "Key groups"): its own, or its
+# own and its predecessor's (a key routed also by the token before it: induction pairs)
+KEY_GROUPS = ("own", "own_and_previous")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +47,9 @@ class FocusPattern:
         softcap: Gemma-2 logit soft-capping ``c``, or ``None``.
         scale: the score scale, ``None`` for ``1 / sqrt(head_dim)``.
         local_only: a sliding-window layer: the window and the sinks only, no routing.
+        key_groups: which groups a key counts as in: ``"own"`` (the method: a token is routed
+            once, for both sides) or ``"own_and_previous"`` (also the groups of the token
+            before it in its document; :func:`~focus_pretrain.focus.pattern.key_memberships`).
     """
 
     window: int = 128
@@ -55,6 +61,7 @@ class FocusPattern:
     softcap: float | None = None
     scale: float | None = None
     local_only: bool = False
+    key_groups: str = "own"
 
     @property
     def kind(self) -> str:
@@ -74,6 +81,12 @@ class FocusPattern:
             check_positive("softcap", self.softcap)
         if self.scale is not None:
             check_positive("scale", self.scale)
+        check_choice("key_groups", self.key_groups, KEY_GROUPS)
+        if self.key_groups != "own" and self.gate_form != "sigmoid":
+            raise ValueError(
+                f"key_groups={self.key_groups!r} needs gate_form='sigmoid' (the dot form's "
+                f"channels route both sides alike), got gate_form={self.gate_form!r}"
+            )
 
     def scale_for(self, head_dim: int) -> float:
         """The score scale of a call with ``head_dim``-wide heads: ``scale``, or

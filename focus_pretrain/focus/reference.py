@@ -104,7 +104,7 @@ def reference_attention(
     s = q.shape[1]
     positions = torch.arange(s, device=q.device)
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, pattern.probs)
+        t is not None and t.requires_grad for t in (q, k, v, pattern.probs, pattern.key_probs)
     )
     outs, lses = [], []
     for start in range(0, s, q_block):
@@ -159,13 +159,14 @@ def _block_inputs(
     def query_rows(t: Tensor | None) -> Tensor | None:  # [b, s, ...] -> [b, Lq, ...]
         return None if t is None else t[:, start:end]
 
-    tokens = (pattern.probs, pattern.member, pattern.documents)
+    queries = (pattern.probs, pattern.member, pattern.documents)
+    keys_side = (pattern.keys_probs, pattern.keys_member, pattern.documents)  # key_groups
     return (
         q[:, start:end],
         key_rows(k),
         key_rows(v),
         positions[start:end],
-        *(query_rows(t) for t in tokens),
+        *(query_rows(t) for t in queries),
         positions[keys],
-        *(key_rows(t) for t in tokens),
+        *(key_rows(t) for t in keys_side),
     )

@@ -107,6 +107,12 @@ class ParallelConfig:
         cp = self.context_parallel_size
         check_cp_heads(model.num_attention_heads, self.tensor_parallel_size, cp, self.cp_mode)
         if cp > 1 and self.cp_mode == "ring":
+            if model.focus.key_groups != "own" and model.focus.enabled:
+                raise ValueError(
+                    f"model.focus.key_groups {model.focus.key_groups!r} does not run inside "
+                    "the ring (a shard's first key needs the previous rank's last token); "
+                    "use parallel.cp_mode 'a2a' or model.focus.key_groups 'own'"
+                )
             for key in ("backend", "inference_backend"):
                 chosen = getattr(model.focus, key)
                 if chosen not in ring_backend_names():

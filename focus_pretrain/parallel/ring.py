@@ -320,6 +320,12 @@ def ring_focus_attention(
             f"ring_focus_attention computes the sigmoid gate form, got gate_form="
             f"{pattern.gate_form!r}; call context_parallel_attention (it rewrites the dot form)"
         )
+    if pattern.key_groups != "own" and not pattern.local_only:
+        raise ValueError(
+            f"ring_focus_attention computes key_groups='own' only, got "
+            f"{pattern.key_groups!r} (a shard's first key needs the previous rank's last "
+            f"token); use cp_mode 'a2a'"
+        )
     mode, local_only = pattern.mode, pattern.local_only
     request = AttentionRequest.of(
         q, k, pattern, needs_grad=differentiated(q, k, v, probs), documents=documents is not None

@@ -1,0 +1,189 @@
+"""``key_groups="own_and_previous"``: a key also counts as in its predecessor's groups.
+
+The rule (:mod:`focus_pretrain.focus.pattern`, "Key groups") against the brute-force loop
+(which writes it from the spec alone), with packed documents, sinks, GQA and soft-capping, in
+the three patterns; its gradients against finite differences; the backends that do not compute
+it refuse it by name, and ``auto`` picks one that does; the recipe, the ring and the export
+refuse what they cannot run, each in one line.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from focus_pretrain.config import load_config
+from focus_pretrain.convert.exportable import export_refusal
+from focus_pretrain.focus import Routing, focus_attention
+from focus_pretrain.focus.backends import available_backends, get_backend
+from focus_pretrain.focus.config import FocusConfig
+from focus_pretrain.focus.pattern import (
+    document_starts,
+    key_assignments,
+    key_memberships,
+    membership_bitmask,
+)
+from focus_pretrain.focus.pattern_settings import FocusPattern
+from focus_pretrain.parallel.ring import ring_focus_attention
+from tests.helpers import brute_force_focus, packed_documents, random_probs, random_qkv
+
+OWN_AND_PREVIOUS = "own_and_previous"
+ROOT = pathlib.Path(__file__).parents[2]
+
+
+@st.composite
+def problems(draw):
+    """A random tiny problem: shapes, K, top_k, window, mode, sinks, soft-cap, documents."""
+    hkv = draw(st.integers(1, 2))
+    s = draw(st.integers(2, 14))
+    k_groups = draw(st.integers(2, 5))
+    return dict(
+        b=draw(st.integers(1, 2)),
+        s=s,
+        hkv=hkv,
+        h=hkv * draw(st.integers(1, 2)),
+        d=draw(st.integers(1, 4)),
+        k_groups=k_groups,
+        top_k=draw(st.integers(1, min(2, k_groups))),
+        window=draw(st.integers(0, 4)),
+        mode=draw(st.sampled_from(["soft", "hard", "hard_gated"])),
+        softcap=draw(st.sampled_from([None, 3.0])),
+        gate_lambda=draw(st.sampled_from([1.0, 10.0, 40.0])),
+        sinks=draw(st.sampled_from([0, 0, 1, 2])),
+        documents=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_reference_equals_brute_force(p):
+    q, k, v = random_qkv(p["b"], p["s"], p["h"], p["hkv"], p["d"], seed=p["seed"])
+    probs = random_probs(p["b"], p["s"], p["k_groups"], seed=p["seed"] + 1, sharpness=2.0)
+    ids = None
+    if p["documents"]:
+        ids = packed_documents(p["b"], [max(1, p["s"] // 3), p["s"]], seed=p["seed"])[:, : p["s"]]
+    kwargs = dict(
+        window=p["window"], mode=p["mode"], gate_lambda=p["gate_lambda"], softcap=p["softcap"],
+        sinks=p["sinks"], top_k=p["top_k"],
+    )  # fmt: skip
+    want = brute_force_focus(
+        q, k, v, probs, key_groups=OWN_AND_PREVIOUS, **kwargs,
+        documents=None if ids is None else ids.tolist(),
+    )  # fmt: skip
+    got = focus_attention(
+        q, k, v, Routing(probs), key_groups=OWN_AND_PREVIOUS, documents=ids, **kwargs
+    )
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    own = brute_force_focus(
+        q, k, v, probs, **kwargs, documents=None if ids is None else ids.tolist()
+    )  # the loop's two rules differ on these inputs, or the test above could not fail
+    if p["s"] >= p["window"] + 4 and p["mode"] == "soft" and not p["sinks"] and ids is None:
+        assert not torch.allclose(own, want)
+
+
+def test_the_rules_differ_where_they_should():
+    """Hard top-1, window 0: a query sees the key after a token of its group, not that token's
+    predecessor; a document's first token takes nothing from the document before it."""
+    b, s, k_groups = 1, 8, 3
+    groups = torch.tensor([[0, 1, 2, 0, 1, 2, 1, 0]])
+    member = membership_bitmask(groups[..., None])  # [1, 8]
+    keys = key_memberships(member)
+    assert keys.tolist() == [[1, 3, 6, 5, 3, 6, 6, 3]]
+    starts = document_starts(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1]]))
+    assert key_memberships(member, starts).tolist() == [[1, 3, 6, 5, 2, 6, 6, 3]]
+    probs = torch.nn.functional.one_hot(groups, k_groups).double()  # [1, 8, 3]
+    soft_keys = key_assignments(probs, starts)
+    assert torch.equal(membership_from(soft_keys), key_memberships(member, starts))
+    q, k, v = random_qkv(b, s, 2, 1, 4, seed=0)
+    own = focus_attention(q, k, v, probs, mode="hard", window=0)
+    shifted = focus_attention(q, k, v, probs, mode="hard", window=0, key_groups=OWN_AND_PREVIOUS)
+    assert torch.equal(own[:, 0], shifted[:, 0])  # position 0 sees itself alone either way
+    assert not torch.allclose(own[:, 4], shifted[:, 4])  # query 4 (group 1) also sees key 2
+
+
+def membership_from(soft: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bitmasks of the groups whose soft assignment is 1 (one-hot inputs)."""
+    bits = (soft > 0.5).long() << torch.arange(soft.shape[-1])
+    return bits.sum(-1)
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard_gated"])
+def test_gradients_match_finite_differences(mode):
+    q, k, v = (t.requires_grad_() for t in random_qkv(1, 9, 2, 1, 3, seed=4))
+    logits = torch.randn(1, 9, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    logits.requires_grad_()
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+
+    def attend(q, k, v, logits):
+        probs = torch.softmax(logits, -1)
+        return focus_attention(
+            q, k, v, probs, mode=mode, window=1, gate_lambda=4.0, sinks=1, documents=ids,
+            key_groups=OWN_AND_PREVIOUS, backend="reference",
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(attend, (q, k, v, logits))
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard", "hard_gated"])
+def test_backends_without_the_rule_refuse_it_and_auto_picks_one_with_it(mode):
+    q, k, v = random_qkv(1, 16, 2, 1, 4, seed=1)
+    probs = random_probs(1, 16, 4, seed=2)
+    kwargs = dict(mode=mode, window=2, key_groups=OWN_AND_PREVIOUS)
+    want = focus_attention(q, k, v, probs, backend="reference", **kwargs)
+    torch.testing.assert_close(focus_attention(q, k, v, probs, **kwargs), want)
+    refusing = [
+        name
+        for name in available_backends()
+        if OWN_AND_PREVIOUS not in get_backend(name).capabilities.key_groups
+    ]
+    assert "flex" in refusing and "reference" not in refusing
+    for name in refusing:
+        with pytest.raises(ValueError, match="key_groups='own_and_previous'"):
+            focus_attention(q, k, v, probs, backend=name, **kwargs)
+
+
+def test_sliding_window_layers_ignore_the_rule():
+    q, k, v = random_qkv(1, 12, 2, 2, 4, seed=3)
+    kwargs = dict(local_only=True, window=3, sinks=1)
+    for name in ("reference", "flex", "decomposed"):
+        got = focus_attention(q, k, v, None, backend=name, key_groups=OWN_AND_PREVIOUS, **kwargs)
+        torch.testing.assert_close(got, focus_attention(q, k, v, None, **kwargs))
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="key_groups must be one of"):
+        FocusPattern(key_groups="previous").check()
+    with pytest.raises(ValueError, match="needs gate_form='sigmoid'"):
+        FocusPattern(key_groups=OWN_AND_PREVIOUS, gate_form="dot").check()
+    with pytest.raises(ValueError, match=r"focus.key_groups must be one of"):
+        FocusConfig(key_groups="both")
+    with pytest.raises(ValueError, match=r"needs focus.gate_form='sigmoid'"):
+        FocusConfig(key_groups=OWN_AND_PREVIOUS, gate_form="dot")
+    with pytest.raises(ValueError, match=r"focus.inference_backend 'flex' does not compute"):
+        FocusConfig(key_groups=OWN_AND_PREVIOUS, inference_backend="flex")
+    config = FocusConfig(key_groups=OWN_AND_PREVIOUS, backend="reference")
+    assert config.pattern().key_groups == OWN_AND_PREVIOUS
+
+
+def test_the_ring_and_the_export_refuse_the_rule_and_a2a_takes_it():
+    recipe = ROOT / "configs" / "tiny.yaml"
+    rule = [f"model.focus.key_groups={OWN_AND_PREVIOUS}"]
+    cp = ["parallel.context_parallel_size=2"]
+    with pytest.raises(ValueError, match=r"key_groups 'own_and_previous' does not run inside"):
+        load_config(recipe, [*rule, *cp, "parallel.cp_mode=ring"])
+    config = load_config(recipe, [*rule, *cp, "parallel.cp_mode=a2a"])
+    assert "key_groups=own_and_previous; the shipped modeling code" in export_refusal(config)
+    assert export_refusal(load_config(recipe, cp)) is None
+    window_only = load_config(recipe, [*rule, "model.focus.window_only=true"])
+    assert export_refusal(window_only) is None  # no routing: nothing to differ
+    q, k, v = random_qkv(1, 8, 2, 2, 4, seed=6)
+    with pytest.raises(ValueError, match="use cp_mode 'a2a'"):
+        ring_focus_attention(
+            q, k, v, random_probs(1, 8, 3, seed=7), FocusPattern(key_groups=OWN_AND_PREVIOUS),
+            group=None,
+        )  # fmt: skip  # refused before any communication
