@@ -36,6 +36,7 @@ from focus_pretrain.analysis.agreement import (
     normalized_mutual_information,
 )
 from focus_pretrain.focus import Routing, pattern_density
+from focus_pretrain.focus.pattern import key_memberships
 
 
 def top1_groups(probs: Tensor) -> Tensor:
@@ -57,23 +58,33 @@ def random_density(
     window: int,
     seed: int = 0,
     sinks: int = 0,
+    key_groups: str = "own",
 ) -> list[float]:
     """Kept-pair fraction of the hard pattern under uniform random routing, one sample per
-    length (as ``tools/pattern_density.py`` computes it: top-k of uniform scores)."""
+    length (as ``tools/pattern_density.py`` computes it: top-k of uniform scores), with the
+    keys' groups of ``key_groups``."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
         scores = torch.rand(1, n, num_groups, generator=gen)  # [1, n, K] uniform: balanced
         member = Routing(scores).membership(top_k)  # [1, n]
-        out.append(float(pattern_density(member, window, sinks)[0]))
+        keys = key_side(member, key_groups)
+        out.append(float(pattern_density(member, window, sinks, key_member=keys)[0]))
     return out
 
 
-def kept_pairs_by_distance(member: Tensor, window: int) -> Tensor:
+def key_side(member: Tensor, key_groups: str) -> Tensor | None:
+    """The keys' bitmasks ``[b, n]`` under ``key_groups`` (one document per sample), or
+    ``None`` where they are the queries' own (``"own"``)."""
+    return None if key_groups == "own" else key_memberships(member)
+
+
+def kept_pairs_by_distance(member: Tensor, window: int, key_member: Tensor | None = None) -> Tensor:
     """Pairs the hard pattern keeps at each distance, summed over the batch.
 
     Args:
-        member: ``[b, n]`` int64 membership bitmasks.
+        member: ``[b, n]`` int64 membership bitmasks (the queries', and the keys' unless
+            ``key_member`` ``[b, n]`` gives theirs).
         window: the local window ``w >= 0`` (every causal pair with ``i - j <= w`` is kept).
 
     Returns:
@@ -85,11 +96,13 @@ def kept_pairs_by_distance(member: Tensor, window: int) -> Tensor:
     distance = torch.arange(n)
     kept = torch.zeros(n, dtype=torch.float64)
     size = 1 << max(2 * n - 1, 1).bit_length()  # FFT length >= 2n: no circular wrap
-    for row in member.cpu():
-        values, inverse = torch.unique(row, return_inverse=True)  # [M], [n]
-        x = F.one_hot(inverse, values.numel()).double().t()  # [M, n]: query has bitmask u
+    keys = member if key_member is None else key_member
+    for row, key_row in zip(member.cpu(), keys.cpu(), strict=True):
+        values, inverse = torch.unique(torch.cat([row, key_row]), return_inverse=True)  # [M]
+        onehot = F.one_hot(inverse, values.numel()).double().t()  # [M, 2n]
+        x, x_keys = onehot[:, :n], onehot[:, n:]  # [M, n]: query / key has bitmask u
         compatible = ((values[:, None] & values[None, :]) != 0).double()  # [M, M]
-        y = compatible @ x  # [M, n]: key shares a group with bitmask u
+        y = compatible @ x_keys  # [M, n]: key shares a group with bitmask u
         fx, fy = torch.fft.rfft(x, size), torch.fft.rfft(y, size)  # [M, size // 2 + 1]
         # sum_i x_u[i] y_u[i - d] for d = 0 .. n - 1
         kept += torch.fft.irfft(fx * fy.conj(), size)[:, :n].sum(dim=0)
@@ -212,6 +225,8 @@ class GroupStats:
         seed: seed of the random-routing reference.
         sinks: attention sinks of the pattern (always-visible first positions): counted in
             the density, not in the distance profile (which is about sharing a group).
+        key_groups: the groups a key counts as in (``focus.key_groups``): density and the
+            distance profile count the keys' groups of that rule.
     """
 
     def __init__(
@@ -223,6 +238,7 @@ class GroupStats:
         *,
         seed: int = 0,
         sinks: int = 0,
+        key_groups: str = "own",
     ) -> None:
         if not 1 <= top_k <= num_groups:
             raise ValueError(f"top_k must be in [1, num_groups={num_groups}], got {top_k}")
@@ -230,6 +246,7 @@ class GroupStats:
             raise ValueError("layers is empty: the model has no Focus layer with a router")
         self.num_groups, self.window, self.top_k = num_groups, window, top_k
         self.layers, self.seed, self.sinks = list(layers), seed, sinks
+        self.key_groups = key_groups
         self._groups: list[list[Tensor]] = [[] for _ in self.layers]  # per layer: [b * s] each
         self._soft = torch.zeros(len(self.layers), num_groups, dtype=torch.float64)  # [L, K]
         self._density: list[list[float]] = [[] for _ in self.layers]  # per layer, per sample
@@ -260,8 +277,10 @@ class GroupStats:
             self._groups[layer].append(groups.flatten().to(torch.int16))  # [b * s]
             self._soft[layer] += p.double().sum(dim=(0, 1))
             member = Routing(p).membership(self.top_k)  # [b, s] int64 bitmasks
-            self._density[layer] += pattern_density(member, self.window, self.sinks).tolist()
-            self._kept[layer, :s] += kept_pairs_by_distance(member, self.window)
+            keys = key_side(member, self.key_groups)  # [b, s], or None: the queries' own
+            density = pattern_density(member, self.window, self.sinks, key_member=keys)
+            self._density[layer] += density.tolist()
+            self._kept[layer, :s] += kept_pairs_by_distance(member, self.window, keys)
             values, counts = torch.unique(member, return_counts=True)
             for value, count in zip(values.tolist(), counts.tolist(), strict=True):
                 self._members[layer][value] = self._members[layer].get(value, 0) + count
@@ -303,7 +322,9 @@ class GroupStats:
         if not self.lengths:
             raise ValueError("no routing was added: nothing to report")
         k, groups, ids = self.num_groups, self.groups(), self.ids()  # [L, N], [N]
-        random = random_density(self.lengths, k, self.top_k, self.window, self.seed, self.sinks)
+        random = random_density(
+            self.lengths, k, self.top_k, self.window, self.seed, self.sinks, self.key_groups
+        )
         bins = distance_bins(self.window, self._causal.numel() - 1)
         layers = []
         for index, layer in enumerate(self.layers):
@@ -331,6 +352,7 @@ class GroupStats:
                 "top_k": self.top_k,
                 "window": self.window,
                 "sinks": self.sinks,
+                "key_groups": self.key_groups,
                 "layers": self.layers,
                 "random_seed": self.seed,
                 "min_count": min_count,

@@ -41,7 +41,7 @@ class InspectedModel:
             :class:`~focus_pretrain.analysis.capture.RouterCapture`).
         run: runs a token batch ``[b, s]`` (int64, any device) through the model, no grad.
         tokenizer: the model's tokenizer (or the one passed), ``None`` when it has none.
-        num_groups, window, top_k, sinks: the hard pattern (``focus`` settings).
+        num_groups, window, top_k, sinks, key_groups: the hard pattern (``focus`` settings).
         inference_mode: the pattern the layers run in (``"hard"`` or ``"soft"``).
         max_length: the longest sequence the model takes.
         add_bos: ``data.add_bos`` of the run (an export: ``"auto"``): what a sample begins
@@ -60,6 +60,7 @@ class InspectedModel:
     inference_mode: str
     max_length: int
     add_bos: bool | str = "auto"
+    key_groups: str = "own"
 
 
 def check_inspectable(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> str:
@@ -134,6 +135,7 @@ def load_for_inspection(
         inference_mode=focus.inference_mode,
         max_length=loaded.config.model.max_seq_length,
         add_bos=loaded.config.data.add_bos,
+        key_groups=getattr(focus, "key_groups", "own"),
     )
 
 

@@ -39,8 +39,9 @@ def collect(
     assignments ``[b, s, K]`` into a :class:`GroupStats`."""
     capture = RouterCapture(model.module)
     stats = GroupStats(
-        model.num_groups, model.window, model.top_k, capture.layers, seed=seed, sinks=model.sinks
-    )
+        model.num_groups, model.window, model.top_k, capture.layers, seed=seed,
+        sinks=model.sinks, key_groups=model.key_groups,
+    )  # fmt: skip
     todo = list(batches(samples, batch_size))
     with capture:
         for tokens in tqdm(todo, desc="routing", unit="batch", disable=not progress):

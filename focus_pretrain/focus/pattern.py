@@ -361,29 +361,41 @@ def pair_bias(
 
 
 def count_allowed_pairs(
-    member: Tensor, window: int, sinks: int = 0, documents: Tensor | None = None
+    member: Tensor,
+    window: int,
+    sinks: int = 0,
+    documents: Tensor | None = None,
+    key_member: Tensor | None = None,
 ) -> Tensor:
     """Number of (query, key) pairs the hard pattern allows, per sample, without ``n x n`` memory.
 
     Counts by distinct membership value: with ``M`` distinct bitmasks in a sample (at most
-    ``C(K, top_k)``), it costs ``O(n * M)`` time and memory, so it scales to million-token
-    sequences; sinks add ``O(n * sinks)``.
+    ``C(K, top_k)``, or the keys' and queries' together), it costs ``O(n * M)`` time and
+    memory, so it scales to million-token sequences; sinks add ``O(n * sinks)``.
 
     Args:
-        member: ``[b, n]`` int64 membership bitmasks.
+        member: ``[b, n]`` int64 membership bitmasks (of the queries, and of the keys unless
+            ``key_member`` is given).
         window: the local window ``w >= 0``.
         sinks: attention sinks ``S >= 0`` (:func:`sink_only_pairs`).
         documents: ``[b, n]`` document starts of packed sequences: each document is counted
             on its own (a loop over documents; the pairs across them are never allowed).
+        key_member: ``[b, n]`` the keys' bitmasks when they differ from the queries'
+            (``key_groups``: :func:`key_memberships`, computed with the same ``documents``).
 
     Returns:
         ``[b]`` int64 counts (local pairs, same-group pairs beyond the window, sink pairs).
     """
+    keys = member if key_member is None else key_member
     if documents is not None:
         return torch.tensor(
             [
                 sum(
-                    int(count_allowed_pairs(member[r : r + 1, a:e], window, sinks)[0])
+                    int(
+                        count_allowed_pairs(
+                            member[r : r + 1, a:e], window, sinks, key_member=keys[r : r + 1, a:e]
+                        )[0]
+                    )
                     for a, e in _document_spans(documents[r])
                 )
                 for r in range(member.shape[0])
@@ -393,38 +405,50 @@ def count_allowed_pairs(
     n = member.shape[1]
     pos = torch.arange(n, device=member.device)
     local = int(torch.clamp(pos + 1, max=window + 1).sum())  # keys 0..min(i, w) back
-    counts = []
-    for row in member:  # per sample: O(n * M)
-        values, inverse = torch.unique(row, return_inverse=True)  # [M], [n]
-        onehot = F.one_hot(inverse, values.numel()).double()  # [n, M]
-        before = torch.cumsum(onehot, dim=0)  # [n, M]: keys j <= i by membership
-        lag = window + 1  # distant keys of query i are j <= i - lag
-        distant = torch.zeros_like(before)
-        if lag < n:
-            distant[lag:] = before[: n - lag]
-        by_value = onehot.t() @ distant  # [M, M]: (query value, key value) distant pairs
-        compatible = (values[:, None] & values[None, :]) != 0  # [M, M]
-        counts.append(local + round(float(by_value[compatible].sum())))
+    counts = [
+        local + _distant_pairs(row_q, row_k, window)
+        for row_q, row_k in zip(member, keys, strict=True)
+    ]
     counts = torch.tensor(counts, dtype=torch.int64)
     s = min(sinks, n)
     if s:  # [b, n, S]: the pairs that only the sinks allow
-        extra = sink_only_pairs(
-            pos, pos[:s], window, sinks, member_q=member, member_k=member[:, :s]
-        )
+        extra = sink_only_pairs(pos, pos[:s], window, sinks, member_q=member, member_k=keys[:, :s])
         counts = counts + extra.flatten(1).sum(1).cpu()
     return counts
 
 
+def _distant_pairs(member_q: Tensor, member_k: Tensor, window: int) -> int:
+    """Pairs ``j < i - window`` of one sample (``[n]`` bitmasks of queries and keys) whose
+    bitmasks intersect: by distinct value, ``O(n * M)``."""
+    n = member_q.shape[0]
+    values, inverse = torch.unique(torch.cat([member_q, member_k]), return_inverse=True)  # [M]
+    onehot = F.one_hot(inverse, values.numel()).double()  # [2n, M]
+    onehot_q, onehot_k = onehot[:n], onehot[n:]  # [n, M] each
+    before = torch.cumsum(onehot_k, dim=0)  # [n, M]: keys j <= i by membership
+    lag = window + 1  # distant keys of query i are j <= i - lag
+    distant = torch.zeros_like(before)
+    if lag < n:
+        distant[lag:] = before[: n - lag]
+    by_value = onehot_q.t() @ distant  # [M, M]: (query value, key value) distant pairs
+    compatible = (values[:, None] & values[None, :]) != 0  # [M, M]
+    return round(float(by_value[compatible].sum()))
+
+
 def pattern_density(
-    member: Tensor, window: int, sinks: int = 0, documents: Tensor | None = None
+    member: Tensor,
+    window: int,
+    sinks: int = 0,
+    documents: Tensor | None = None,
+    key_member: Tensor | None = None,
 ) -> Tensor:
     """Fraction of causal pairs the hard pattern keeps, per sample: ``[b]`` float64.
 
-    With ``documents`` (``[b, n]`` starts) the causal pairs are those inside each document.
+    With ``documents`` (``[b, n]`` starts) the causal pairs are those inside each document;
+    ``key_member``: the keys' bitmasks where they differ (:func:`count_allowed_pairs`).
     The ideal speedup of a sparse kernel over dense causal attention is ``1 / density``.
     """
     n = member.shape[1]
-    kept = count_allowed_pairs(member, window, sinks, documents).double()
+    kept = count_allowed_pairs(member, window, sinks, documents, key_member).double()
     if documents is None:
         return kept / (n * (n + 1) / 2)
     causal = [sum((e - a) * (e - a + 1) / 2 for a, e in _document_spans(row)) for row in documents]

@@ -27,6 +27,7 @@ from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import build_datasets
 from focus_pretrain.errors import InputError
 from focus_pretrain.focus import FocusRouter, Routing, pattern_density
+from focus_pretrain.focus.pattern import key_memberships
 from focus_pretrain.train.validate import Validator, validation_samples
 
 __all__ = ["DensityMeter", "EvalModel", "evaluate_checkpoint", "load_checkpoint_model"]
@@ -35,12 +36,17 @@ __all__ = ["DensityMeter", "EvalModel", "evaluate_checkpoint", "load_checkpoint_
 class DensityMeter:
     """While entered, forward hooks on every :class:`FocusRouter` of ``model`` record the hard
     pattern's kept-pair fraction (:func:`pattern_density`: ``top_k`` groups, the window's and
-    the sinks' pairs included; of the pairs inside each document with packed documents) of
+    the sinks' pairs included; of the pairs inside each document with packed documents; a
+    key in its predecessor's groups too with ``key_groups="own_and_previous"``) of
     every routed sequence; :meth:`mean` averages over layers and
     sequences. Only meaningful without context parallelism (a router sees whole sequences)."""
 
-    def __init__(self, model: torch.nn.Module, top_k: int, window: int, sinks: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, top_k: int, window: int, sinks: int = 0,
+        key_groups: str = "own",
+    ) -> None:  # fmt: skip
         self.model, self.top_k, self.window, self.sinks = model, top_k, window, sinks
+        self.key_groups = key_groups
         self.values: list[float] = []
         self.handles: list = []
 
@@ -57,7 +63,8 @@ class DensityMeter:
     def _hook(self, module, args, kwargs, routing: Routing) -> None:
         member = routing.membership(self.top_k)  # [b, s] group bits
         documents = kwargs.get("documents")  # [b, s] starts of packed documents, or None
-        self.values += pattern_density(member, self.window, self.sinks, documents).tolist()
+        keys = None if self.key_groups == "own" else key_memberships(member, documents)
+        self.values += pattern_density(member, self.window, self.sinks, documents, keys).tolist()
 
     def mean(self) -> float | None:
         """Mean kept-pair fraction, ``None`` before any forward."""
@@ -124,7 +131,7 @@ def evaluate_checkpoint(
     meter = None
     hard = focus.enabled and not focus.window_only and focus.inference_mode == "hard"
     if hard and layout.context_parallel_group is None:
-        meter = DensityMeter(loaded.model, focus.top_k, focus.window, focus.sinks)
+        meter = DensityMeter(loaded.model, focus.top_k, focus.window, focus.sinks, focus.key_groups)
     metrics = validator.run(loaded.model, meter)
     loaded.model.eval()
     if meter is not None:

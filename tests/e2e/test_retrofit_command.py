@@ -181,3 +181,27 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_before_any_work(tmp_path)
     assert "ships no tokenizer and data.tokenizer is not set" in done.stderr
     assert not (tmp_path / "out" / "run").exists()
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def test_a_retrofit_the_export_cannot_reproduce_is_evaluated_and_reported(tmp_path):
+    """``model.focus.key_groups=own_and_previous`` (an experiment's rule the shipped modeling
+    code lacks): the retrofit trains, evaluates with the rule and reports, says in one line
+    why it wrote no export or adapter, and the report's kept pairs count the keys' groups."""
+    hf, out = _hf_llama_with_tokenizer(tmp_path), tmp_path / "out"
+    sets = ["--set", f"data.cache_dir={tmp_path / 'c'}", "--set", "train.precision=fp32"]
+    sets += ["--set", "model.focus.key_groups=own_and_previous"]
+    done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if "no export or adapter" in line]
+    assert len(said) == 1 and "model.focus.key_groups=own_and_previous" in said[0], said
+    assert not (out / "export").exists() and not (out / "adapter").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert "export" not in report["meta"] and "no export" in report["meta"]
+    assert "focus-pretrain ruler" not in (out / "report.md").read_text()  # no export to score
+    hard = report["evaluations"]["retrofit, hard"]
+    assert math.isfinite(hard["loss"]) and 0 < hard["kept_pairs"] < 1
+    groups = json.loads((out / "groups" / "report.json").read_text())
+    assert groups["settings"]["key_groups"] == "own_and_previous"
+    from focus_pretrain.config import load_config
+
+    assert load_config(out / "recipe.yaml").model.focus.key_groups == "own_and_previous"

@@ -16,16 +16,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from focus_pretrain.analysis.groups import kept_pairs_by_distance
 from focus_pretrain.config import load_config
 from focus_pretrain.convert.exportable import export_refusal
 from focus_pretrain.focus import Routing, focus_attention
 from focus_pretrain.focus.backends import available_backends, get_backend
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.focus.pattern import (
+    allowed_pairs,
+    count_allowed_pairs,
     document_starts,
     key_assignments,
     key_memberships,
     membership_bitmask,
+    pattern_density,
 )
 from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.parallel.ring import ring_focus_attention
@@ -187,3 +191,29 @@ def test_the_ring_and_the_export_refuse_the_rule_and_a2a_takes_it():
             q, k, v, random_probs(1, 8, 3, seed=7), FocusPattern(key_groups=OWN_AND_PREVIOUS),
             group=None,
         )  # fmt: skip  # refused before any communication
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_kept_pairs_count_the_keys_groups(documents, top_k):
+    """count_allowed_pairs and pattern_density with the keys' own bitmasks equal the pairs the
+    rule allows, counted pair by pair; the group report's distance profile sums to them."""
+    n, window, sinks = 37, 3, 2
+    probs = random_probs(2, n, 5, seed=8)
+    member = Routing(probs).membership(top_k)  # [2, n]
+    starts = document_starts(packed_documents(2, [9, 1, 27], seed=9)) if documents else None
+    keys = key_memberships(member, starts)
+    pos = torch.arange(n)
+    allowed = allowed_pairs(
+        pos, pos, window, member_q=member, member_k=keys, sinks=sinks, q_doc=starts,
+        k_doc=starts,
+    )  # fmt: skip  # [2, n, n]
+    want = allowed.flatten(1).sum(1)
+    assert torch.equal(count_allowed_pairs(member, window, sinks, starts, keys), want)
+    assert not torch.equal(count_allowed_pairs(member, window, sinks, starts), want)
+    if not documents:
+        causal = n * (n + 1) / 2
+        density = pattern_density(member, window, sinks, key_member=keys)
+        torch.testing.assert_close(density, want.double() / causal)
+        no_sinks = allowed_pairs(pos, pos, window, member_q=member, member_k=keys).sum()
+        assert int(kept_pairs_by_distance(member, window, keys).sum()) == int(no_sinks)

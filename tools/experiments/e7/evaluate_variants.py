@@ -4,7 +4,8 @@ control at equal density ("shuffled": each router's output permuted along the se
 sample and layer its own permutation, so every group keeps its trained size in every sample but
 no token keeps its own group). Writes RETROFIT_OUT/variants.json ({variant: metrics}); skips
 what is there already; names after the directory run those variants only (the top-3 ones,
-for K >= 3 routers, and the window-256 ones run only when named).
+for K >= 3 routers, the window-256 ones and the key rules, "keys own" / "keys own and
+previous", run only when named).
 
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2
     python tools/experiments/e7/evaluate_variants.py runs/retrofit-smollm2 "hard, sinks 4, top-2"
@@ -52,9 +53,27 @@ VARIANTS = {  # name -> evaluate overrides of the trained checkpoint
         "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2",
         "model.focus.window=256",
     ],
+    # which groups a key counts as in (model.focus.key_groups), whatever the routers were
+    # trained with: the symmetric rule of the method, or a key also in its predecessor's groups
+    "hard, sinks 4, keys own": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.key_groups=own"
+    ],
+    "hard, sinks 4, top-2, keys own": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2",
+        "model.focus.key_groups=own",
+    ],
+    "hard, sinks 4, keys own and previous": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4",
+        "model.focus.key_groups=own_and_previous",
+    ],
+    "hard, sinks 4, top-2, keys own and previous": [
+        "model.focus.inference_mode=hard", "model.focus.sinks=4", "model.focus.top_k=2",
+        "model.focus.key_groups=own_and_previous",
+    ],
 }  # fmt: skip
 WIDE = {name for name in VARIANTS if name.endswith("window 256")}
-ON_REQUEST = {"hard, sinks 4, top-3", "hard, sinks 4, top-3, shuffled routing", *WIDE}
+KEY_RULES = {name for name in VARIANTS if ", keys " in name}
+ON_REQUEST = {"hard, sinks 4, top-3", "hard, sinks 4, top-3, shuffled routing", *WIDE, *KEY_RULES}
 SHUFFLE_SEED = 1234  # + N - 1 for a variant named "..., seed N"
 
 
