@@ -46,6 +46,12 @@ def cases() -> list[dict]:
                     seed=94))  # fmt: skip
     out.append(dict(BASE, cp_mode="ring", mode="hard", top_k=2, sinks=6, seed=93))
     out.append(dict(BASE, cp_mode="ring", mode="soft", local_only=True, sinks=5, seed=92))
+    # a key also in its predecessor's groups (key_groups): all-to-all attends whole sequences,
+    # so a shard's first key finds its predecessor on another rank
+    previous = dict(BASE, cp_mode="a2a", key_groups="own_and_previous")
+    out.append(dict(previous, mode="soft", docs=DOCS, sinks=2, seed=85))
+    out.append(dict(previous, mode="hard", top_k=2, seed=84))
+    out.append(dict(previous, mode="hard_gated", softcap=2.0, seed=83))
     # packed documents: each sequence's documents equal the single process with documents
     for cp_mode in ("a2a", "ring"):
         doc = dict(BASE, cp_mode=cp_mode, docs=DOCS)

@@ -76,6 +76,7 @@ def _attention_kwargs(case: dict) -> dict:
         gate_lambda=4.0,
         check_finite=False,
         **({"sinks": case["sinks"]} if case.get("sinks") else {}),
+        **({"key_groups": case["key_groups"]} if case.get("key_groups") else {}),
     )
 
 
