@@ -36,7 +36,7 @@ from focus_pretrain.analysis.agreement import (
     normalized_mutual_information,
 )
 from focus_pretrain.focus import Routing, pattern_density
-from focus_pretrain.focus.pattern import key_memberships
+from focus_pretrain.focus.pattern import key_side_memberships
 
 
 def top1_groups(probs: Tensor) -> Tensor:
@@ -68,15 +68,9 @@ def random_density(
     for n in lengths:
         scores = torch.rand(1, n, num_groups, generator=gen)  # [1, n, K] uniform: balanced
         member = Routing(scores).membership(top_k)  # [1, n]
-        keys = key_side(member, key_groups)
+        keys = key_side_memberships(member, key_groups)
         out.append(float(pattern_density(member, window, sinks, key_member=keys)[0]))
     return out
-
-
-def key_side(member: Tensor, key_groups: str) -> Tensor | None:
-    """The keys' bitmasks ``[b, n]`` under ``key_groups`` (one document per sample), or
-    ``None`` where they are the queries' own (``"own"``)."""
-    return None if key_groups == "own" else key_memberships(member)
 
 
 def kept_pairs_by_distance(member: Tensor, window: int, key_member: Tensor | None = None) -> Tensor:
@@ -277,7 +271,7 @@ class GroupStats:
             self._groups[layer].append(groups.flatten().to(torch.int16))  # [b * s]
             self._soft[layer] += p.double().sum(dim=(0, 1))
             member = Routing(p).membership(self.top_k)  # [b, s] int64 bitmasks
-            keys = key_side(member, self.key_groups)  # [b, s], or None: the queries' own
+            keys = key_side_memberships(member, self.key_groups)  # [b, s], or None: their own
             density = pattern_density(member, self.window, self.sinks, key_member=keys)
             self._density[layer] += density.tolist()
             self._kept[layer, :s] += kept_pairs_by_distance(member, self.window, keys)

@@ -292,9 +292,12 @@ def evaluate(out: Path) -> dict[str, dict]:
     return results
 
 
-def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> dict[str, dict]:
+def export_and_report(
+    args: argparse.Namespace, out: Path, config: Config
+) -> tuple[dict[str, dict], str | None]:
     """The export, the adapter, the evaluations and the group report of the trained run (in
-    this process, one start-up for all); returns the evaluations (:func:`evaluate`)."""
+    this process, one start-up for all); returns the evaluations (:func:`evaluate`) and why
+    nothing was exported (``None``: exported)."""
     from focus_pretrain.analysis.pipeline import inspect_groups
     from focus_pretrain.convert import export_hf, export_router_adapter
     from focus_pretrain.convert.exportable import export_refusal
@@ -317,7 +320,7 @@ def export_and_report(args: argparse.Namespace, out: Path, config: Config) -> di
         )  # fmt: skip
     finally:
         shutdown_distributed()
-    return evaluations
+    return evaluations, not_exported
 
 
 def _objective(train) -> str:
@@ -358,7 +361,7 @@ def main() -> None:
     _run(_command("pretrain", "--config", str(recipe)), "training the routers")
     remove_entries(out, REPORTED)  # --resume: the earlier export and report, now outdated
     with exit_on_input_error(parser.prog):  # e.g. an export refused: one line, status 2
-        evaluations = export_and_report(args, out, config)
+        evaluations, not_exported = export_and_report(args, out, config)
     meta = {
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
         "steps": config.train.steps, "precision": config.train.precision,
@@ -369,7 +372,7 @@ def main() -> None:
         "seq_length": config.data.seq_length,
         "export": str(out / "export"), "adapter": str(out / "adapter"),
     }  # fmt: skip
-    if not (out / "export").is_dir():  # refused (export_and_report said why)
+    if not_exported is not None:  # export_and_report said why
         del meta["export"], meta["adapter"]
         meta["no export"] = "the shipped modeling code lacks a setting of this run"
     report_json = json.loads((out / "groups" / "report.json").read_text())

@@ -67,7 +67,7 @@ from focus_pretrain.focus.pattern import (
     compute_dtype,
     document_starts,
     key_assignments,
-    key_memberships,
+    key_side_memberships,
 )
 from focus_pretrain.focus.pattern_settings import FocusPattern, with_settings
 from focus_pretrain.focus.router import Routing
@@ -182,7 +182,9 @@ def _key_side(
         return {}
     return {
         "key_probs": None if probs is None else key_assignments(probs, documents),
-        "key_member": None if member is None else key_memberships(member, documents),
+        "key_member": None
+        if member is None
+        else key_side_memberships(member, pattern.key_groups, documents),
     }
 
 

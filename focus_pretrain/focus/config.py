@@ -212,19 +212,19 @@ class FocusConfig:
                 f"focus.key_groups={self.key_groups!r} needs focus.gate_form='sigmoid', got "
                 f"{self.gate_form!r}; set focus.key_groups=own or focus.gate_form=sigmoid"
             )
+
+        def computes(name: str) -> bool:
+            return self.key_groups in registry.get_backend(name).capabilities.key_groups
+
         for key in ("backend", "inference_backend"):
             name = getattr(self, key)
-            rules = registry.get_backend(name).capabilities.key_groups if name != "auto" else ()
-            if name != "auto" and self.key_groups not in rules:
-                takes = [
-                    other
-                    for other in registry.backend_names()[1:]
-                    if self.key_groups in registry.get_backend(other).capabilities.key_groups
-                ]
-                raise ValueError(
-                    f"focus.{key} {name!r} does not compute focus.key_groups="
-                    f"{self.key_groups!r}; use 'auto' or one of {takes}"
-                )
+            if name == "auto" or computes(name):
+                continue
+            takes = [other for other in registry.backend_names()[1:] if computes(other)]
+            raise ValueError(
+                f"focus.{key} {name!r} does not compute focus.key_groups="
+                f"{self.key_groups!r}; use 'auto' or one of {takes}"
+            )
 
     def _check_inference_backend(self) -> None:
         """The named inference backend computes the ``eval()`` pattern (its capabilities)."""

@@ -109,6 +109,15 @@ def key_memberships(member: Tensor, documents: Tensor | None = None) -> Tensor:
     return member | torch.where(has_previous, previous, torch.zeros_like(previous))
 
 
+def key_side_memberships(
+    member: Tensor, key_groups: str, documents: Tensor | None = None
+) -> Tensor | None:
+    """The keys' bitmasks ``[b, s]`` under ``key_groups`` (:func:`key_memberships`), or
+    ``None`` where they are the queries' own (``"own"``): what the kept-pair counts
+    (:func:`count_allowed_pairs`' ``key_member``) and the backends take."""
+    return None if key_groups == "own" else key_memberships(member, documents)
+
+
 def key_assignments(probs: Tensor, documents: Tensor | None = None) -> Tensor:
     """``[b, s, K]``: a key's soft assignment under ``key_groups="own_and_previous"``: the
     elementwise probabilistic or ``g + g_prev - g * g_prev`` of its own ``probs`` ``[b, s, K]``

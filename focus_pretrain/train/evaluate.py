@@ -27,7 +27,7 @@ from focus_pretrain.data.coordinate import prepare_data_in_job
 from focus_pretrain.data.datasets import build_datasets
 from focus_pretrain.errors import InputError
 from focus_pretrain.focus import FocusRouter, Routing, pattern_density
-from focus_pretrain.focus.pattern import key_memberships
+from focus_pretrain.focus.pattern import key_side_memberships
 from focus_pretrain.train.validate import Validator, validation_samples
 
 __all__ = ["DensityMeter", "EvalModel", "evaluate_checkpoint", "load_checkpoint_model"]
@@ -63,7 +63,7 @@ class DensityMeter:
     def _hook(self, module, args, kwargs, routing: Routing) -> None:
         member = routing.membership(self.top_k)  # [b, s] group bits
         documents = kwargs.get("documents")  # [b, s] starts of packed documents, or None
-        keys = None if self.key_groups == "own" else key_memberships(member, documents)
+        keys = key_side_memberships(member, self.key_groups, documents)  # None: their own
         self.values += pattern_density(member, self.window, self.sinks, documents, keys).tolist()
 
     def mean(self) -> float | None:

@@ -34,46 +34,25 @@ from focus_pretrain.focus.pattern import (
 from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.parallel.ring import ring_focus_attention
 from tests.helpers import brute_force_focus, packed_documents, random_probs, random_qkv
+from tests.unit.test_reference_exact import problems  # the reference's random problems
 
 OWN_AND_PREVIOUS = "own_and_previous"
 ROOT = pathlib.Path(__file__).parents[2]
 
 
-@st.composite
-def problems(draw):
-    """A random tiny problem: shapes, K, top_k, window, mode, sinks, soft-cap, documents."""
-    hkv = draw(st.integers(1, 2))
-    s = draw(st.integers(2, 14))
-    k_groups = draw(st.integers(2, 5))
-    return dict(
-        b=draw(st.integers(1, 2)),
-        s=s,
-        hkv=hkv,
-        h=hkv * draw(st.integers(1, 2)),
-        d=draw(st.integers(1, 4)),
-        k_groups=k_groups,
-        top_k=draw(st.integers(1, min(2, k_groups))),
-        window=draw(st.integers(0, 4)),
-        mode=draw(st.sampled_from(["soft", "hard", "hard_gated"])),
-        softcap=draw(st.sampled_from([None, 3.0])),
-        gate_lambda=draw(st.sampled_from([1.0, 10.0, 40.0])),
-        sinks=draw(st.sampled_from([0, 0, 1, 2])),
-        documents=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
-
-
 @settings(max_examples=60, deadline=None)
-@given(problems())
-def test_reference_equals_brute_force(p):
+@given(problems(), st.booleans())
+def test_reference_equals_brute_force(p, documents):
+    """The reference's random problems (shapes, K, top_k, window, mode, local-only, sinks,
+    soft-cap), with packed documents or not."""
     q, k, v = random_qkv(p["b"], p["s"], p["h"], p["hkv"], p["d"], seed=p["seed"])
     probs = random_probs(p["b"], p["s"], p["k_groups"], seed=p["seed"] + 1, sharpness=2.0)
     ids = None
-    if p["documents"]:
+    if documents:
         ids = packed_documents(p["b"], [max(1, p["s"] // 3), p["s"]], seed=p["seed"])[:, : p["s"]]
     kwargs = dict(
         window=p["window"], mode=p["mode"], gate_lambda=p["gate_lambda"], softcap=p["softcap"],
-        sinks=p["sinks"], top_k=p["top_k"],
+        sinks=p["sinks"], top_k=p["top_k"], local_only=p["local_only"],
     )  # fmt: skip
     want = brute_force_focus(
         q, k, v, probs, key_groups=OWN_AND_PREVIOUS, **kwargs,
@@ -86,7 +65,8 @@ def test_reference_equals_brute_force(p):
     own = brute_force_focus(
         q, k, v, probs, **kwargs, documents=None if ids is None else ids.tolist()
     )  # the loop's two rules differ on these inputs, or the test above could not fail
-    if p["s"] >= p["window"] + 4 and p["mode"] == "soft" and not p["sinks"] and ids is None:
+    routed = not p["local_only"] and p["k_groups"] > 1 and p["mode"] == "soft"
+    if routed and p["s"] >= p["window"] + 4 and not p["sinks"] and ids is None:
         assert not torch.allclose(own, want)
 
 
