@@ -27,8 +27,8 @@ def export_refusal(config: Config) -> str | None:
     """Why a run of ``config`` cannot be exported (full model or router adapter), as the end
     of a sentence about the run, or ``None``. The one place for that rule: the shipped modeling
     code routes each token on its own (``balance=causal``: softmax of its logits plus the saved
-    offsets; ``balance=none``: the same with offsets that stay zero) and counts a key in its
-    own groups only (``key_groups=own``)."""
+    offsets; ``balance=none``: the same with offsets that stay zero); it computes every
+    ``key_groups`` rule."""
     focus = config.model.focus
     if focus.enabled and focus.balance == "sinkhorn":
         return (
@@ -37,12 +37,5 @@ def export_refusal(config: Config) -> str | None:
             "adapter) routes each token on its own, so its logits would differ from the trained "
             "model's. Export a run trained with model.focus.balance=causal (the default), e.g. "
             "fine-tune this one's routers with it"
-        )
-    if focus.enabled and not focus.window_only and focus.key_groups != "own":
-        return (
-            f"was trained with model.focus.key_groups={focus.key_groups}; the shipped "
-            "modeling code computes key_groups=own only, so an export's logits would differ "
-            "from the trained model's. Evaluate it with `focus-pretrain evaluate`, or export "
-            "a run trained with model.focus.key_groups=own (the default)"
         )
     return None

@@ -372,7 +372,6 @@ NOT_EXPORTED_FOCUS_FIELDS = (
     "check_finite",
     "training_mode",
     "soft_warmup_steps",
-    "key_groups",  # only "own" is exported (refused otherwise: exportable.export_refusal)
 )
 EXPORTED_FOCUS_FIELDS = tuple(
     f.name for f in dataclasses.fields(FocusConfig) if f.name not in NOT_EXPORTED_FOCUS_FIELDS

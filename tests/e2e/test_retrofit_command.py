@@ -47,10 +47,14 @@ def _hf_llama_with_tokenizer(root: pathlib.Path) -> pathlib.Path:
 
 
 @pytest.mark.parametrize(
-    "family, precision, objective",
-    [("gpt2", "bf16", "lm"), ("llama", "fp32", "mix"), ("llama", "fp32", "attention_mass")],
+    "family, precision, objective, key_groups",
+    [
+        ("gpt2", "bf16", "lm", "own"),
+        ("llama", "fp32", "mix", "own_and_previous"),  # the export carries the keys' rule
+        ("llama", "fp32", "attention_mass", "own"),
+    ],
 )
-def test_one_command_retrofit(tmp_path, family, precision, objective):
+def test_one_command_retrofit(tmp_path, family, precision, objective, key_groups):
     import transformers
 
     from focus_pretrain.config import load_config
@@ -61,6 +65,7 @@ def test_one_command_retrofit(tmp_path, family, precision, objective):
     hf, out = build(tmp_path), tmp_path / "out"
     sets = ["--set", f"train.precision={precision}", "--set", f"data.cache_dir={tmp_path / 'c'}"]
     sets += ["--set", f"train.objective={objective}"]  # mix: distils from the frozen original
+    sets += ["--set", f"model.focus.key_groups={key_groups}"]
     done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for name in ("report.md", "loss.png", "loss_by_position.png", "export/config.json",
@@ -107,6 +112,9 @@ def test_one_command_retrofit(tmp_path, family, precision, objective):
         out / "export", trust_remote_code=True
     ).eval()
     x = torch.randint(0, 400, (2, 100), generator=torch.Generator().manual_seed(0))
+    assert export.config.focus["key_groups"] == key_groups == original.config.focus["key_groups"]
+    groups = json.loads((out / "groups" / "report.json").read_text())
+    assert groups["settings"]["key_groups"] == key_groups  # kept pairs count the keys' rule
     with torch.no_grad():
         torch.testing.assert_close(export(x).logits, original(x).logits, rtol=1e-5, atol=1e-5)
     routers = {k: v for k, v in exported.items() if ".router." in k and "balance" not in k}
@@ -184,24 +192,23 @@ def test_a_checkpoint_without_its_tokenizer_is_refused_before_any_work(tmp_path)
 
 
 def test_a_retrofit_the_export_cannot_reproduce_is_evaluated_and_reported(tmp_path):
-    """``model.focus.key_groups=own_and_previous`` (an experiment's rule the shipped modeling
-    code lacks): the retrofit trains, evaluates with the rule and reports, says in one line
-    why it wrote no export or adapter, and the report's kept pairs count the keys' groups."""
+    """``model.focus.balance=sinkhorn`` (routing balanced over the whole sequence, which an
+    export, routing each token on its own, cannot reproduce): the retrofit trains, evaluates
+    and reports, and says in one line why it wrote no export or adapter."""
     hf, out = _hf_llama_with_tokenizer(tmp_path), tmp_path / "out"
     sets = ["--set", f"data.cache_dir={tmp_path / 'c'}", "--set", "train.precision=fp32"]
-    sets += ["--set", "model.focus.key_groups=own_and_previous"]
+    sets += ["--set", "model.focus.balance=sinkhorn"]
     done = run([*COMMAND, str(hf), *SMALL, *sets, "--out", str(out)])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     said = [line for line in done.stdout.splitlines() if "no export or adapter" in line]
-    assert len(said) == 1 and "model.focus.key_groups=own_and_previous" in said[0], said
+    assert len(said) == 1 and "model.focus.balance=sinkhorn" in said[0], said
     assert not (out / "export").exists() and not (out / "adapter").exists()
     report = json.loads((out / "report.json").read_text())
     assert "export" not in report["meta"] and "no export" in report["meta"]
     assert "focus-pretrain ruler" not in (out / "report.md").read_text()  # no export to score
     hard = report["evaluations"]["retrofit, hard"]
     assert math.isfinite(hard["loss"]) and 0 < hard["kept_pairs"] < 1
-    groups = json.loads((out / "groups" / "report.json").read_text())
-    assert groups["settings"]["key_groups"] == "own_and_previous"
+    assert (out / "groups" / "report.json").is_file()
     from focus_pretrain.config import load_config
 
-    assert load_config(out / "recipe.yaml").model.focus.key_groups == "own_and_previous"
+    assert load_config(out / "recipe.yaml").model.focus.balance == "sinkhorn"

@@ -298,6 +298,27 @@ def test_shipped_hf_modeling_matches_ours_with_sinks(
     assert (hard - _ok(focus_on_runs[model_type])["hard"]).abs().max() > 1e-3
 
 
+KEYS = ["llama", "gemma3"]  # Gemma-3: sliding-window layers (no rule) + Focus layers
+KEYS_FOCUS = dict(SHIPPED_FOCUS, key_groups="own_and_previous")
+
+
+@pytest.fixture(scope="module")
+def keys_runs(hf_models):
+    models = {name: hf_models[name] for name in KEYS}
+    return _runs("tests.multiprocess.test_hf_import:focus_on_each", models, KEYS_FOCUS)
+
+
+@pytest.mark.parametrize("model_type", KEYS)
+def test_shipped_hf_modeling_matches_ours_with_keys_in_their_predecessors_groups(
+    hf_models, focus_on_runs, keys_runs, model_type, tmp_path
+):
+    """``key_groups: own_and_previous``: the shipped modeling code gives our logits in both
+    patterns, through its dense path and the package's reference, and the rule changes them."""
+    hard = _check_shipped_modeling(hf_models[model_type], keys_runs[model_type], model_type,
+                                   KEYS_FOCUS, tmp_path)  # fmt: skip
+    assert (hard - _ok(focus_on_runs[model_type])["hard"]).abs().max() > 1e-3
+
+
 def _check_shipped_modeling(hf_model, ours, model_type: str, focus: dict, tmp_path):
     """``ours`` (our model's logits and tensors) against the HF model with the routers
     attached as an adapter; returns the HF hard logits."""
@@ -325,6 +346,8 @@ def _check_shipped_modeling(hf_model, ours, model_type: str, focus: dict, tmp_pa
     # the shipped dense path and each of our backends behind it give the same hard logits
     model.config.focus["inference_mode"] = "hard"
     backends = ["dense", "flex"] + ([] if model_type == "gemma2" else ["decomposed"])
+    if focus.get("key_groups", "own") != "own":  # the backends that compute the rule
+        backends = ["dense", "reference"]
     for backend in backends:  # gemma2's soft-capping needs flash-attn in `decomposed`
         model.config.focus["inference_backend"] = backend
         with torch.no_grad():

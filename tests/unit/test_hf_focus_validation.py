@@ -30,6 +30,8 @@ TRIALS = {
     "inference_mode": ["hard", "soft", "hrad", "HARD", "", None],
     "backend": ["auto", "reference", "flex", "triton", "decomposed", "fast", None],
     "inference_backend": ["auto", "reference", "flex", "decomposed", "triton", "fast", None],
+    "key_groups": ["own", "own_and_previous", "own_and_previous", "previous", None],
+    "gate_form": ["sigmoid", "dot", "Dot", None],
 }
 
 
@@ -194,3 +196,25 @@ def test_a_replaced_focus_dict_is_refused_and_a_partial_one_at_load_is_completed
         torch.testing.assert_close(loaded(ids).logits, expected)
     with pytest.raises(ValueError, match=r"focus.top_k must be <= num_groups \(4\), got 5"):
         cls.from_pretrained(tmp_path, focus={**partial, "top_k": 5})
+
+
+def test_the_keys_rules_and_their_backends_are_the_registrys():
+    """``key_groups``: the shipped choices are the package's rules, and the backends the
+    shipped code lets compute ``own_and_previous`` are those whose capabilities include it
+    (plus ``auto`` and the shipped ``dense`` path); a named other one is refused by name."""
+    from focus_pretrain.focus.backends import backend_names, get_backend
+    from focus_pretrain.focus.pattern_settings import KEY_GROUPS
+
+    assert tuple(configuration.FOCUS_CHOICES["key_groups"]) == tuple(KEY_GROUPS)
+    computes = {
+        name
+        for name in backend_names()[1:]  # [0]: auto
+        if "own_and_previous" in get_backend(name).capabilities.key_groups
+    }
+    assert set(configuration.KEY_GROUPS_BACKENDS) == computes | {"auto", "dense"}
+    base = {**configuration.FOCUS_DEFAULTS, "key_groups": "own_and_previous"}
+    configuration.validate_focus(base)
+    with pytest.raises(ValueError, match=r"focus.inference_backend 'flex' does not compute"):
+        configuration.validate_focus({**base, "inference_backend": "flex"})
+    with pytest.raises(ValueError, match=r"needs focus.gate_form='sigmoid', got 'dot'"):
+        configuration.validate_focus({**base, "gate_form": "dot"})

@@ -197,11 +197,14 @@ def test_a_copied_prompt_cache_is_reused_twice_and_prompt_lookup_decodes():
         assert lookup.tolist() == greedy(model, repeated, 20).tolist()
 
 
-@pytest.mark.parametrize("sinks", [0, 2, 12])  # 12: longer than the shorter prompt (9)
-def test_sparse_decode_reads_exactly_the_kept_keys(sinks):
+@pytest.mark.parametrize(
+    "sinks,key_groups", [(0, "own"), (2, "own"), (12, "own"), (2, "own_and_previous")]
+)  # 12: longer than the shorter prompt (9)
+def test_sparse_decode_reads_exactly_the_kept_keys(sinks, key_groups):
     """Each one-token step reads the window plus the keys sharing a group plus the row's first
-    ``sinks`` real tokens, each once, nothing else."""
-    model = focus_model(top_k=2, window=3, num_groups=4, sinks=sinks)
+    ``sinks`` real tokens, each once, nothing else; with ``key_groups="own_and_previous"`` a
+    key shares the groups of the real token before it too."""
+    model = focus_model(top_k=2, window=3, num_groups=4, sinks=sinks, key_groups=key_groups)
     seqs = sequences(9, 30, seed=4)
     ids, mask = padded(seqs, "left")
     steps = 25
@@ -211,13 +214,16 @@ def test_sparse_decode_reads_exactly_the_kept_keys(sinks):
         cache = DynamicCache(config=model.config)
         model(out, attention_mask=full_mask, **cache_kwargs(model, cache))  # one recomputed prefill
     for layer_idx, attn in enumerate(model.model.layers):
-        members = cache.layers[layer_idx].focus_members  # [b, n]
+        own = cache.layers[layer_idx].focus_members  # [b, n]
         valid = full_mask.bool()
+        keys = own.clone()  # the groups each key counts in
+        if key_groups == "own_and_previous":
+            keys[:, 1:] |= torch.where(valid[:, :-1], own[:, :-1], 0)
         sink = valid & (valid.cumsum(dim=1) <= sinks)  # [b, n]: each row's first real tokens
         expected = 0
         for p in range(ids.shape[1], out.shape[1] - 1):  # query positions of the one-token steps
             distance = p - torch.arange(p + 1)
-            shares = (members[:, : p + 1] & members[:, p : p + 1]) != 0  # [b, p + 1]
+            shares = (keys[:, : p + 1] & own[:, p : p + 1]) != 0  # [b, p + 1]
             kept = valid[:, : p + 1] & ((distance <= 3) | shares | sink[:, : p + 1])
             expected += int(kept.sum())
         assert attn.self_attn.focus_keys_read == expected
@@ -293,3 +299,67 @@ def test_the_dot_gate_form_runs_alike_on_every_path(monkeypatch, family, mode):
     with torch.no_grad():
         sigmoid = torch.cat([model(s[None]).logits[0] for s in seqs])
     assert (sigmoid - logits["dense"]).abs().max() > 1e-3
+
+
+KEYS_PREVIOUS = {"key_groups": "own_and_previous"}
+
+
+@pytest.mark.parametrize("family", ["Llama", "Gemma2"])  # Gemma-2: sliding layers, soft-caps
+@pytest.mark.parametrize("mode,top_k", [("hard", 1), ("hard", 2), ("soft", 1)])
+def test_a_key_in_its_predecessors_groups_runs_alike_on_every_path(
+    monkeypatch, family, mode, top_k
+):
+    """``key_groups: own_and_previous`` (a key also counts in the groups of the token before
+    it): the package's backend, the dense path and the standalone path (no focus_pretrain)
+    give each left- and right-padded row its own logits, alike; the rule changes them."""
+    seqs = sequences(7, 20, 13, 1, seed=7)
+    logits = {}
+    for path in ("auto", "dense", "standalone"):
+        model = focus_model(
+            family, inference_mode=mode, top_k=top_k, sinks=1, **KEYS_PREVIOUS,
+            inference_backend="dense" if path == "dense" else "auto",
+        )  # fmt: skip
+        with monkeypatch.context() as patch:
+            if path == "standalone":
+                patch.setattr(modeling, "_package_focus_attention", None)
+            with torch.no_grad():
+                alone = [model(s[None]).logits[0] for s in seqs]
+                for side in ("left", "right"):
+                    ids, mask = padded(seqs, side)
+                    out = model(ids, attention_mask=mask).logits
+                    for i in range(len(seqs)):
+                        real = out[i][mask[i].bool()]
+                        torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
+        logits[path] = torch.cat(alone)
+    torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["standalone"], logits["dense"], rtol=1e-5, atol=1e-5)
+    model.config.focus["key_groups"] = "own"
+    with torch.no_grad():
+        own = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (own - logits["dense"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("top_k,sinks", [(1, 0), (2, 2)])
+def test_a_key_in_its_predecessors_groups_generates_alike_with_every_cache(top_k, sinks):
+    """``key_groups: own_and_previous``: a left-padded batch generates the tokens and logits
+    of each prompt alone, with the sparse decode step, the dense step, a static cache and
+    no cache at all."""
+    model = focus_model(top_k=top_k, window=3, sinks=sinks, **KEYS_PREVIOUS)
+    seqs = sequences(5, 17, 11, seed=8)
+    ids, mask = padded(seqs, "left")
+    kwargs = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    runs = {}
+    with torch.no_grad():
+        runs["sparse"] = greedy(model, ids, 24, **kwargs)
+        runs["static"] = greedy(model, ids, 24, cache_implementation="static", **kwargs)
+        runs["recomputed"] = greedy(model, ids, 24, use_cache=False, **kwargs)
+        model.config.focus["inference_backend"] = "dense"
+        runs["dense"] = greedy(model, ids, 24, **kwargs)
+        model.config.focus["inference_backend"] = "auto"
+        for i, s in enumerate(seqs):
+            one = greedy(model, s[None], 24)[0, len(s) :]
+            assert runs["sparse"].sequences[i, ids.shape[1] :].tolist() == one.tolist()
+    for name, run in runs.items():
+        assert run.sequences.tolist() == runs["sparse"].sequences.tolist(), name
+        for a, b in zip(run.logits, runs["sparse"].logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

@@ -41,6 +41,8 @@ FOCUS = {
     "hard2": dict(inference_mode="hard", top_k=2),
     "soft": dict(inference_mode="soft", top_k=1),
     "window_only": dict(window_only=True),
+    "keys": dict(inference_mode="hard", top_k=1, key_groups="own_and_previous"),
+    "keys_soft": dict(inference_mode="soft", top_k=1, key_groups="own_and_previous"),
 }
 
 
@@ -81,6 +83,8 @@ CASES = [  # (family, sinks, focus): every family, mode and sink setting at leas
     ("GPT2", 2, "window_only"),
     ("Gemma2", 2, "hard1"),
     ("Gemma3", 2, "soft"),
+    ("Llama", 1, "keys"),  # a document's first token has no predecessor
+    ("Gemma2", 0, "keys_soft"),
 ]
 
 

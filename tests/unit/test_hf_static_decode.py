@@ -93,6 +93,8 @@ CASES = {
     "gpt2-top1-sinks": dict(family="GPT2", top_k=1, sinks=4),
     "dot-hard-top2-sinks": dict(top_k=2, sinks=2, gate_form="dot"),
     "dot-soft": dict(top_k=1, inference_mode="soft", gate_form="dot"),
+    "keys-previous-hard-top1-sinks": dict(top_k=1, sinks=2, key_groups="own_and_previous"),
+    "keys-previous-soft": dict(top_k=1, inference_mode="soft", key_groups="own_and_previous"),
 }
 
 
@@ -119,9 +121,11 @@ def test_static_generate_equals_the_dynamic_cache(case):
             assert sorted(origin[valid].tolist()) == list(range(first_real, written))
 
 
-@pytest.mark.parametrize("family", ["Llama", "GPT2"])  # GPT-2: a query viewed from c_attn
-def test_the_decode_step_compiles_whole_and_gives_the_eager_tokens(family):
-    model = focus_model(family, top_k=2, window=4, sinks=3)
+@pytest.mark.parametrize(
+    "family,key_groups", [("Llama", "own"), ("GPT2", "own"), ("Llama", "own_and_previous")]
+)  # GPT-2: a query viewed from c_attn
+def test_the_decode_step_compiles_whole_and_gives_the_eager_tokens(family, key_groups):
+    model = focus_model(family, top_k=2, window=4, sinks=3, key_groups=key_groups)
     ids, mask = prompt_batch()
     fresh_dynamo()
     with torch.no_grad():
@@ -160,8 +164,9 @@ def test_generate_with_a_compiled_forward_gives_the_eager_tokens():
 
 
 @pytest.mark.parametrize("mode", ["hard", "soft"])
-def test_the_static_decode_step_reads_nothing_on_the_host(mode):
-    model = focus_model(top_k=2, window=4, sinks=3, inference_mode=mode)
+@pytest.mark.parametrize("key_groups", ["own", "own_and_previous"])
+def test_the_static_decode_step_reads_nothing_on_the_host(mode, key_groups):
+    model = focus_model(top_k=2, window=4, sinks=3, inference_mode=mode, key_groups=key_groups)
     ids, mask = prompt_batch()
     with torch.no_grad():
         cache, logits, full = static_prefill(model, ids, mask)

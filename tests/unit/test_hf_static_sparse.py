@@ -153,7 +153,7 @@ def test_the_prefill_sorts_each_layers_slots_by_group(monkeypatch):
     static = importlib.import_module("focus_hf_modeling.focus_static")  # the model's copy
     with torch.no_grad():
         cache, _, _ = prefilled(model, ids, mask, new=2)
-        monkeypatch.setattr(static, "sort_by_groups", lambda layer, count: None)
+        monkeypatch.setattr(static, "sort_by_groups", lambda *args: None)
         plain, _, _ = prefilled(model, ids, mask, new=2)  # the same prefill, not sorted
     n = ids.shape[1]
     for layer, unsorted in zip(cache.layers, plain.layers, strict=True):
@@ -213,11 +213,15 @@ def test_unpadded_static_steps_of_several_tokens_get_no_quadratic_mask():
             hook.remove()
 
 
-@pytest.mark.parametrize("rows", [None, 37])
-def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact(monkeypatch, rows):
+@pytest.mark.parametrize(
+    "rows,key_groups", [(None, "own"), (37, "own"), (None, "own_and_previous")]
+)
+def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact(monkeypatch, rows, key_groups):
     """Chunks after the first run over the cache (masked; ``rows``: in blocks of that many
-    query rows, as a long chunk over a long cache) and re-sort every written slot."""
-    model = focus_model(num_groups=4, top_k=1, window=8, sinks=2)
+    query rows, as a long chunk over a long cache) and re-sort every written slot (by the
+    groups the keys count in: with ``own_and_previous`` a chunk's first key takes its
+    predecessor's groups from the sorted slots)."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=2, key_groups=key_groups)
     ids, mask = long_prompts()
     cuts = (0, 300, 560, ids.shape[1])
     length = ids.shape[1] + 2
@@ -244,8 +248,9 @@ def test_a_chunked_prefill_sorts_every_written_slot_and_stays_exact(monkeypatch,
             for layer in cache.layers:
                 assert layer.focus_sorted == end
                 valid = layer.focus_valid[:, :end]
+                keys = layer.keys_routing(key_groups)[1]  # [b, L]
                 for row in range(ids.shape[0]):
-                    members = layer.focus_members[row, :end][valid[row]]
+                    members = keys[row, :end][valid[row]]
                     assert (members[1:] >= members[:-1]).all()
                     assert sorted(layer.focus_origin[row, :end].tolist()) == list(range(end))
     if rows is not None:  # two chunks after the prompt, each layer in blocks of 37 rows
@@ -285,6 +290,7 @@ def poison_skippable_blocks(model, cache, probs_per_layer, slot: int, full) -> i
         else:
             member = membership(probs, focus["top_k"])[:, 0]  # [b]
             origin, valid = layer.focus_origin, layer.focus_valid
+            keys = layer.keys_routing(focus["key_groups"])[1]  # [b, L]: each key's groups
             distance = slot - origin
             keep = (
                 valid
@@ -292,7 +298,7 @@ def poison_skippable_blocks(model, cache, probs_per_layer, slot: int, full) -> i
                 & (
                     (distance <= focus["window"])
                     | layer.focus_sink
-                    | ((layer.focus_members & member[:, None]) != 0)
+                    | ((keys & member[:, None]) != 0)
                 )
             )  # [b, L]
             keep |= origin == slot  # the step's own token (written by the step itself)
@@ -352,9 +358,12 @@ def decoded_like_the_dynamic_cache(model, ids, mask, new: int) -> int:
 
 
 @pytest.mark.slow
-def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks():
-    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too)."""
-    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3)
+@pytest.mark.parametrize("key_groups", ["own", "own_and_previous"])
+def test_compiled_sparse_decoding_equals_the_dynamic_cache_and_skips_blocks(key_groups):
+    """Top-1 with sinks (top-2 decodes compiled in ``test_hf_static_decode`` too); with
+    ``key_groups="own_and_previous"`` the slots are sorted by the keys' groups (their own and
+    their predecessor's) and blocks are still skipped."""
+    model = focus_model(num_groups=4, top_k=1, window=8, sinks=3, key_groups=key_groups)
     assert decoded_like_the_dynamic_cache(model, *long_prompts(), new=4) > 0  # NaN skipped
 
 

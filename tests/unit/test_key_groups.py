@@ -3,8 +3,9 @@
 The rule (:mod:`focus_pretrain.focus.pattern`, "Key groups") against the brute-force loop
 (which writes it from the spec alone), with packed documents, sinks, GQA and soft-capping, in
 the three patterns; its gradients against finite differences; the backends that do not compute
-it refuse it by name, and ``auto`` picks one that does; the recipe, the ring and the export
-refuse what they cannot run, each in one line.
+it refuse it by name, and ``auto`` picks one that does; the recipe and the ring refuse what
+they cannot run, each in one line; the export takes it (its shipped code:
+tests/unit/test_hf_generation.py, test_hf_static_*.py, tests/multiprocess/test_hf_import.py).
 """
 
 from __future__ import annotations
@@ -154,17 +155,16 @@ def test_settings_are_checked():
     assert config.pattern().key_groups == OWN_AND_PREVIOUS
 
 
-def test_the_ring_and_the_export_refuse_the_rule_and_a2a_takes_it():
+def test_the_ring_refuses_the_rule_and_a2a_and_the_export_take_it():
     recipe = ROOT / "configs" / "tiny.yaml"
     rule = [f"model.focus.key_groups={OWN_AND_PREVIOUS}"]
     cp = ["parallel.context_parallel_size=2"]
+    sinkhorn = ["model.focus.balance=sinkhorn"]
     with pytest.raises(ValueError, match=r"key_groups 'own_and_previous' does not run inside"):
         load_config(recipe, [*rule, *cp, "parallel.cp_mode=ring"])
     config = load_config(recipe, [*rule, *cp, "parallel.cp_mode=a2a"])
-    assert "key_groups=own_and_previous; the shipped modeling code" in export_refusal(config)
-    assert export_refusal(load_config(recipe, cp)) is None
-    window_only = load_config(recipe, [*rule, "model.focus.window_only=true"])
-    assert export_refusal(window_only) is None  # no routing: nothing to differ
+    assert export_refusal(config) is None  # the shipped modeling code computes the rule
+    assert "balance=sinkhorn" in export_refusal(load_config(recipe, [*rule, *sinkhorn]))
     q, k, v = random_qkv(1, 8, 2, 2, 4, seed=6)
     with pytest.raises(ValueError, match="use cp_mode 'a2a'"):
         ring_focus_attention(

@@ -113,3 +113,52 @@ def test_hf_dot_gate_equals_the_package_channels(dtype):
     added = torch.einsum("bqhd,bkhd->bhqk", q2, k2) - torch.einsum("bqhd,bkhd->bhqk", q, k)
     want = focus_rules.dot_gate(probs, probs, lam)  # [b, q, kv]
     torch.testing.assert_close(added * scale, want[:, None].expand_as(added))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_hf_key_rule_equals_the_spec(seed):
+    """``key_groups="own_and_previous"``: the copy's predecessor, bitmasks and soft assignments
+    equal the spec's, with and without packed documents; the copy's padding rule
+    (``key_documents``) gives a real token after padding no predecessor and keeps the
+    documents' starts."""
+    g = _generator(seed)
+    b, n, groups = 3, 40, 6
+    ids = torch.randint(0, 4, (b, n), generator=g).sort(dim=1).values
+    docs = pattern.document_starts(ids)  # [b, n]
+    members = torch.randint(1, 1 << groups, (b, n), generator=g)
+    probs = torch.softmax(torch.randn(b, n, groups, generator=g, dtype=torch.float64), dim=-1)
+    for documents in (None, docs):
+        for want, got in zip(
+            pattern.previous_in_document(probs, documents),
+            focus_rules.previous_in_document(probs, documents),
+            strict=True,
+        ):
+            assert torch.equal(want, got)
+        assert torch.equal(
+            focus_rules.key_memberships(members, documents),
+            pattern.key_memberships(members, documents),
+        )
+        torch.testing.assert_close(
+            focus_rules.key_assignments(probs, documents),
+            pattern.key_assignments(probs, documents),
+            rtol=0,
+            atol=0,
+        )
+    valid = torch.ones(b, n, dtype=torch.bool)
+    pad = [0, 5, 17]  # left padding of each row
+    for r, p in enumerate(pad):
+        valid[r, :p] = False
+    starts = focus_rules.key_documents(valid, docs)  # [b, n]
+    positions = torch.arange(n)
+    for r, p in enumerate(pad):
+        has_previous = (starts[r] != positions).tolist()
+        want = [j > 0 and bool(valid[r, j - 1]) and int(docs[r, j]) != j for j in range(n)]
+        assert has_previous == want, r
+        assert not has_previous[p]  # the first real token
+    own_probs, own_members = focus_rules.key_routing(probs, members, valid, "own", docs)
+    assert own_probs is probs and own_members is members
+    key_probs, key_members = focus_rules.key_routing(
+        probs, members, valid, "own_and_previous", docs
+    )
+    assert torch.equal(key_members, pattern.key_memberships(members, starts))
+    torch.testing.assert_close(key_probs, pattern.key_assignments(probs, starts), rtol=0, atol=0)

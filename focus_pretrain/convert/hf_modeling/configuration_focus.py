@@ -64,6 +64,7 @@ FOCUS_DEFAULTS = {
     "backend": "auto",
     "inference_backend": "auto",
     "sinks": 0,
+    "key_groups": "own",
 }
 
 
@@ -84,7 +85,11 @@ FOCUS_CHOICES = {
     # FocusConfig's names plus "dense": this code's own masked dense path (forced)
     "backend": ("auto", "reference", "flex", "triton", "dense"),
     "inference_backend": ("auto", "reference", "decomposed", "flex", "triton", "dense"),
+    "key_groups": ("own", "own_and_previous"),
 }
+# the backends that compute key_groups="own_and_previous": the package's reference (what "auto"
+# picks for it) and this code's own dense path (a test checks these against the registry)
+KEY_GROUPS_BACKENDS = ("auto", "reference", "dense")
 
 
 def validate_focus(focus: dict) -> None:
@@ -126,7 +131,21 @@ def validate_focus(focus: dict) -> None:
 
 
 def _validate_focus_backends(focus: dict) -> None:
-    """The inference backends that compute one pattern only."""
+    """The inference backends that compute one pattern only, and the rule of the keys' groups
+    (the sigmoid gate, and the backends that compute it)."""
+    if focus["key_groups"] != "own":
+        if focus["gate_form"] != "sigmoid":
+            raise ValueError(
+                f"focus.key_groups={focus['key_groups']!r} needs focus.gate_form='sigmoid', "
+                f"got {focus['gate_form']!r}; set key_groups='own' or gate_form='sigmoid'"
+            )
+        takes = ", ".join(map(repr, KEY_GROUPS_BACKENDS))
+        for key in ("backend", "inference_backend"):
+            if focus[key] not in KEY_GROUPS_BACKENDS:
+                raise ValueError(
+                    f"focus.{key} {focus[key]!r} does not compute focus.key_groups="
+                    f"{focus['key_groups']!r}; use one of {takes}"
+                )
     backend, mode, top_k = focus["inference_backend"], focus["inference_mode"], focus["top_k"]
     if backend == "decomposed" and (top_k != 1 or mode != "hard"):
         raise ValueError(

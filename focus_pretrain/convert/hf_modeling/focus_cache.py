@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .focus_rules import dot_gate, soft_cap
+from .focus_rules import dot_gate, key_documents, key_memberships, soft_cap
 
 
 class GroupPositions:
@@ -59,23 +59,40 @@ class GroupPositions:
 
 
 class GroupIndex:
-    """Per sequence and group, where the cached real tokens of that group are; per sequence,
-    its first ``sinks`` real positions (the attention sinks)."""
+    """Per sequence and group, where the cached real tokens counted in that group as keys are
+    (their own top-k groups; with ``key_groups="own_and_previous"`` their predecessor's too);
+    per sequence, its first ``sinks`` real positions (the attention sinks)."""
 
-    def __init__(self, members: Tensor, valid: Tensor, num_groups: int, sinks: int = 0) -> None:
-        """``members [b, n]`` int64 group bitmasks, ``valid [b, n]`` (False: padding)."""
+    def __init__(
+        self,
+        members: Tensor,
+        valid: Tensor,
+        num_groups: int,
+        sinks: int = 0,
+        key_groups: str = "own",
+    ) -> None:
+        """``members [b, n]`` the tokens' own int64 group bitmasks, ``valid [b, n]`` (False:
+        padding)."""
+        self.key_groups = key_groups
+        keys = key_members(members, valid, key_groups)  # [b, n]
         self.rows = [
             [
                 GroupPositions(torch.nonzero(((row >> g) & 1).bool() & ok).flatten())
                 for g in range(num_groups)
             ]
-            for row, ok in zip(members, valid, strict=True)
+            for row, ok in zip(keys, valid, strict=True)
         ]
         self.num_sinks = sinks
         self.sinks = [torch.nonzero(ok).flatten()[:sinks] for ok in valid] if sinks else []
 
-    def append(self, members: Tensor, valid: Tensor, position: int) -> None:
-        """Add one new token per sequence (``members [b]``, ``valid [b]``) at ``position``."""
+    def append(
+        self, members: Tensor, valid: Tensor, position: int, before: tuple[Tensor, Tensor]
+    ) -> None:
+        """Add one new token per sequence (own ``members [b]``, ``valid [b]``) at ``position``;
+        ``before``: the own bitmasks and validity of the tokens at ``position - 1``
+        (``[b]`` each), its predecessors."""
+        if self.key_groups != "own":  # also in its predecessor's groups, when that is real
+            members = members | torch.where(before[1], before[0], 0)
         for r, (groups, bits, ok) in enumerate(
             zip(self.rows, members.tolist(), valid.tolist(), strict=True)
         ):
@@ -260,6 +277,16 @@ def check_packed_cache(cache, layer_idx: int, docs: Tensor | None, q_len: int, k
         )
 
 
+def key_members(members: Tensor, valid: Tensor, key_groups: str) -> Tensor:
+    """``[b, n]`` int64: the groups each cached token counts in as a key (own ``members [b, n]``,
+    ``valid [b, n]``): its own top-k (``"own"``), or with ``"own_and_previous"`` also those of
+    the token before it when that one is real (``focus_rules.key_documents``; a cache never
+    holds packed documents)."""
+    if key_groups == "own":
+        return members
+    return key_memberships(members, key_documents(valid))
+
+
 def store_routing(
     layer: FocusDynamicLayer | None,
     probs: Tensor,
@@ -290,7 +317,8 @@ def store_routing(
             "changed outside the cache API (reorder_cache, crop, batch_select_indices)"
         )
     if layer.focus_index is not None and q_len == 1:
-        layer.focus_index.append(members[:, 0], valid[:, 0], past)
+        before = (layer.focus_members[:, -1], layer.focus_valid[:, -1])  # [b] each
+        layer.focus_index.append(members[:, 0], valid[:, 0], past, before)
     else:
         layer.focus_index = None
     layer.focus_probs = torch.cat([layer.focus_probs, probs], dim=1)  # [b, kv, K]
@@ -311,29 +339,33 @@ def sparse_decode(
     softcap: float | None,
     sinks: int = 0,
     dot_lambda: float | None = None,
+    key_groups: str = "own",
 ) -> tuple[Tensor, int]:
     """One decode step over the keys the hard pattern keeps.
 
     ``query [b, H, 1, d]``, ``key/value [b, G, n, d]`` (the whole cache, this step's token last)
     -> ``([b, 1, H, d], keys read)``. Key ``j`` is read when it is real (not padding) and
-    ``n - 1 - j <= window``, or when it shares one of the query's groups, or when it is one of
+    ``n - 1 - j <= window``, or when one of the groups it counts in as a key (``key_groups``:
+    its own, or its own and its predecessor's) is one of the query's, or when it is one of
     the row's first ``sinks`` real tokens; each key at most once. ``dot_lambda``: the dot gate
     form's ``lambda`` (its term ``lambda g_q . g_j`` on every key read, before soft-capping).
     """
     b, heads, _, d = query.shape
     groups, n = key.shape[1], key.shape[2]
     index = layer.focus_index
-    if index is None or index.num_sinks != sinks:
-        index = GroupIndex(layer.focus_members, layer.focus_valid, num_groups, sinks)
+    if index is None or index.num_sinks != sinks or index.key_groups != key_groups:
+        index = GroupIndex(layer.focus_members, layer.focus_valid, num_groups, sinks, key_groups)
         layer.focus_index = index
     start = max(0, n - 1 - window)
     window_positions = torch.arange(start, n, device=key.device)
-    members, valid = layer.focus_members, layer.focus_valid
+    valid = layer.focus_valid
+    query_bits = layer.focus_members[:, -1].tolist()  # the step's own groups
+    members = key_members(layer.focus_members, valid, key_groups)  # [b, n]: the keys' groups
     dtype = torch.promote_types(query.dtype, torch.float32)
     out = query.new_zeros(b, 1, heads, d)
     reads = 0
     for r in range(b):
-        bits, taken = int(members[r, -1]), 0
+        bits, taken = query_bits[r], 0
         parts = [window_positions[valid[r, start:]]]
         for g in range(num_groups):
             if not bits >> g & 1:

@@ -3,7 +3,9 @@
 An exported model runs without ``focus_pretrain`` installed (only torch and transformers), so the
 rules of its pattern are copied here from the package's spec (``focus_pretrain/focus/
 pattern.py``, ``gate_forms.py``): the soft gate in both forms, logit soft-capping, group
-intersection and the pair rule (causal, one document, window, sinks).
+intersection, the pair rule (causal, one document, window, sinks) and the keys' groups under
+``key_groups="own_and_previous"`` (a key also in its predecessor's groups), plus the one rule
+of this code's own: :func:`key_documents` (padding gives no predecessor).
 ``tests/unit/test_pattern_copies.py`` checks every function here against the spec on random
 inputs; ``modeling_focus.py``, ``focus_cache.py`` and ``focus_static.py`` use only these.
 """
@@ -62,3 +64,64 @@ def pair_rule(
     if sinks:
         near = near | (offset < sinks)
     return causal, near
+
+
+def previous_in_document(t: Tensor, documents: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(previous, has_previous)``: each token's predecessor's row of ``t`` ``[b, s, ...]``
+    (shifted by one along ``s``; the first row repeats row 0) and ``[b, s]`` bool, whether the
+    token has a predecessor in its document (``documents``: ``[b, s]`` document starts, or
+    ``None`` for one document per sample)."""
+    b, s = t.shape[:2]
+    previous = torch.cat([t[:, :1], t[:, :-1]], dim=1)  # [b, s, ...]: row i holds row i - 1
+    positions = torch.arange(s, device=t.device)
+    if documents is None:
+        return previous, (positions > 0).expand(b, s)
+    return previous, documents.to(positions.dtype) != positions  # [b, s]: not a start
+
+
+def key_memberships(member: Tensor, documents: Tensor | None = None) -> Tensor:
+    """``[b, s]`` int64: the groups a key counts as in under ``key_groups="own_and_previous"``:
+    its own membership bitmask ``member`` ``[b, s]`` or'ed with its predecessor's in its
+    document (``documents``: ``[b, s]`` document starts, or ``None``)."""
+    previous, has_previous = previous_in_document(member, documents)
+    return member | torch.where(has_previous, previous, torch.zeros_like(previous))
+
+
+def key_assignments(probs: Tensor, documents: Tensor | None = None) -> Tensor:
+    """``[b, s, K]``: a key's soft assignment under ``key_groups="own_and_previous"``: the
+    elementwise probabilistic or ``g + g_prev - g * g_prev`` of its own ``probs`` ``[b, s, K]``
+    and its predecessor's in its document (``g_prev = 0`` for a document's first token), in
+    ``probs``' dtype; one-hot assignments give :func:`key_memberships`' sets."""
+    previous, has_previous = previous_in_document(probs, documents)
+    previous = previous * has_previous[..., None].to(probs.dtype)  # [b, s, K]
+    return probs + previous - probs * previous
+
+
+def key_documents(valid: Tensor, documents: Tensor | None = None) -> Tensor:
+    """``[b, n]`` int64 document starts for the keys' rule: ``documents`` (packed rows), and
+    a new start at every real token that follows padding (``valid [b, n]``, False: padding),
+    so that a left-padded row's first real token has no predecessor, as when it runs alone."""
+    b, n = valid.shape
+    positions = torch.arange(n, device=valid.device).expand(b, n)  # [b, n]
+    after_padding = torch.ones_like(valid)
+    after_padding[:, 1:] = ~valid[:, :-1]  # [b, n]: the token before is padding (or none)
+    starts = after_padding if documents is None else after_padding | (documents == positions)
+    return torch.where(starts, positions, 0).cummax(dim=1).values
+
+
+def key_routing(
+    probs: Tensor,
+    members: Tensor,
+    valid: Tensor,
+    key_groups: str,
+    documents: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The keys' ``(probs [b, n, K], members [b, n])`` under ``key_groups``: the tokens' own
+    routing (``"own"``), or with ``"own_and_previous"`` each key also in the groups of the
+    token before it in its document (:func:`key_assignments` / :func:`key_memberships`;
+    none for a document's first token or a real token after padding: :func:`key_documents`).
+    Queries always keep their own."""
+    if key_groups == "own":
+        return probs, members
+    starts = key_documents(valid, documents)  # [b, n]
+    return key_assignments(probs, starts), key_memberships(members, starts)

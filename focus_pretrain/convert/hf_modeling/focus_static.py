@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import StaticLayer
 
-from .focus_rules import dot_gate, groups_intersect, soft_cap, soft_gate
+from .focus_rules import dot_gate, groups_intersect, key_routing, soft_cap, soft_gate
 from .focus_static_sparse import (
     MAX_SPARSE_QUERIES,
     crop_sorted,
@@ -123,6 +123,25 @@ class FocusStaticLayer(StaticLayer):
         new = (probs.to(self.focus_probs.dtype), members, valid, origin, sink)
         for buffer, values in zip(self.focus_buffers(), new, strict=True):
             buffer.index_copy_(1, slots, values)
+
+    def keys_routing(self, key_groups: str) -> tuple[Tensor, Tensor]:
+        """``(probs [b, L, K], members [b, L])``: the groups each slot's key counts in under
+        ``key_groups``: its own (``"own"``: the buffers themselves), or with
+        ``"own_and_previous"`` also its predecessor's (``focus_rules.key_routing`` applied in
+        position order: the slots' positions ``focus_origin`` are a permutation of ``0 .. L-1``
+        per row, so the routing is gathered by position and the keys' put back by slot; on the
+        device, fixed shapes)."""
+        if key_groups == "own":
+            return self.focus_probs, self.focus_members
+        origin = self.focus_origin  # [b, L]: the position each slot holds
+        slots = torch.arange(origin.shape[1], device=origin.device).expand_as(origin)  # [b, L]
+        slot = torch.empty_like(origin).scatter_(1, origin, slots)  # [b, L]: each position's
+        groups = self.focus_probs.shape[-1]
+        probs = self.focus_probs.gather(1, slot[..., None].expand(-1, -1, groups))  # by position
+        members, valid = self.focus_members.gather(1, slot), self.focus_valid.gather(1, slot)
+        probs, members = key_routing(probs, members, valid, key_groups)  # [b, L, K], [b, L]
+        back = origin[..., None].expand(-1, -1, groups)  # by slot again
+        return probs.gather(1, back), members.gather(1, origin)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the keys (transformers) and their routing (in place) for beam search."""
@@ -308,7 +327,7 @@ def static_focus_forward(
         )
     sparse = mode == "hard" and focus["inference_backend"] != "dense"
     if first is not None and routing is not None and sparse:
-        sort_by_groups(layer, first + q_len)  # every written slot, by group
+        sort_by_groups(layer, first + q_len, focus["key_groups"])  # every written slot
     return out
 
 
@@ -374,12 +393,14 @@ def hard_keep(
     *,
     window: int,
     sliding_window: int | None = None,
+    key_groups: str = "own",
 ) -> Tensor:
     """``[b, q, L]`` bool: the hard pattern's pairs of queries at cache ``slots [q]`` with
     group bitmasks ``members [b, q]`` on a Focus layer's static cache: causal real keys in the
-    window, sinks, or sharing one of the query's groups."""
+    window, sinks, or counted in one of the query's groups (``key_groups``)."""
     causal, local = routed_pairs(layer, slots, allowed, window, sliding_window)
-    shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b, q, L]
+    keys = layer.keys_routing(key_groups)[1]  # [b, L]: the groups each key counts in
+    shares = groups_intersect(members[:, :, None], keys[:, None, :])  # [b, q, L]
     return local | (causal & shares)
 
 
@@ -396,23 +417,24 @@ def _masked_step(
         return static_attention(
             query, key, value, torch.where(keep, 0.0, neg_inf), scale=scale, softcap=softcap
         )
-    probs, members = routing
+    probs, members = routing  # the queries' own
+    keys_probs, keys_members = layer.keys_routing(focus["key_groups"])  # [b, L, K], [b, L]
     dot = focus["gate_form"] == "dot"
     if mode == "hard" or dot:
         if dot and mode == "soft":
             local = causal  # the dot form's soft pattern: every causal pair, ungated
-        shares = groups_intersect(members[:, :, None], layer.focus_members[:, None, :])  # [b,q,L]
+        shares = groups_intersect(members[:, :, None], keys_members[:, None, :])  # [b, q, L]
         keep = local | (causal & shares)
         dot_lambda = focus["gate_lambda"] if dot else None
         if _sparse_step(query, mode, focus):
             return sparse_static_attention(
                 query, key, value, keep, scale=scale, softcap=softcap,
-                probs_q=probs, probs_k=layer.focus_probs, dot_lambda=dot_lambda,
+                probs_q=probs, probs_k=keys_probs, dot_lambda=dot_lambda,
             )  # fmt: skip
-        term = None if not dot else dot_gate(probs, layer.focus_probs, dot_lambda)  # [b, q, L]
+        term = None if not dot else dot_gate(probs, keys_probs, dot_lambda)  # [b, q, L]
         bias = torch.where(keep, 0.0, neg_inf)
         return static_attention(query, key, value, bias, scale=scale, softcap=softcap, term=term)
-    affinity = torch.einsum("bqk,bjk->bqj", probs, layer.focus_probs.to(probs.dtype))
+    affinity = torch.einsum("bqk,bjk->bqj", probs, keys_probs.to(probs.dtype))
     gate = soft_gate(affinity, focus["gate_lambda"])  # [b, q, L]
     bias = torch.where(local, 0.0, torch.where(causal, gate, neg_inf))
     return static_attention(query, key, value, bias, scale=scale, softcap=softcap)

@@ -66,13 +66,15 @@ def _permute(layer, count: int, order: Tensor) -> None:
         buffer[:, :count].copy_(torch.gather(buffer[:, :count], 1, index))
 
 
-def sort_by_groups(layer, count: int) -> None:
+def sort_by_groups(layer, count: int, key_groups: str = "own") -> None:
     """After an eager step of several tokens, the last written at slot ``count - 1``: sort
-    the first ``count`` slots by group membership (the int64 bitmask), positions ascending
-    inside a group, padding last (two stable sorts: by position, then by group)."""
+    the first ``count`` slots by the groups their keys count in (the int64 bitmask; with
+    ``key_groups="own_and_previous"`` their own and their predecessor's), positions
+    ascending inside a group, padding last (two stable sorts: by position, then by group)."""
     origin = layer.focus_origin[:, :count]  # [b, count]
     by_position = torch.sort(origin, dim=1, stable=True).indices
-    members = torch.where(layer.focus_valid[:, :count], layer.focus_members[:, :count], _LAST)
+    keys = layer.keys_routing(key_groups)[1][:, :count]  # [b, count]
+    members = torch.where(layer.focus_valid[:, :count], keys, _LAST)
     by_group = torch.sort(members.gather(1, by_position), dim=1, stable=True).indices
     _permute(layer, count, by_position.gather(1, by_group))  # [b, count] slot indices
     layer.focus_sorted = count

@@ -9,6 +9,9 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
 * ``inference_mode="hard"`` (default): a query sees keys in its local window plus keys whose
   ``top_k`` groups intersect its own; ``"soft"``: every causal key, beyond the window with the
   soft gate of `focus_rules.soft_gate` (the training pattern; the rules are in `focus_rules.py`);
+* ``focus["key_groups"] = "own_and_previous"``: a key also counts in the groups of the real
+  token before it in its document (queries keep their own; ``focus_rules.key_routing``), on
+  every path below (the package's ``auto`` picks its reference backend for it);
 * Gemma-2's sliding-window layers keep their window and have no router;
 * ``focus["sinks"] = S`` (attention sinks): the first ``S`` *real* tokens of each row (padding
   skipped, so a left-padded row has the sinks of the same sequence alone), or of each packed
@@ -79,7 +82,14 @@ from .focus_router import (
     membership,
     route,
 )
-from .focus_rules import dot_gate, groups_intersect, pair_rule, soft_cap, soft_gate
+from .focus_rules import (
+    dot_gate,
+    groups_intersect,
+    key_routing,
+    pair_rule,
+    soft_cap,
+    soft_gate,
+)
 from .focus_static import static_focus_forward, static_focus_layer
 
 # transformers 5.0 copies into its module cache only the files this module imports itself
@@ -92,6 +102,7 @@ _PACKAGE_PARAMETERS = (
 )  # an older focus_pretrain without packed documents or gate forms: the dense path runs them
 _PACKAGE_DOCUMENTS = "documents" in _PACKAGE_PARAMETERS
 _PACKAGE_GATE_FORMS = "gate_form" in (*_PACKAGE_PARAMETERS, *_PACKAGE_SETTINGS)
+_PACKAGE_KEY_GROUPS = "key_groups" in _PACKAGE_SETTINGS  # older: the dense path runs the rule
 
 
 def focus_attention_forward(
@@ -145,6 +156,7 @@ def focus_attention_forward(
                 softcap=softcap,
                 sinks=sinks_of(module),
                 dot_lambda=focus["gate_lambda"] if focus["gate_form"] == "dot" else None,
+                key_groups=focus["key_groups"],
             )
             module.focus_keys_read = getattr(module, "focus_keys_read", 0) + reads
             return out, None
@@ -241,15 +253,15 @@ def _dense(
     else:
         focus = module.router.focus
         probs_k, member_k = routing[0], routing[1]  # [b, kv, K], [b, kv]
+        probs_q, member_q = probs_k[:, kv_len - q_len :], member_k[:, kv_len - q_len :]
+        probs_k, member_k = key_routing(probs_k, member_k, routing[2], focus["key_groups"], docs)
         local = causal & pair_rule(q_pos, k_pos, window=focus["window"])[1]
         if sink is not None:  # sinks: like keys in the window (no gate)
             local = local | (causal & sink[:, None, :])  # [b, q, kv]
-        probs_q = probs_k[:, kv_len - q_len :]
         if focus["gate_form"] == "dot":  # on every pair; the soft pattern: every causal pair
             term = dot_gate(probs_q, probs_k, focus["gate_lambda"])  # [b, q, kv]
             local = causal if mode == "soft" else local
         if mode == "hard" or term is not None:
-            member_q = member_k[:, kv_len - q_len :]
             shares = groups_intersect(member_q[:, :, None], member_k[:, None, :])  # [b, q, kv]
             bias = torch.where(causal & (local | shares), 0.0, neg_inf)
         else:
@@ -300,6 +312,10 @@ def _fast_path(
             if not _PACKAGE_GATE_FORMS:
                 return None
             kwargs.update(gate_form=focus["gate_form"])
+        if focus["key_groups"] != "own":
+            if not _PACKAGE_KEY_GROUPS:
+                return None
+            kwargs.update(key_groups=focus["key_groups"])
     elif sliding_window is not None:  # HF's window counts the token itself
         kwargs.update(window=sliding_window - 1, local_only=True)
     elif focus_window is not None:
