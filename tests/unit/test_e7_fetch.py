@@ -223,3 +223,6 @@ def test_the_needle_analysis_what_if_key_groups(key_groups):
         assert bool(kept[j]) == (last - j <= window or j < sinks or shares), j
     own = needle.kept_keys(probs, 1, {"window": window, "sinks": sinks}, s)
     assert not torch.equal(kept, own)
+    from focus_pretrain.focus.pattern_settings import KEY_GROUPS
+
+    assert set(needle.EXPORT_KEY_GROUPS) == set(KEY_GROUPS)  # every export's rule has its what-if

@@ -71,6 +71,7 @@ def router_probs(model, ids: torch.Tensor) -> list[torch.Tensor | None]:
 
 
 KEY_GROUPS = ("own", "predecessor", "both")
+EXPORT_KEY_GROUPS = {"own": "own", "own_and_previous": "both"}  # an export's rule, here
 
 
 def kept_keys(
@@ -115,6 +116,8 @@ def measure(args: argparse.Namespace) -> dict:
     tokenizer = export_tokenizer(args.export)
     original, focus_model = load_models(args.original, args.export, "needle_attention")
     focus = focus_model.config.focus
+    if args.key_groups is None:  # the export's own rule
+        args.key_groups = EXPORT_KEY_GROUPS[focus.get("key_groups", "own")]
     totals = {k: {"needle": 0.0, "needle_kept": 0.0, "far": 0.0, "far_kept": 0.0,
                   "far_keys": 0, "far_keys_kept": 0} for k in args.top_k}  # fmt: skip
     layers = len(original.model.layers)
@@ -169,9 +172,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
-        "--key-groups", choices=KEY_GROUPS, default="own",
+        "--key-groups", choices=KEY_GROUPS, default=None,
         help="what-if: the groups a key is in (own: the method; predecessor: the token "
-        "before it's; both)",
+        "before it's; both); default: the export's own (focus.key_groups own_and_previous "
+        "is both)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
