@@ -26,7 +26,8 @@ def test_a_gap_above_the_threshold_is_called_out_with_the_levers():
     assert line.startswith("the retrofit is not good enough: hard-mode loss vs the original: ")
     assert "validation +0.627, beyond the window +0.500 nats" in line
     assert "above --max-hard-gap 0.05" in line
-    levers = ("--sinks 4", "--steps", "train.objective=distill", "model.focus.top_k=2", "--window")
+    levers = ("--sinks 4", "--steps", "train.objective=distill", "model.focus.top_k=2", "--window",
+              "model.focus.key_groups=own_and_previous")  # fmt: skip
     for lever in (*levers, "--groups"):
         assert lever in line
 
