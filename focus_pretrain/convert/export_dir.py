@@ -145,6 +145,7 @@ INFERENCE_SETTINGS = (  # how an export infers; its other focus keys are what it
     "window",
     "sinks",
     "top_k",
+    "key_groups",  # own: the method's rule, own_and_previous: a key in its predecessor's too
     "inference_mode",
     "inference_backend",  # hard mode's kernels
     "backend",  # soft mode's (the training backend)
