@@ -270,35 +270,44 @@ def test_a_static_cache_generates_like_the_dynamic_one():
     assert torch.equal(static, dynamic)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Gemma2"])  # Gemma-2: the term before soft-capping
-@pytest.mark.parametrize("mode", ["hard", "soft"])
-def test_the_dot_gate_form_runs_alike_on_every_path(monkeypatch, family, mode):
-    """``gate_form: dot`` (lambda g_i . g_j on every allowed pair): the package's backends, the
-    dense path and the standalone path (no focus_pretrain) give each padded row its own logits,
-    alike; the form changes the logits."""
-    seqs = sequences(7, 20, 13, seed=6)
+def assert_every_path_agrees(monkeypatch, family, seqs, sides, changed, **focus) -> None:
+    """The package's backend (``auto``), the dense path and the standalone path (no
+    focus_pretrain) give each row of ``seqs``, padded on each of ``sides``, its own logits,
+    alike; the same model with the ``changed`` focus settings gives other logits."""
     logits = {}
     for path in ("auto", "dense", "standalone"):
-        model = focus_model(
-            family, inference_mode=mode, gate_form="dot", sinks=1,
-            inference_backend="dense" if path == "dense" else "auto",
-        )  # fmt: skip
+        backend = "dense" if path == "dense" else "auto"
+        model = focus_model(family, inference_backend=backend, **focus)
         with monkeypatch.context() as patch:
             if path == "standalone":
                 patch.setattr(modeling, "_package_focus_attention", None)
             with torch.no_grad():
                 alone = [model(s[None]).logits[0] for s in seqs]
-                ids, mask = padded(seqs, "left")
-                out = model(ids, attention_mask=mask).logits
-        for i in range(len(seqs)):
-            torch.testing.assert_close(out[i][mask[i].bool()], alone[i], rtol=1e-5, atol=1e-5)
+                for side in sides:
+                    ids, mask = padded(seqs, side)
+                    out = model(ids, attention_mask=mask).logits
+                    for i in range(len(seqs)):
+                        real = out[i][mask[i].bool()]
+                        torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
         logits[path] = torch.cat(alone)
     torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits["standalone"], logits["dense"], rtol=1e-5, atol=1e-5)
-    model.config.focus["gate_form"] = "sigmoid"
+    model.config.focus.update(changed)
     with torch.no_grad():
-        sigmoid = torch.cat([model(s[None]).logits[0] for s in seqs])
-    assert (sigmoid - logits["dense"]).abs().max() > 1e-3
+        other = torch.cat([model(s[None]).logits[0] for s in seqs])
+    assert (other - logits["dense"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["Llama", "Gemma2"])  # Gemma-2: the term before soft-capping
+@pytest.mark.parametrize("mode", ["hard", "soft"])
+def test_the_dot_gate_form_runs_alike_on_every_path(monkeypatch, family, mode):
+    """``gate_form: dot`` (lambda g_i . g_j on every allowed pair): every path gives each
+    left-padded row its own logits, alike; the form changes the logits."""
+    seqs = sequences(7, 20, 13, seed=6)
+    assert_every_path_agrees(
+        monkeypatch, family, seqs, ["left"], {"gate_form": "sigmoid"},
+        inference_mode=mode, gate_form="dot", sinks=1,
+    )  # fmt: skip
 
 
 KEYS_PREVIOUS = {"key_groups": "own_and_previous"}
@@ -310,33 +319,13 @@ def test_a_key_in_its_predecessors_groups_runs_alike_on_every_path(
     monkeypatch, family, mode, top_k
 ):
     """``key_groups: own_and_previous`` (a key also counts in the groups of the token before
-    it): the package's backend, the dense path and the standalone path (no focus_pretrain)
-    give each left- and right-padded row its own logits, alike; the rule changes them."""
+    it): every path gives each left- and right-padded row its own logits, alike; the rule
+    changes them."""
     seqs = sequences(7, 20, 13, 1, seed=7)
-    logits = {}
-    for path in ("auto", "dense", "standalone"):
-        model = focus_model(
-            family, inference_mode=mode, top_k=top_k, sinks=1, **KEYS_PREVIOUS,
-            inference_backend="dense" if path == "dense" else "auto",
-        )  # fmt: skip
-        with monkeypatch.context() as patch:
-            if path == "standalone":
-                patch.setattr(modeling, "_package_focus_attention", None)
-            with torch.no_grad():
-                alone = [model(s[None]).logits[0] for s in seqs]
-                for side in ("left", "right"):
-                    ids, mask = padded(seqs, side)
-                    out = model(ids, attention_mask=mask).logits
-                    for i in range(len(seqs)):
-                        real = out[i][mask[i].bool()]
-                        torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
-        logits[path] = torch.cat(alone)
-    torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits["standalone"], logits["dense"], rtol=1e-5, atol=1e-5)
-    model.config.focus["key_groups"] = "own"
-    with torch.no_grad():
-        own = torch.cat([model(s[None]).logits[0] for s in seqs])
-    assert (own - logits["dense"]).abs().max() > 1e-3
+    assert_every_path_agrees(
+        monkeypatch, family, seqs, ["left", "right"], {"key_groups": "own"},
+        inference_mode=mode, top_k=top_k, sinks=1, **KEYS_PREVIOUS,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("top_k,sinks", [(1, 0), (2, 2)])
