@@ -131,8 +131,8 @@ def test_the_corpus_fetch_removes_only_its_own_staging_directory(tmp_path):
 
 def test_the_needle_table_names_how_each_result_inferred(tmp_path):
     """ruler_table.py: a row per ``focus-pretrain ruler --json`` result, named by how the export
-    inferred (dense, the window alone, hard top-k with sinks), each score at its task and
-    length; other JSON files are left out."""
+    inferred (dense, the window alone, hard top-k with sinks and the keys' rule), each score at
+    its task and length; other JSON files are left out."""
     table = _tool("e7_ruler_table", "ruler_table.py")
     focus = {"enabled": True, "window_only": False, "window": 128, "num_groups": 8,
              "top_k": 1, "inference_mode": "hard", "sinks": 4}  # fmt: skip
@@ -140,6 +140,7 @@ def test_the_needle_table_names_how_each_result_inferred(tmp_path):
         "a.dense": ({**focus, "enabled": False}, {"niah_single_1": {"1024": 0.95}}),
         "a.window": ({**focus, "window_only": True}, {"niah_single_1": {"1024": 0.1}}),
         "a.top2": ({**focus, "top_k": 2}, {"niah_single_1": {"1024": 0.35, "2048": 0.2}}),
+        "b.top1": ({**focus, "key_groups": "own_and_previous"}, {"niah_single_1": {"1024": 0.4}}),
     }
     for name, (settings, scores) in results.items():
         samples = {t: dict.fromkeys(by, 20) for t, by in scores.items()}
@@ -147,9 +148,10 @@ def test_the_needle_table_names_how_each_result_inferred(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(result))
     (tmp_path / "other.json").write_text(json.dumps({"loss": 1.0}))
     rows = table.rows(tmp_path)
-    assert [r["run"] for r in rows] == ["a.dense", "a.top2", "a.window"]
+    assert [r["run"] for r in rows] == ["a.dense", "a.top2", "a.window", "b.top1"]
     assert [r["settings"] for r in rows] == [
-        "dense (the original)", "hard top-2 of 8, sinks 4", "window 128 only, sinks 4"
+        "dense (the original)", "hard top-2 of 8, sinks 4", "window 128 only, sinks 4",
+        "hard top-1 of 8, sinks 4, keys own and previous",
     ]  # fmt: skip
     lines = table.markdown(rows).splitlines()
     assert lines[0] == "| run | inferred with | niah_single_1 @ 1024 | niah_single_1 @ 2048 |"

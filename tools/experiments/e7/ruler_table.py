@@ -13,13 +13,16 @@ from pathlib import Path
 
 
 def settings(focus: dict | None) -> str:
-    """How the export inferred: dense, the window alone or hard/soft top-k (with sinks)."""
+    """How the export inferred: dense, the window alone or hard/soft top-k (with sinks, and
+    the keys' rule when it is not the method's)."""
     if focus is None or not focus.get("enabled", True):
         return "dense (the original)"
     sinks = f", sinks {focus['sinks']}" if focus.get("sinks") else ""
     if focus.get("window_only"):
         return f"window {focus['window']} only{sinks}"
-    return f"{focus['inference_mode']} top-{focus['top_k']} of {focus['num_groups']}{sinks}"
+    keys = focus.get("key_groups", "own")
+    rule = "" if keys == "own" else f", keys {keys.replace('_', ' ')}"
+    return f"{focus['inference_mode']} top-{focus['top_k']} of {focus['num_groups']}{sinks}{rule}"
 
 
 def rows(directory: Path) -> list[dict]:
