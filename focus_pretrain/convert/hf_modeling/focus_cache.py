@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicLayer
 
-from .focus_rules import dot_gate, key_documents, key_memberships, soft_cap
+from .focus_rules import dot_gate, key_routing, soft_cap
 
 
 class GroupPositions:
@@ -74,7 +74,7 @@ class GroupIndex:
         """``members [b, n]`` the tokens' own int64 group bitmasks, ``valid [b, n]`` (False:
         padding)."""
         self.key_groups = key_groups
-        keys = key_members(members, valid, key_groups)  # [b, n]
+        keys = key_routing(None, members, valid, key_groups)[1]  # [b, n]: the keys' groups
         self.rows = [
             [
                 GroupPositions(torch.nonzero(((row >> g) & 1).bool() & ok).flatten())
@@ -277,16 +277,6 @@ def check_packed_cache(cache, layer_idx: int, docs: Tensor | None, q_len: int, k
         )
 
 
-def key_members(members: Tensor, valid: Tensor, key_groups: str) -> Tensor:
-    """``[b, n]`` int64: the groups each cached token counts in as a key (own ``members [b, n]``,
-    ``valid [b, n]``): its own top-k (``"own"``), or with ``"own_and_previous"`` also those of
-    the token before it when that one is real (``focus_rules.key_documents``; a cache never
-    holds packed documents)."""
-    if key_groups == "own":
-        return members
-    return key_memberships(members, key_documents(valid))
-
-
 def store_routing(
     layer: FocusDynamicLayer | None,
     probs: Tensor,
@@ -360,7 +350,7 @@ def sparse_decode(
     window_positions = torch.arange(start, n, device=key.device)
     valid = layer.focus_valid
     query_bits = layer.focus_members[:, -1].tolist()  # the step's own groups
-    members = key_members(layer.focus_members, valid, key_groups)  # [b, n]: the keys' groups
+    members = key_routing(None, layer.focus_members, valid, key_groups)[1]  # [b, n]: as keys
     dtype = torch.promote_types(query.dtype, torch.float32)
     out = query.new_zeros(b, 1, heads, d)
     reads = 0

@@ -110,18 +110,19 @@ def key_documents(valid: Tensor, documents: Tensor | None = None) -> Tensor:
 
 
 def key_routing(
-    probs: Tensor,
+    probs: Tensor | None,
     members: Tensor,
     valid: Tensor,
     key_groups: str,
     documents: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor]:
     """The keys' ``(probs [b, n, K], members [b, n])`` under ``key_groups``: the tokens' own
     routing (``"own"``), or with ``"own_and_previous"`` each key also in the groups of the
     token before it in its document (:func:`key_assignments` / :func:`key_memberships`;
     none for a document's first token or a real token after padding: :func:`key_documents`).
-    Queries always keep their own."""
+    Queries always keep their own. ``probs=None``: the bitmasks only (``(None, members)``)."""
     if key_groups == "own":
         return probs, members
     starts = key_documents(valid, documents)  # [b, n]
-    return key_assignments(probs, starts), key_memberships(members, starts)
+    keys_probs = None if probs is None else key_assignments(probs, starts)
+    return keys_probs, key_memberships(members, starts)

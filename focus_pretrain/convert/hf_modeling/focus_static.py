@@ -124,24 +124,29 @@ class FocusStaticLayer(StaticLayer):
         for buffer, values in zip(self.focus_buffers(), new, strict=True):
             buffer.index_copy_(1, slots, values)
 
-    def keys_routing(self, key_groups: str) -> tuple[Tensor, Tensor]:
+    def keys_routing(
+        self, key_groups: str, with_probs: bool = True
+    ) -> tuple[Tensor | None, Tensor]:
         """``(probs [b, L, K], members [b, L])``: the groups each slot's key counts in under
         ``key_groups``: its own (``"own"``: the buffers themselves), or with
         ``"own_and_previous"`` also its predecessor's (``focus_rules.key_routing`` applied in
         position order: the slots' positions ``focus_origin`` are a permutation of ``0 .. L-1``
         per row, so the routing is gathered by position and the keys' put back by slot; on the
-        device, fixed shapes)."""
+        device, fixed shapes). ``with_probs=False``: the bitmasks only (probs ``None``)."""
         if key_groups == "own":
-            return self.focus_probs, self.focus_members
+            return self.focus_probs if with_probs else None, self.focus_members
         origin = self.focus_origin  # [b, L]: the position each slot holds
         slots = torch.arange(origin.shape[1], device=origin.device).expand_as(origin)  # [b, L]
         slot = torch.empty_like(origin).scatter_(1, origin, slots)  # [b, L]: each position's
         groups = self.focus_probs.shape[-1]
-        probs = self.focus_probs.gather(1, slot[..., None].expand(-1, -1, groups))  # by position
+        probs = None
+        if with_probs:  # by position
+            probs = self.focus_probs.gather(1, slot[..., None].expand(-1, -1, groups))
         members, valid = self.focus_members.gather(1, slot), self.focus_valid.gather(1, slot)
         probs, members = key_routing(probs, members, valid, key_groups)  # [b, L, K], [b, L]
-        back = origin[..., None].expand(-1, -1, groups)  # by slot again
-        return probs.gather(1, back), members.gather(1, origin)
+        if probs is not None:  # by slot again
+            probs = probs.gather(1, origin[..., None].expand(-1, -1, groups))
+        return probs, members.gather(1, origin)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the keys (transformers) and their routing (in place) for beam search."""
@@ -399,7 +404,7 @@ def hard_keep(
     group bitmasks ``members [b, q]`` on a Focus layer's static cache: causal real keys in the
     window, sinks, or counted in one of the query's groups (``key_groups``)."""
     causal, local = routed_pairs(layer, slots, allowed, window, sliding_window)
-    keys = layer.keys_routing(key_groups)[1]  # [b, L]: the groups each key counts in
+    keys = layer.keys_routing(key_groups, with_probs=False)[1]  # [b, L]: each key's groups
     shares = groups_intersect(members[:, :, None], keys[:, None, :])  # [b, q, L]
     return local | (causal & shares)
 
@@ -418,8 +423,9 @@ def _masked_step(
             query, key, value, torch.where(keep, 0.0, neg_inf), scale=scale, softcap=softcap
         )
     probs, members = routing  # the queries' own
-    keys_probs, keys_members = layer.keys_routing(focus["key_groups"])  # [b, L, K], [b, L]
     dot = focus["gate_form"] == "dot"
+    with_probs = dot or mode == "soft"  # the hard pattern's masks read the bitmasks only
+    keys_probs, keys_members = layer.keys_routing(focus["key_groups"], with_probs)  # [b, L(, K)]
     if mode == "hard" or dot:
         if dot and mode == "soft":
             local = causal  # the dot form's soft pattern: every causal pair, ungated

@@ -73,7 +73,7 @@ def sort_by_groups(layer, count: int, key_groups: str = "own") -> None:
     ascending inside a group, padding last (two stable sorts: by position, then by group)."""
     origin = layer.focus_origin[:, :count]  # [b, count]
     by_position = torch.sort(origin, dim=1, stable=True).indices
-    keys = layer.keys_routing(key_groups)[1][:, :count]  # [b, count]
+    keys = layer.keys_routing(key_groups, with_probs=False)[1][:, :count]  # [b, count]
     members = torch.where(layer.focus_valid[:, :count], keys, _LAST)
     by_group = torch.sort(members.gather(1, by_position), dim=1, stable=True).indices
     _permute(layer, count, by_position.gather(1, by_group))  # [b, count] slot indices
