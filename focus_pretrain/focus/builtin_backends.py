@@ -112,7 +112,12 @@ register_backend(
     Backend(
         "flex",
         flex_focus_attention,
-        Capabilities(_ALL_MODES, devices=_CPU_CUDA, gradients_on=frozenset({"cuda"})),
+        Capabilities(
+            _ALL_MODES,
+            devices=_CPU_CUDA,
+            gradients_on=frozenset({"cuda"}),
+            key_groups=_ALL_KEY_GROUPS,
+        ),
         _flex_priority,
         "flex",  # the ring's fused step on CUDA (compiled FlexAttention with a block mask)
     )

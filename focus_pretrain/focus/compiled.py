@@ -46,9 +46,20 @@ def dispatch_mode_on() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _first_tensor(args: tuple) -> Tensor | None:
+    """The first tensor among ``args`` or inside a tuple argument (a NamedTuple of tensors)."""
+    for arg in args:
+        inner = arg if isinstance(arg, tuple) else (arg,)
+        found = next((t for t in inner if isinstance(t, Tensor)), None)
+        if found is not None:
+            return found
+    return None
+
+
 def fused_on_cuda(fn: F | None = None, *, dynamic: bool = False) -> F:
     """``fn`` run through ``torch.compile(fullgraph=True, dynamic=dynamic)`` when its first
-    tensor argument is on CUDA (see the module docstring); ``wrapper.eager`` is ``fn`` itself.
+    tensor argument (or a tuple argument's first tensor) is on CUDA (see the module
+    docstring); ``wrapper.eager`` is ``fn`` itself.
     Use as ``@fused_on_cuda`` or ``@fused_on_cuda(dynamic=True)``."""
     if fn is None:
         return functools.partial(fused_on_cuda, dynamic=dynamic)
@@ -56,7 +67,7 @@ def fused_on_cuda(fn: F | None = None, *, dynamic: bool = False) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        first = next((a for a in args if isinstance(a, Tensor)), None)
+        first = _first_tensor(args)
         eager = (
             first is None
             or not first.is_cuda

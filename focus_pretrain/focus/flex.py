@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -185,41 +186,62 @@ def block_mask_from_predicates(
     )
 
 
-def same_group_block_mask(layout: GroupSortedLayout, block: int = DEFAULT_BLOCK) -> BlockMask:
+class SortedSide(NamedTuple):
+    """One side (queries or keys) of the packed sorted layout, as the block masks read it:
+    ``[T]`` bitmasks, flattened positions (``sample * n + position``), (sample, document)
+    keys, segment table entries, and the segment table ``cu_seqlens [S + 1]``."""
+
+    member: Tensor
+    gpos: Tensor
+    unit: Tensor
+    segment: Tensor
+    cu_seqlens: Tensor
+
+    @classmethod
+    def of(cls, layout: GroupSortedLayout) -> SortedSide:
+        gpos = layout.sample * layout.seq + layout.position  # [T] position in the batch
+        doc = layout.position.new_zeros(()) if layout.document is None else layout.document
+        unit = (layout.sample * layout.seq + doc).expand_as(gpos)  # [T] (sample, document)
+        return cls(layout.member, gpos, unit, layout.segment, layout.cu_seqlens)
+
+
+def same_group_block_mask(
+    layout: GroupSortedLayout,
+    block: int = DEFAULT_BLOCK,
+    keys: GroupSortedLayout | None = None,
+) -> BlockMask:
     """Block mask of the pairs that share a group (causal, one document), on the packed sorted
-    layout; the documents are ``layout.document`` (``None``: one per sample).
+    layout; the documents are ``layout.document`` (``None``: one per sample). ``keys``: the
+    keys' own layout, sorted by the keys' bitmasks where they differ from the queries'
+    (``key_groups``; ``None``: the keys are the queries' layout): queries are rows in
+    ``layout``'s order, keys columns in ``keys``' order.
 
     Built on the device from fixed-shape tensors (no host sync). On CUDA, outside a caller's
     compiled graph, the block computation runs compiled (:func:`same_group_blocks`,
     :func:`~focus_pretrain.focus.compiled.fused_on_cuda`): its ~100 small operators fused into
     a few kernels."""
-    member = layout.member
-    gpos = layout.sample * layout.seq + layout.position  # [T] position in the flattened batch
-    doc = layout.position.new_zeros(()) if layout.document is None else layout.document
-    unit = layout.sample * layout.seq + doc  # [T] (sample, document) key
+    rows = SortedSide.of(layout)
+    cols = None if keys is None else SortedSide.of(keys)  # None: the rows' (no aliases)
 
-    def mask_mod(b, h, q_idx, kv_idx):  # the sorted layout: positions and documents by index
-        shares = groups_intersect(member[q_idx], member[kv_idx])
-        units = dict(q_doc=unit[q_idx], k_doc=unit[kv_idx])
-        causal, _ = pair_rule(gpos[q_idx], gpos[kv_idx], window=0, **units)
+    def mask_mod(b, h, q_idx, kv_idx):  # the sorted layouts: positions and documents by index
+        k_side = rows if cols is None else cols
+        shares = groups_intersect(rows.member[q_idx], k_side.member[kv_idx])
+        units = dict(q_doc=rows.unit[q_idx], k_doc=k_side.unit[kv_idx])
+        causal, _ = pair_rule(rows.gpos[q_idx], k_side.gpos[kv_idx], window=0, **units)
         return shares & causal
 
-    mask = same_group_blocks(
-        member, gpos, unit.expand_as(gpos), layout.segment, layout.cu_seqlens, block
-    )
+    mask = same_group_blocks(rows, cols, block)
     return _with_mask_mod(mask, mask_mod)
 
 
-@fused_on_cuda
-def same_group_blocks(
+def _side_blocks(
     member: Tensor, gpos: Tensor, unit: Tensor, segment: Tensor, cu_seqlens: Tensor, block: int
-) -> BlockMask:
-    """The blocks of :func:`same_group_block_mask` (``mask_mod``: none yet) from the packed
-    tokens' bitmasks, flattened positions, (sample, document) keys and segment table entries
-    (``[T]`` each) and the segment table ``cu_seqlens [S + 1]``."""
+) -> tuple[Tensor, ...]:
+    """Per block of one side (:class:`SortedSide`'s tensors): the OR of its bitmasks as bits
+    ``[nb, 64]``, its flattened positions' and (sample, document) keys' bounds ``[nb]`` each,
+    and whether it is *pure* (one segment of one document, no padding) ``[nb]``."""
     total = member.numel()
     nb = -(-total // block)
-    pad = nb * block - total
     device = member.device
     # OR of the bitmasks in each block, through segments (a block holds few of them)
     seg_start = cu_seqlens[:-1].long()  # [S] table entries, empty ones included
@@ -231,21 +253,32 @@ def same_group_blocks(
     delta = torch.zeros(nb + 1, 64, dtype=torch.int32, device=device)
     delta.index_add_(0, first_block, seg_bits)
     delta.index_add_(0, last_block + 1, -seg_bits)
-    block_bits = torch.cumsum(delta[:nb], dim=0) > 0  # [nb, 64]
-    shares = (block_bits.to(torch.float32) @ block_bits.t().to(torch.float32)) > 0  # [nb, nb]
-
+    bits = torch.cumsum(delta[:nb], dim=0) > 0  # [nb, 64]
     (gpos_min,), (gpos_max,) = block_bounds(gpos[None], block)  # [nb] each
     (unit_min,), (unit_max,) = block_bounds(unit[None], block)  # any sort order
-    units = ranges_overlap(unit_min[None], unit_max[None], unit_min[None], unit_max[None])
-    candidate = shares & units[0] & (gpos_min[None, :] <= gpos_max[:, None])
     seg_first = segment[torch.arange(nb, device=device) * block]
     seg_last = segment[torch.clamp(torch.arange(1, nb + 1, device=device) * block, max=total) - 1]
     pure = (seg_first == seg_last) & (unit_min == unit_max)  # one segment of one document
-    pure[-1] &= pad == 0
-    one_unit = unit_min[:, None] == unit_min[None, :]
-    full = candidate & pure[:, None] & pure[None, :] & one_unit
-    full &= gpos_max[None, :] <= gpos_min[:, None]
-    return block_mask_from_predicates(candidate, full, noop_mask, block, total)
+    pure[-1] &= nb * block == total
+    return bits, gpos_min, gpos_max, unit_min, unit_max, pure
+
+
+@fused_on_cuda
+def same_group_blocks(rows: SortedSide, cols: SortedSide | None, block: int) -> BlockMask:
+    """The blocks of :func:`same_group_block_mask` (``mask_mod``: none yet) from the queries'
+    (``rows``) and the keys' (``cols``; ``None``: the queries') packed tokens."""
+    q_blocks = _side_blocks(*rows, block)
+    q_bits, q_min, q_max, qu_min, qu_max, q_pure = q_blocks
+    k_bits, k_min, k_max, ku_min, ku_max, k_pure = (
+        q_blocks if cols is None else _side_blocks(*cols, block)
+    )
+    shares = (q_bits.to(torch.float32) @ k_bits.t().to(torch.float32)) > 0  # [nb, nb]
+    units = ranges_overlap(qu_min[None], qu_max[None], ku_min[None], ku_max[None])[0]
+    candidate = shares & units & (k_min[None, :] <= q_max[:, None])
+    # pure blocks hold one bitmask each: sharing a group is then true of every pair
+    full = candidate & q_pure[:, None] & k_pure[None, :] & (qu_min[:, None] == ku_min[None, :])
+    full &= k_max[None, :] <= q_min[:, None]
+    return block_mask_from_predicates(candidate, full, noop_mask, block, rows.member.numel())
 
 
 def band_block_mask(
@@ -257,17 +290,20 @@ def band_block_mask(
     *,
     sinks: int = 0,
     documents: Tensor | None = None,
+    key_member: Tensor | None = None,
 ) -> BlockMask:
     """Block mask of ``0 <= i - j <= window`` or a sink key (``j < sinks``; ``j - d_j < sinks``
     with document starts ``documents [b, n]``, which also require one document) and, with
-    ``member [b, n]``, disjoint groups."""
+    ``member [b, n]``, disjoint groups (the keys' bitmasks ``key_member [b, n]`` where they
+    differ from the queries', ``key_groups``)."""
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b, h, q_idx, kv_idx):  # reads each tensor once (no aliases: dynamo's guards)
         docs = _pair_documents(documents, b, q_idx, kv_idx)
         causal, near = pair_rule(q_idx, kv_idx, window=window, sinks=sinks, **docs)
         if member is None:
             return causal & near
-        return causal & near & ~groups_intersect(member[b, q_idx], member[b, kv_idx])
+        keys = member[b, kv_idx] if key_member is None else key_member[b, kv_idx]
+        return causal & near & ~groups_intersect(member[b, q_idx], keys)
 
     def build() -> BlockMask:
         positions = torch.arange(seq_len, device=device)  # [n]
@@ -325,10 +361,12 @@ def same_group(
     scale: float,
     softcap: float | None,
     block: int = DEFAULT_BLOCK,
+    keys: GroupSortedLayout | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pairs sharing a group (inside one document when ``layout.document`` is set) on the packed
-    layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``."""
-    mask = same_group_block_mask(layout, block)
+    layout: ``[T, H|Hkv, D]`` -> ``([T, H, D], [T, H])``; ``k, v`` packed in ``keys``' order
+    where the keys have their own layout (``key_groups``; :func:`same_group_block_mask`)."""
+    mask = same_group_block_mask(layout, block, keys)
     out, lse = _call(
         q[None], k[None], v[None], block_mask=mask, scale=scale, score_mod=softcap_mod(softcap, q)
     )  # [1, T, H, D], [1, T, H]
@@ -344,19 +382,27 @@ def same_group_gated(
     pattern: FocusPattern,
     *,
     block: int = DEFAULT_BLOCK,
+    keys: GroupSortedLayout | None = None,
+    key_probs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`same_group` with the soft gate on the pairs beyond the window whose key is not a
     sink (the hard_gated mode's routed pairs): ``[T, H|Hkv, D]`` and the packed soft assignments
     ``probs [T, K]`` -> ``([T, H, D], [T, H])``; differentiable in ``probs`` through the gate.
-    ``pattern``: the window, sinks, gate, soft-capping and (resolved) scale."""
-    position = layout.position  # [T] position in the sample (pairs are of one sample)
-    doc = layout.document
+    ``pattern``: the window, sinks, gate, soft-capping and (resolved) scale. ``keys``,
+    ``key_probs [T, K]``: the keys' layout and soft assignments (packed in its order) where
+    they differ from the queries' (``key_groups``)."""
+    # [T] positions in the sample (pairs are of one sample), the keys' in their own order; no
+    # tensor read under two names (dynamo's aliasing guard breaks on it between calls)
+    position = layout.position
+    k_position = None if keys is None else keys.position
+    doc = layout.document if keys is None else keys.document
     score_mod = gate_score_mod(
-        pattern, probs[None], None, q,
-        q_pos=lambda b, i: position[i], k_pos=lambda b, i: position[i],
+        pattern, probs[None], None if key_probs is None else key_probs[None], q,
+        q_pos=lambda b, i: position[i],
+        k_pos=lambda b, i: position[i] if k_position is None else k_position[i],
         k_doc=None if doc is None else lambda b, i: doc[i],
     )  # fmt: skip
-    mask = same_group_block_mask(layout, block)
+    mask = same_group_block_mask(layout, block, keys)
     out, lse = _call(
         q[None], k[None], v[None], block_mask=mask, scale=pattern.scale, score_mod=score_mod
     )  # [1, T, H, D], [1, T, H]
@@ -375,16 +421,19 @@ def band(
     block: int = DEFAULT_BLOCK,
     sinks: int = 0,
     documents: Tensor | None = None,
+    key_member: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The local band (cross-group only with ``member [b, n]``): ``[b, n, H, D]`` layout.
+    """The local band (cross-group only with ``member [b, n]``; the keys' own bitmasks
+    ``key_member [b, n]`` with ``key_groups``): ``[b, n, H, D]`` layout.
 
     With ``sinks`` also the sink keys beyond the window (cross-group only with ``member``);
     with ``documents`` (``[b, n]`` int64 document starts) only pairs of one document, and the
     sinks are each document's first ``sinks`` tokens."""
     n = q.shape[1]
     mask = band_block_mask(
-        n, min(window, n), member, q.device, block, sinks=sinks, documents=documents
-    )
+        n, min(window, n), member, q.device, block, sinks=sinks, documents=documents,
+        key_member=key_member,
+    )  # fmt: skip
     return _call(q, k, v, block_mask=mask, scale=scale, score_mod=softcap_mod(softcap, q))
 
 
@@ -397,13 +446,15 @@ def soft(
     *,
     documents: Tensor | None = None,
     block: int = DEFAULT_BLOCK,
+    key_probs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``,
-    applied beyond the window to keys that are not sinks (positions ``>= sinks``, counted from
-    the document start with ``documents [b, n]``, which also confine each query to its
-    document). ``pattern``: the window, sinks, gate, soft-capping and (resolved) scale."""
+    """Soft-gated causal attention; the gate is a ``score_mod`` reading ``probs [b, n, K]``
+    (the keys' ``key_probs [b, n, K]`` where they differ, ``key_groups``), applied beyond the
+    window to keys that are not sinks (positions ``>= sinks``, counted from the document start
+    with ``documents [b, n]``, which also confine each query to its document). ``pattern``:
+    the window, sinks, gate, soft-capping and (resolved) scale."""
     score_mod = gate_score_mod(
-        pattern, probs, None, q, q_pos=lambda b, i: i, k_pos=lambda b, i: i,
+        pattern, probs, key_probs, q, q_pos=lambda b, i: i, k_pos=lambda b, i: i,
         k_doc=None if documents is None else lambda b, i: documents[b, i],
     )  # fmt: skip
     mask = causal_block_mask(q.shape[1], q.device, block, documents=documents)
@@ -424,15 +475,26 @@ def flex_focus_attention(
     if pattern.local_only:
         return band(q, k, v, member=None, **band_kwargs)
     if pattern.mode == "soft":
-        return soft(q, k, v, pattern.probs, pattern, documents=documents, block=block)
+        return soft(
+            q, k, v, pattern.probs, pattern, documents=documents, block=block,
+            key_probs=pattern.key_probs,
+        )  # fmt: skip
     layout = GroupSortedLayout.of_pattern(pattern)
-    packed = (layout.pack(t) for t in (q, k, v))  # [b * n, H|Hkv, D]
+    # key_groups: the keys sorted by their own bitmasks (k, v in that order), else the queries'
+    own_keys = pattern.key_member is None
+    keys = None if own_keys else GroupSortedLayout.of_pattern(pattern, keys=True)
+    key_layout = layout if own_keys else keys
+    packed = (layout.pack(q), key_layout.pack(k), key_layout.pack(v))  # [b * n, H|Hkv, D]
     if pattern.mode == "hard_gated":  # sparse training: the routed pairs gated
+        key_probs = None if own_keys else keys.pack(pattern.keys_probs)  # [b * n, K]
         out_a, lse_a = same_group_gated(
-            *packed, layout, layout.pack(pattern.probs), pattern, block=block
-        )
+            *packed, layout, layout.pack(pattern.probs), pattern, block=block, keys=keys,
+            key_probs=key_probs,
+        )  # fmt: skip
     else:
-        out_a, lse_a = same_group(*packed, layout, scale=scale, softcap=softcap, block=block)
+        out_a, lse_a = same_group(
+            *packed, layout, scale=scale, softcap=softcap, block=block, keys=keys
+        )
     shared = (layout.unpack(out_a), layout.unpack(lse_a))  # [b, n, H, D], [b, n, H]
-    cross = band(q, k, v, member=member, **band_kwargs)  # with the sink-only pairs
+    cross = band(q, k, v, member=member, key_member=pattern.key_member, **band_kwargs)
     return merge_by_lse(shared, cross)

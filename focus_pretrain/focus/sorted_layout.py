@@ -31,13 +31,19 @@ from torch import Tensor
 from focus_pretrain.focus.compiled import fused_on_cuda
 
 
-def segment_slots(groups: int, top_k: int, *, documents: bool) -> int | None:
+def segment_slots(
+    groups: int, top_k: int, *, documents: bool, key_groups: str = "own"
+) -> int | None:
     """The static bound on one sample's segments: its tokens carry at most ``C(K, top_k)``
     distinct bitmasks, so without documents there are at most that many runs; with packed
-    documents the runs are (document, bitmask) pairs, bounded only by ``n`` (``None``)."""
+    documents the runs are (document, bitmask) pairs, bounded only by ``n`` (``None``). The
+    keys' bitmasks under ``key_groups="own_and_previous"`` (their own ``top_k`` groups and
+    their predecessor's) hold ``top_k`` to ``2 top_k`` groups: ``sum_j C(K, j)`` of them."""
     if documents or groups < 1:
         return None
-    return math.comb(groups, top_k)
+    if key_groups == "own":
+        return math.comb(groups, top_k)
+    return sum(math.comb(groups, j) for j in range(top_k, min(2 * top_k, groups) + 1))
 
 
 @dataclass(frozen=True)
@@ -111,13 +117,17 @@ class GroupSortedLayout:
         )
 
     @classmethod
-    def of_pattern(cls, pattern) -> GroupSortedLayout:
+    def of_pattern(cls, pattern, *, keys: bool = False) -> GroupSortedLayout:
         """The layout of a hard :class:`~focus_pretrain.focus.backends.AttentionPattern`
         (its ``member`` and ``documents``), with the table bounded by its ``groups`` and
-        ``top_k`` (:func:`segment_slots`)."""
+        ``top_k`` (:func:`segment_slots`). ``keys``: the layout of the keys' bitmasks
+        (``pattern.keys_member``: their own under ``key_groups``)."""
         documents = pattern.documents
-        slots = segment_slots(pattern.groups, pattern.top_k, documents=documents is not None)
-        return cls.build(pattern.member, documents, slots=slots)
+        slots = segment_slots(
+            pattern.groups, pattern.top_k, documents=documents is not None,
+            key_groups=pattern.key_groups if keys else "own",
+        )  # fmt: skip
+        return cls.build(pattern.keys_member if keys else pattern.member, documents, slots=slots)
 
     @property
     def num_segments(self) -> int:

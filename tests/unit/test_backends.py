@@ -28,7 +28,7 @@ from focus_pretrain.focus.flex import band_block_mask, same_group_block_mask
 from focus_pretrain.focus.lse import merge_by_lse
 from focus_pretrain.focus.pattern import allowed_pairs, document_starts
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout
-from tests.helpers import random_probs, random_qkv
+from tests.helpers import packed_documents, random_probs, random_qkv
 
 pytestmark = [
     pytest.mark.torch,
@@ -65,6 +65,7 @@ def problems(draw):
         softcap=draw(st.sampled_from([None, None, 2.0])),
         skew=draw(st.sampled_from([0.0, 0.0, 1.5, 4.0])),
         sinks=draw(st.sampled_from([0, 0, 1, 3, 20])),
+        key_groups=draw(st.sampled_from(["own", "own", "own_and_previous"])),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -83,6 +84,7 @@ def backend_names(p: dict, dtype: torch.dtype = torch.float32) -> list[str]:
         dtype=dtype, batch=p["b"], seq=p["n"], heads=p["h"], heads_kv=p["hkv"], head_dim=p["d"],
         mode=p["mode"], top_k=p["top_k"], local_only=p["local_only"], window=p["window"],
         softcap=p["softcap"] is not None, sinks=p.get("sinks", 0),
+        key_groups="own" if p["local_only"] else p.get("key_groups", "own"),
     )  # fmt: skip
     names = [
         name
@@ -120,6 +122,7 @@ def run(p: dict, backend: str, dtype: torch.dtype):
         backend=backend,
         return_lse=True,
         sinks=p.get("sinks", 0),
+        key_groups=p.get("key_groups", "own"),
     )
 
 
@@ -530,6 +533,19 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def test_flex_gradients_equal_reference_on_gpu(mode, top_k, softcap, sinks):
     """FlexAttention's backward (GPU only): q, k, v and, in the gated modes, the assignments."""
     assert_flex_gradients_equal_reference(mode=mode, top_k=top_k, softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("mode, top_k", [("soft", 1), ("hard", 2), ("hard_gated", 1)])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
+def test_flex_gradients_with_the_keys_rule_equal_reference_on_gpu(mode, top_k, packed):
+    """``key_groups="own_and_previous"`` (the keys on their own sorted layout, the gate on the
+    keys' assignments): flex's backward equals the reference's, sinks on, packed or not."""
+    documents = packed_documents(2, [300, 17, 383], seed=3) if packed else None
+    assert_flex_gradients_equal_reference(
+        mode=mode, top_k=top_k, sinks=4, key_groups="own_and_previous", documents=documents
+    )
 
 
 def assert_flex_gradients_equal_reference(

@@ -3,7 +3,8 @@
 * ``torch.compile(fullgraph=True)`` (which raises on any graph break) over ``focus_attention``
   for hard top-1 (``decomposed``), hard top-k (``flex``, k = 2, 3), the soft training pattern
   (forward through ``flex``; forward + backward through ``reference``, the CPU training path)
-  and sliding-window layers, with packed documents and sinks; each output equals the eager
+  and sliding-window layers, with packed documents and sinks, and the keys' rule
+  (``key_groups``: flex hard, sparse training and soft); each output equals the eager
   reference. Calls that reach FlexAttention compile with the ``aot_eager`` backend: the whole
   graph is captured (dynamo and AOT autograd), but Inductor's CPU FlexAttention takes no
   log-sum-exp (torch 2.13: "CPU only supports inference and return_lse is not supported"), which
@@ -22,8 +23,8 @@ import torch
 from focus_pretrain.bench.dispatch import DispatchCounter
 from focus_pretrain.focus.attention import focus_attention
 from focus_pretrain.focus.decomposed import flash_attn_available, torch_varlen_installed
-from focus_pretrain.focus.flex import flex_available_on, same_group_blocks
-from focus_pretrain.focus.pattern import document_starts
+from focus_pretrain.focus.flex import SortedSide, flex_available_on, same_group_blocks
+from focus_pretrain.focus.pattern import document_starts, key_memberships
 from focus_pretrain.focus.router import Routing, hard_membership
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout, layout_tensors
 from tests.distributed import run_workers
@@ -51,38 +52,46 @@ def _inputs(seed: int, *, requires_grad: bool = False):
     return tensors, documents
 
 
-def _attend(backend: str, mode: str, top_k: int, packed: bool):
+def _attend(backend: str, mode: str, top_k: int, packed: bool, key_groups: str = "own"):
     def attend(q, k, v, probs, documents):
         return focus_attention(
             q, k, v, probs, window=WINDOW, mode="hard" if mode == "local" else mode,
             top_k=top_k, backend=backend, local_only=mode == "local", check_finite=False,
             sinks=3 if packed else 0, documents=documents if packed else None,
+            key_groups=key_groups,
         )  # fmt: skip
 
     return attend
 
 
-CASES = [  # (backend, mode, top_k); triton's: tests/unit/test_triton_capture.py
-    ("decomposed", "hard", 1),
-    ("flex", "hard", 1),
-    ("flex", "hard", 2),
-    ("flex", "hard", 3),
-    ("flex", "soft", 1),
-    ("flex", "local", 1),
-    ("decomposed", "local", 1),
+RULE = "own_and_previous"  # key_groups: a key in its predecessor's groups too
+CASES = [  # (backend, mode, top_k, key_groups); triton's: tests/unit/test_triton_capture.py
+    ("decomposed", "hard", 1, "own"),
+    ("flex", "hard", 1, "own"),
+    ("flex", "hard", 2, "own"),
+    ("flex", "hard", 3, "own"),
+    ("flex", "soft", 1, "own"),
+    ("flex", "local", 1, "own"),
+    ("decomposed", "local", 1, "own"),
+    ("flex", "hard", 1, RULE),  # the keys sorted by their own bitmasks
+    ("flex", "hard", 2, RULE),
+    ("flex", "hard_gated", 2, RULE),
+    ("flex", "soft", 1, RULE),
 ]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents+sinks"])
-@pytest.mark.parametrize("backend, mode, top_k", CASES)
-def test_attention_compiles_whole_and_equals_the_reference(backend, mode, top_k, packed):
+@pytest.mark.parametrize("backend, mode, top_k, key_groups", CASES)
+def test_attention_compiles_whole_and_equals_the_reference(
+    backend, mode, top_k, key_groups, packed
+):
     (q, k, v, probs), documents = _inputs(seed=top_k + 3 * packed)
     reaches_flex = backend == "flex" or mode == "hard"  # the decomposed CPU graph: flex + band
     compiler = "aot_eager" if reaches_flex else "inductor"
-    attend = _attend(backend, mode, top_k, packed)
+    attend = _attend(backend, mode, top_k, packed, key_groups)
     compiled = torch.compile(attend, fullgraph=True, backend=compiler, dynamic=False)
     got = compiled(q, k, v, probs, documents)
-    want = _attend("reference", mode, top_k, packed)(q, k, v, probs, documents)
+    want = _attend("reference", mode, top_k, packed, key_groups)(q, k, v, probs, documents)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -102,13 +111,18 @@ def test_training_pattern_compiles_whole_forward_and_backward(mode):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents+sinks"])
-@pytest.mark.parametrize("mode, top_k", [("hard", 1), ("hard", 3), ("soft", 1), ("local", 1)])
-def test_cuda_paths_dispatch_no_host_sync(mode, top_k, packed):
+@pytest.mark.parametrize(
+    "mode, top_k, key_groups",
+    [("hard", 1, "own"), ("hard", 3, "own"), ("soft", 1, "own"), ("local", 1, "own"),
+     ("hard", 2, RULE), ("hard_gated", 1, RULE), ("soft", 1, RULE)],
+)  # fmt: skip
+def test_cuda_paths_dispatch_no_host_sync(mode, top_k, key_groups, packed):
     """The FlexAttention path (what CUDA runs for hard top-k, soft and local layers, and for
-    the decomposed backend's same-group part with documents), counted eagerly."""
+    the decomposed backend's same-group part with documents; the keys' rule too), counted
+    eagerly."""
     (q, k, v, probs), documents = _inputs(seed=5)
     with DispatchCounter() as counter:
-        _attend("flex", mode, top_k, packed)(q, k, v, probs, documents)
+        _attend("flex", mode, top_k, packed, key_groups)(q, k, v, probs, documents)
     assert counter.host_syncs == 0, counter.sync_ops
     assert counter.launches > 0  # the counter saw the call
 
@@ -150,18 +164,20 @@ def test_training_step_focus_parts_cause_no_host_sync():
         assert 1 / 8 <= result["share"] <= 1
 
 
+@pytest.mark.parametrize("key_groups", ["own", RULE])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "documents"])
-def test_compiled_block_mask_builder_equals_eager(packed):
+def test_compiled_block_mask_builder_equals_eager(packed, key_groups):
     """CUDA builds the same-group block mask compiled (its small operators fused): the compiled
-    builder gives exactly the eager block tables, with and without documents."""
+    builder gives exactly the eager block tables, with and without documents, with the keys'
+    own layout (``key_groups``) or the queries'."""
     member = 1 << torch.randint(0, GROUPS, (B, N), generator=torch.Generator().manual_seed(4))
     _, documents = _inputs(seed=2)
     starts = document_starts(documents) if packed else None
     layout = GroupSortedLayout.build(member, starts, slots=None if packed else GROUPS)
-    gpos = layout.sample * N + layout.position  # [T]
-    doc = layout.position.new_zeros(()) if starts is None else layout.document
-    unit = (layout.sample * N + doc).expand_as(gpos)  # [T]
-    args = (layout.member, gpos, unit, layout.segment, layout.cu_seqlens, 32)
+    keys = None
+    if key_groups == RULE:
+        keys = SortedSide.of(GroupSortedLayout.build(key_memberships(member, starts), starts))
+    args = (SortedSide.of(layout), keys, 32)
     eager = same_group_blocks(*args)
     compiled = torch.compile(same_group_blocks.eager, fullgraph=True, dynamic=False)(*args)
     for want, got in zip(eager.as_tuple(), compiled.as_tuple(), strict=True):

@@ -214,7 +214,7 @@ def test_the_keys_rules_and_their_backends_are_the_registrys():
     assert set(configuration.KEY_GROUPS_BACKENDS) == computes | {"auto", "dense"}
     base = {**configuration.FOCUS_DEFAULTS, "key_groups": "own_and_previous"}
     configuration.validate_focus(base)
-    with pytest.raises(ValueError, match=r"focus.inference_backend 'flex' does not compute"):
-        configuration.validate_focus({**base, "inference_backend": "flex"})
+    with pytest.raises(ValueError, match=r"focus.inference_backend 'decomposed' does not comp"):
+        configuration.validate_focus({**base, "inference_backend": "decomposed"})
     with pytest.raises(ValueError, match=r"needs focus.gate_form='sigmoid', got 'dot'"):
         configuration.validate_focus({**base, "gate_form": "dot"})

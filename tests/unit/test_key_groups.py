@@ -16,11 +16,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import flex_attention
 
 from focus_pretrain.analysis.groups import kept_pairs_by_distance
 from focus_pretrain.config import load_config
 from focus_pretrain.convert.exportable import export_refusal
-from focus_pretrain.focus import Routing, focus_attention
+from focus_pretrain.focus import Routing, flex, focus_attention
 from focus_pretrain.focus.backends import available_backends, get_backend
 from focus_pretrain.focus.config import FocusConfig
 from focus_pretrain.focus.pattern import (
@@ -33,8 +34,10 @@ from focus_pretrain.focus.pattern import (
     pattern_density,
 )
 from focus_pretrain.focus.pattern_settings import FocusPattern
+from focus_pretrain.focus.sorted_layout import GroupSortedLayout, segment_slots
 from focus_pretrain.parallel.ring import ring_focus_attention
 from tests.helpers import brute_force_focus, packed_documents, random_probs, random_qkv
+from tests.unit.test_backends import check_block_mask, dense_blocks
 from tests.unit.test_reference_exact import problems  # the reference's random problems
 
 OWN_AND_PREVIOUS = "own_and_previous"
@@ -126,7 +129,7 @@ def test_backends_without_the_rule_refuse_it_and_auto_picks_one_with_it(mode):
         for name in available_backends()
         if OWN_AND_PREVIOUS not in get_backend(name).capabilities.key_groups
     ]
-    assert "flex" in refusing and "reference" not in refusing
+    assert "decomposed" in refusing and not {"reference", "flex"} & set(refusing)
     for name in refusing:
         with pytest.raises(ValueError, match="key_groups='own_and_previous'"):
             focus_attention(q, k, v, probs, backend=name, **kwargs)
@@ -149,8 +152,8 @@ def test_settings_are_checked():
         FocusConfig(key_groups="both")
     with pytest.raises(ValueError, match=r"needs focus.gate_form='sigmoid'"):
         FocusConfig(key_groups=OWN_AND_PREVIOUS, gate_form="dot")
-    with pytest.raises(ValueError, match=r"focus.inference_backend 'flex' does not compute"):
-        FocusConfig(key_groups=OWN_AND_PREVIOUS, inference_backend="flex")
+    with pytest.raises(ValueError, match=r"focus.inference_backend 'decomposed' does not comp"):
+        FocusConfig(key_groups=OWN_AND_PREVIOUS, inference_backend="decomposed")
     config = FocusConfig(key_groups=OWN_AND_PREVIOUS, backend="reference")
     assert config.pattern().key_groups == OWN_AND_PREVIOUS
 
@@ -197,3 +200,81 @@ def test_kept_pairs_count_the_keys_groups(documents, top_k):
         torch.testing.assert_close(density, want.double() / causal)
         no_sinks = allowed_pairs(pos, pos, window, member_q=member, member_k=keys).sum()
         assert int(kept_pairs_by_distance(member, window, keys).sum()) == int(no_sinks)
+
+
+def rule_layouts(b: int, n: int, groups: int, top_k: int, *, seed: int, documents: bool):
+    """The queries' layout and the keys' own (sorted by the keys' bitmasks under the rule), as
+    the flex backend builds them, with or without packed documents."""
+    member = Routing(random_probs(b, n, groups, seed=seed, sharpness=3.0)).membership(top_k)
+    starts = None
+    if documents:
+        starts = document_starts(packed_documents(b, [40, 7, n - 47], seed=seed))
+    slots = segment_slots(groups, top_k, documents=documents, key_groups=OWN_AND_PREVIOUS)
+    keys = GroupSortedLayout.build(key_memberships(member, starts), starts, slots=slots)
+    return member, starts, GroupSortedLayout.build(member, starts), keys
+
+
+def rule_pairs(rows: GroupSortedLayout, cols: GroupSortedLayout) -> torch.Tensor:
+    """``[T, T]`` bool: the same-group pairs of the rule, queries in ``rows``' order and keys
+    in ``cols``': a shared group, one sample, one document, the key not after the query."""
+    shares = (rows.member[:, None] & cols.member[None, :]) != 0
+    one_sample = rows.sample[:, None] == cols.sample[None, :]
+    causal = rows.position[:, None] >= cols.position[None, :]
+    allowed = shares & one_sample & causal
+    if rows.document is not None:
+        allowed &= rows.document[:, None] == cols.document[None, :]
+    return allowed
+
+
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("block", [8, 32])
+def test_flex_block_mask_with_the_keys_layout_covers_the_rule(documents, top_k, block):
+    """Every pair the rule lets share a group lies in a kept block of the two layouts' mask,
+    every full block holds only such pairs; the keys' table bound holds (distinct bitmasks)."""
+    _, _, rows, cols = rule_layouts(2, 160, 6, top_k, seed=block + top_k, documents=documents)
+    check_block_mask(flex.same_group_block_mask(rows, block, cols), rule_pairs(rows, cols), block)
+    if not documents:  # the keys' distinct bitmasks fit the table bound
+        used = int((cols.segment_lengths() > 0).sum())
+        assert used <= 2 * segment_slots(6, top_k, documents=False, key_groups=OWN_AND_PREVIOUS)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_flex_block_mask_with_the_keys_layout_is_tight(top_k):
+    """At segments longer than a block the two layouts' mask keeps about the blocks that hold
+    an allowed pair; top-1 of 8 fewer than half of causal attention's. (Top-2 of 8 under the
+    rule allows ~70% of the pairs of random routing: in sorted layouts, whose blocks mix
+    distant positions, no fewer blocks than causal attention; docs/focus-method.md.)"""
+    n, block = 2048, 16
+    _, _, rows, cols = rule_layouts(1, n, 8, top_k, seed=top_k, documents=False)
+    allowed = rule_pairs(rows, cols)
+    mask = flex.same_group_block_mask(rows, block, cols)
+    check_block_mask(mask, allowed, block)
+    kept, _ = dense_blocks(mask)
+    nb = kept.shape[0]
+    needed = allowed.view(nb, block, nb, block).any(dim=3).any(dim=1)
+    assert kept.sum() <= 1.2 * needed.sum()
+    if top_k == 1:
+        assert kept.sum() < 0.5 * nb * (nb + 1) / 2
+
+
+def test_compiled_cpu_flex_with_the_keys_layout_skips_blocks_exactly():
+    """The compiled CPU kernel skips the blocks the two layouts' mask leaves out (eager
+    ignores them): the same result as eager, and as attention over the rule's pairs."""
+    b, n, groups = 2, 96, 4
+    *_, rows, cols = rule_layouts(b, n, groups, 2, seed=6, documents=True)
+    q, k, v = random_qkv(b, n, 2, 2, 16, seed=5, dtype=torch.float32)
+    mask = flex.same_group_block_mask(rows, 16, cols)
+    packed = [
+        layout.pack(t).transpose(0, 1)[None]  # [b, s, H, D] -> [1, H, b * s, D]
+        for layout, t in ((rows, q), (cols, k), (cols, v))
+    ]
+    compiled = torch.compile(flex_attention, dynamic=False)
+    got = compiled(*packed, block_mask=mask, scale=0.25)
+    torch.testing.assert_close(
+        got, flex_attention(*packed, block_mask=mask, scale=0.25), rtol=1e-5, atol=1e-5
+    )
+    scores = torch.einsum("hqd,hkd->hqk", packed[0][0], packed[1][0]) * 0.25  # [H, T, T]
+    weights = torch.softmax(scores.masked_fill(~rule_pairs(rows, cols), float("-inf")), -1)
+    want = torch.einsum("hqk,hkd->hqd", weights, packed[2][0])  # [H, T, D]
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)

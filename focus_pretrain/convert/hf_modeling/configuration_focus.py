@@ -87,9 +87,10 @@ FOCUS_CHOICES = {
     "inference_backend": ("auto", "reference", "decomposed", "flex", "triton", "dense"),
     "key_groups": ("own", "own_and_previous"),
 }
-# the backends that compute key_groups="own_and_previous": the package's reference (what "auto"
-# picks for it) and this code's own dense path (a test checks these against the registry)
-KEY_GROUPS_BACKENDS = ("auto", "reference", "dense")
+# the backends that compute key_groups="own_and_previous": the package's reference and flex
+# (what "auto" picks from) and this code's own dense path (a test checks them against the
+# registry)
+KEY_GROUPS_BACKENDS = ("auto", "reference", "flex", "dense")
 
 
 def validate_focus(focus: dict) -> None:
