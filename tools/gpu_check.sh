@@ -28,6 +28,9 @@
 #   generate  generate() end to end (prefill + GENERATE_TOKENS, default 64, greedy) at
 #           GENERATE_SEQ (default 65536), batch 1, plain SDPA vs Focus, dynamic cache (eager) and
 #           static cache (transformers compiles the step, CUDA graphs): what a user waits for
+#   keys    the keys' rule (key_groups: own_and_previous) through flex against dense at 8K-32K
+#           (KEYS_SEQ): hard top-1 and top-2 of K=8 forward, and the training step (soft gate,
+#           sparse training top-1); the method's own rule: the train and graphs stages
 #   tune    the triton training kernels: checked against the reference, every candidate tile
 #           timed (compiled in parallel first), the fastest written to $OUT/triton_tiles.json
 #           (copy it over focus_pretrain/focus/triton_tiles.json), the profile (each kernel per
@@ -47,7 +50,8 @@
 # recorded in $OUT/summary.tsv and the next one still runs. Wheels the image lacks are installed
 # from .whl/ (bash ../shared/gpu/fetch-device-wheels.sh) into /tmp/site when present.
 # Sizes are overridable: BENCH_SEQ, BENCH_ARGS, GRAPHS_SEQ, GRAPHS_ARGS, TRAIN_SEQ, SPARSE_TRAIN_SEQ,
-# RING_ARGS, MFU_ARGS, RECIPE_STEPS, TUNE_LENGTHS, TUNE_ARGS, DOT_SEQ, DOT_BACKENDS, DOT_ARGS.
+# RING_ARGS, MFU_ARGS, RECIPE_STEPS, TUNE_LENGTHS, TUNE_ARGS, DOT_SEQ, DOT_BACKENDS, DOT_ARGS,
+# KEYS_SEQ, KEYS_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}
@@ -200,6 +204,14 @@ stage_generate() {
     --device cuda --json "$OUT/bench_generate.json" --markdown "$LOGS/bench_generate.md"
 }
 
+stage_keys() {
+  # shellcheck disable=SC2086
+  $PY tools/bench_attention.py --seq ${KEYS_SEQ:-8192 16384 32768} --groups 8 --top-k 1 2 \
+    --heads 16 --head-dim 128 --dtype bf16 --train --key-groups own_and_previous \
+    --backends flex --warmup 2 --repeats 5 --json "$OUT/bench_keys.json" \
+    --markdown "$LOGS/bench_keys.md" ${KEYS_ARGS:-}
+}
+
 stage_tune() {
   cp focus_pretrain/focus/triton_tiles.json "$OUT/triton_tiles.json" 2>/dev/null
   # shellcheck disable=SC2086
@@ -207,7 +219,7 @@ stage_tune() {
     --lengths ${TUNE_LENGTHS:-8192 16384 32768 65536} --rivals ${TUNE_RIVALS:-flex} ${TUNE_ARGS:-}
 }
 
-ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot decode generate)
+ALL=(env tests e2e recipe bench graphs train sparse_train ring mfu mfu_triton tune dot keys decode generate)
 # two sets sized for one device call each (about 9 minutes; each limit overridable)
 QUICK=(env tests graphs train decode)
 LONG=(graphs train sparse_train decode)

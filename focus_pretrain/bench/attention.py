@@ -43,10 +43,10 @@ from focus_pretrain.bench.report import DTYPES, markdown, median_ms
 from focus_pretrain.errors import InputError
 from focus_pretrain.focus import flex
 from focus_pretrain.focus.attention import focus_attention
-from focus_pretrain.focus.backends import backend_names
+from focus_pretrain.focus.backends import backend_names, get_backend
 from focus_pretrain.focus.config import MAX_GROUPS
 from focus_pretrain.focus.lse import merge_by_lse
-from focus_pretrain.focus.pattern import pattern_density
+from focus_pretrain.focus.pattern import key_side_memberships, pattern_density
 from focus_pretrain.focus.router import Routing
 from focus_pretrain.focus.sorted_layout import GroupSortedLayout, segment_slots
 
@@ -96,18 +96,32 @@ def dense_baselines(q: Tensor, k: Tensor, v: Tensor, scale: float) -> dict[str, 
 
 
 def overhead_fn(
-    backend: str, q: Tensor, k: Tensor, v: Tensor, probs: Tensor, top_k: int, window: int
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    top_k: int,
+    window: int,
+    key_groups: str = "own",
 ) -> Callable[[], object]:
-    """The backend's non-kernel work alone (membership, sort, pack, masks, merge, unsort)."""
+    """The backend's non-kernel work alone (membership, sort, pack, masks, merge, unsort; the
+    keys' own layout and bitmasks under ``key_groups``)."""
 
     def run():
         member = Routing(probs).membership(top_k)
         slots = segment_slots(probs.shape[-1], top_k, documents=False)  # as the backends
-        layout = GroupSortedLayout.build(member, slots=slots)
-        packed = [layout.pack(t) for t in (q, k, v)]  # [b * n, H|Hkv, D]
+        layout = keys = GroupSortedLayout.build(member, slots=slots)
+        key_member = key_side_memberships(member, key_groups)  # None: their own
+        if key_member is not None:
+            key_slots = segment_slots(
+                probs.shape[-1], top_k, documents=False, key_groups=key_groups
+            )
+            keys = GroupSortedLayout.build(key_member, slots=key_slots)
+        packed = [layout.pack(q), keys.pack(k), keys.pack(v)]  # [b * n, H|Hkv, D]
         if backend == "flex" and q.is_cuda:
-            flex.same_group_block_mask(layout)
-            flex.band_block_mask(q.shape[1], window, member, q.device)
+            flex.same_group_block_mask(layout, keys=None if key_member is None else keys)
+            flex.band_block_mask(q.shape[1], window, member, q.device, key_member=key_member)
         out = layout.unpack(packed[0])  # the kernels' output has q's packed shape
         lse = out[..., 0].float()  # [b, n, H]
         return merge_by_lse((out, lse), (out, lse))
@@ -269,14 +283,15 @@ def hard_row(
 ) -> dict:
     """The hard top-``top_k`` row of each of ``cfg.backends`` on ``q, k, v`` against the
     fastest of the ``dense`` baselines (milliseconds by name)."""
-    density = float(pattern_density(routing.membership(top_k).cpu(), cfg.window).mean())
+    density = routed_density(routing.membership(top_k).cpu(), cfg.window, cfg.key_groups)
     base_name = min(dense, key=dense.get) if dense else None
     row = dict(
         seq=q.shape[1],
         groups=routing.probs.shape[-1],
         top_k=top_k,
         window=cfg.window,
-        mode="hard",
+        mode="hard" + ("" if cfg.key_groups == "own" else f" (keys {cfg.key_groups})"),
+        key_groups=cfg.key_groups,
         captured=cfg.graphs,
         dense_ms=dense,
         baseline=base_name,
@@ -284,10 +299,14 @@ def hard_row(
         density=density,
         backends={},
     )
-    kwargs = dict(window=cfg.window, mode="hard", top_k=top_k, check_finite=False)
+    kwargs = dict(
+        window=cfg.window, mode="hard", top_k=top_k, check_finite=False, key_groups=cfg.key_groups
+    )
     for name in cfg.backends:
         if (name == "decomposed" and top_k != 1) or name == "triton":
             continue  # top-1 only by construction; the soft pattern only
+        if cfg.key_groups not in get_backend(name).capabilities.key_groups:
+            continue  # it refuses the keys' rule by name
         with torch.no_grad():
             error = _check(name, q, k, v, routing, kwargs)
             counts = _counts(name, q, k, v, routing, kwargs)
@@ -301,6 +320,13 @@ def hard_row(
             max_abs_error_vs_reference=error,
         )
     return row
+
+
+def routed_density(member: Tensor, window: int, key_groups: str) -> float:
+    """The hard pattern's share of the causal pairs (mean over the batch) from ``member [b,
+    n]``, the keys counted in their groups under ``key_groups``."""
+    keys = key_side_memberships(member, key_groups)  # None: their own
+    return float(pattern_density(member, window, key_member=keys).mean())
 
 
 def _hard_times(
@@ -320,7 +346,9 @@ def _hard_times(
     total = measure(call)
     overhead = None  # the reference has no sort/merge to separate
     if name != "reference":
-        fn = overhead_fn(name, *qkv, routing.probs, kwargs["top_k"], cfg.window)
+        fn = overhead_fn(
+            name, *qkv, routing.probs, kwargs["top_k"], cfg.window, kwargs["key_groups"]
+        )
         overhead = measure(fn)
     if cfg.profile:
         shape = f"seq={qkv[0].shape[1]} K={routing.probs.shape[-1]} top_k={kwargs['top_k']}"

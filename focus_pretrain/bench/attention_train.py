@@ -26,7 +26,7 @@ from torch import Tensor
 from focus_pretrain.focus.attention import _request, focus_attention
 from focus_pretrain.focus.backends import AttentionPattern, get_backend
 from focus_pretrain.focus.gate_forms import dot_gate_call
-from focus_pretrain.focus.pattern import pattern_density
+from focus_pretrain.focus.pattern import key_side_memberships, pattern_density
 from focus_pretrain.focus.pattern_settings import FocusPattern
 from focus_pretrain.focus.router import Routing
 
@@ -48,22 +48,24 @@ def train_rows(
         for mode, top_k in soft + sparse:
             if top_k > probs.shape[-1]:
                 continue
-            case = (mode, top_k, gate_form)
+            case = (mode, top_k, gate_form, cfg.key_groups)
             names = [name for name in cfg.backends if _trains(name, leaves, case, cfg, log)]
             if names:
                 yield _row(cfg, leaves, grad, case, dense, measure, names, log)
 
 
 def _trains(name: str, leaves: list[Tensor], case: tuple, cfg, log) -> bool:
-    """Whether ``name`` differentiates ``case`` (mode, top_k, gate form) here (else logs why
-    not): for the ``dot`` form, the call its rewrite makes."""
-    mode, top_k, gate_form = case
+    """Whether ``name`` differentiates ``case`` (mode, top_k, gate form, key groups) here
+    (else logs why not): for the ``dot`` form, the call its rewrite makes."""
+    mode, top_k, gate_form, key_groups = case
     try:
         backend = get_backend(name)
     except ValueError:
         return False
     q, k, v, probs = leaves
-    settings = FocusPattern(window=cfg.window, mode=mode, top_k=top_k, gate_form=gate_form)
+    settings = FocusPattern(
+        window=cfg.window, mode=mode, top_k=top_k, gate_form=gate_form, key_groups=key_groups
+    )
     if gate_form == "dot":
         call = dot_gate_call(q, k, v, probs, settings)
         q, k, v, settings = call.q, call.k, call.v, call.pattern
@@ -78,9 +80,11 @@ def _trains(name: str, leaves: list[Tensor], case: tuple, cfg, log) -> bool:
 
 
 def _label(case: tuple) -> str:
-    """``case`` (mode, top_k, gate form) in the log's words: ``soft top_k=1`` (``... dot``)."""
-    mode, top_k, gate_form = case
-    return f"{mode} top_k={top_k}" + ("" if gate_form == "sigmoid" else f" {gate_form}")
+    """``case`` (mode, top_k, gate form, key groups) in the log's words: ``soft top_k=1``
+    (``... dot``, ``... keys own_and_previous``)."""
+    mode, top_k, gate_form, key_groups = case
+    label = f"{mode} top_k={top_k}" + ("" if gate_form == "sigmoid" else f" {gate_form}")
+    return label + ("" if key_groups == "own" else f" keys {key_groups}")
 
 
 def _synchronized(fn: Callable, device: torch.device) -> None:
@@ -99,14 +103,14 @@ def _dense_step(leaves: list[Tensor], grad: Tensor, scale: float) -> None:
 
 
 def _step(name: str, leaves: list[Tensor], case: tuple, window: int, grad: Tensor):
-    """One forward + backward through ``name`` of ``case`` (mode, top_k, gate form):
-    ``[out, dq, dk, dv, dprobs]``."""
-    mode, top_k, gate_form = case
+    """One forward + backward through ``name`` of ``case`` (mode, top_k, gate form, key
+    groups): ``[out, dq, dk, dv, dprobs]``."""
+    mode, top_k, gate_form, key_groups = case
     for t in leaves:
         t.grad = None
     out = focus_attention(
         *leaves[:3], Routing(leaves[3]), window=window, mode=mode, top_k=top_k, backend=name,
-        check_finite=False, gate_form=gate_form,
+        check_finite=False, gate_form=gate_form, key_groups=key_groups,
     )  # fmt: skip
     out.backward(grad)
     return [out.detach()] + [t.grad for t in leaves]
@@ -126,14 +130,15 @@ def _check(name: str, leaves: list[Tensor], case: tuple, window: int, grad) -> f
 
 
 def _row(cfg, leaves, grad, case, dense, measure, names, log) -> dict:
-    """The training row of ``case`` (mode, top_k, gate form): each backend's time and speedup
-    over dense, with the seconds its check and its first (compiling) call took, logged as they
-    end (a run stopped by a time limit still says where the time went)."""
-    mode, top_k, gate_form = case
+    """The training row of ``case`` (mode, top_k, gate form, key groups): each backend's time
+    and speedup over dense, with the seconds its check and its first (compiling) call took,
+    logged as they end (a run stopped by a time limit still says where the time went)."""
+    mode, top_k, gate_form, key_groups = case
     density = 1.0
     if mode == "hard_gated":
         member = Routing(leaves[3].detach()).membership(top_k).cpu()
-        density = float(pattern_density(member, cfg.window).mean())
+        keys = key_side_memberships(member, key_groups)  # None: their own
+        density = float(pattern_density(member, cfg.window, key_member=keys).mean())
     backends = {}
     for name in names:
         step = functools.partial(_step, name, leaves, case, cfg.window, grad)
@@ -158,8 +163,10 @@ def _row(cfg, leaves, grad, case, dense, measure, names, log) -> dict:
         top_k=None if mode == "soft" else top_k,
         window=cfg.window,
         mode=("soft-train" if mode == "soft" else "hard-train")
-        + ("" if gate_form == "sigmoid" else f" ({gate_form})"),
+        + ("" if gate_form == "sigmoid" else f" ({gate_form})")
+        + ("" if key_groups == "own" else f" (keys {key_groups})"),
         gate_form=gate_form,
+        key_groups=key_groups,
         dense_ms={"sdpa": dense},
         baseline="sdpa",
         ideal_speedup=1.0 / density,

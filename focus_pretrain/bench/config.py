@@ -28,6 +28,7 @@ class BenchConfig:
     hard: bool = True  # False: only the training rows (with train=True)
     train_modes: list[str] = field(default_factory=lambda: ["soft", "hard"])  # rows with train
     gate_forms: list[str] = field(default_factory=lambda: ["sigmoid"])  # the training rows' gates
+    key_groups: str = "own"  # every routed row's rule of the keys' groups (focus.key_groups)
     device: str = "cuda"
     seed: int = 0
     profile: str | None = None  # append torch.profiler tables of one call per backend here

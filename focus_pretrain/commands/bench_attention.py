@@ -64,6 +64,13 @@ def _parser(defaults: BenchConfig):
         "q, k widened by the gate's channels; name sdpa in --backends for PyTorch's SDPA)",
     )
     parser.add_argument(
+        "--key-groups",
+        choices=["own", "own_and_previous"],
+        default=defaults.key_groups,
+        help="the keys' groups in every routed row (focus.key_groups; own_and_previous: a key "
+        "also in its predecessor's groups, computed by the reference and flex)",
+    )
+    parser.add_argument(
         "--graphs",
         action="store_true",
         help="time calls captured whole (torch.compile reduce-overhead: CUDA graphs), dense too",
@@ -103,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         train=args.train,
         train_modes=args.train_modes,
         gate_forms=args.gate_forms,
+        key_groups=args.key_groups,
         device=args.device,
         seed=args.seed,
         profile=args.profile,

@@ -173,6 +173,38 @@ def test_bench_attention_times_soft_and_sparse_training(tmp_path):
     assert "segments hard_gated top_k=1 seq=600: checked in" in done.stdout
 
 
+def test_bench_attention_times_the_keys_rule(tmp_path):
+    """``--key-groups own_and_previous``: every routed row computes the rule (checked against
+    the reference), by the backends that compute it (decomposed and segments skipped), and
+    its density counts a key in its predecessor's groups too (above the method's)."""
+    tool = str(ROOT / "tools" / "bench_attention.py")
+    args = ["--device", "cpu", "--seq", "320", "--groups", "4", "--top-k", "1", "--train"]
+    args += ["--heads", "4", "--heads-kv", "2", "--head-dim", "16", "--dtype", "fp32"]
+    args += ["--window", "32", "--warmup", "0", "--repeats", "1"]
+    args += ["--backends", "reference", "decomposed", "segments", "flex"]
+    rows = {}
+    for rule in ("own", "own_and_previous"):
+        out = tmp_path / f"{rule}.json"
+        cmd = [sys.executable, tool, *args, "--key-groups", rule, "--json", str(out)]
+        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+        rows[rule] = json.loads(out.read_text())["rows"]
+    rule = rows["own_and_previous"]
+    assert [(r["mode"], r["key_groups"]) for r in rule] == [
+        ("hard (keys own_and_previous)", "own_and_previous"),
+        ("soft-train (keys own_and_previous)", "own_and_previous"),
+        ("hard-train (keys own_and_previous)", "own_and_previous"),
+    ]
+    assert [set(r["backends"]) for r in rule] == [
+        {"reference", "flex"}, {"reference"}, {"reference"}
+    ]  # fmt: skip
+    assert set(rows["own"][0]["backends"]) == {"reference", "decomposed", "segments", "flex"}
+    for own, keys in zip(rows["own"], rule, strict=True):
+        if own["mode"] != "soft-train":
+            assert keys["density"] > own["density"]  # the same routing, more pairs
+        for b in keys["backends"].values():
+            assert b["max_abs_error_vs_reference"] < 1e-4 and b["ms"] > 0
+
+
 @pytest.mark.capture
 def test_bench_attention_counts_and_captures(tmp_path):
     """``--graphs`` times calls captured whole (CUDA graphs on a GPU; ``aot_eager`` here) and
