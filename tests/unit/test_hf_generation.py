@@ -270,13 +270,16 @@ def test_a_static_cache_generates_like_the_dynamic_one():
     assert torch.equal(static, dynamic)
 
 
-def assert_every_path_agrees(monkeypatch, family, seqs, sides, changed, **focus) -> None:
-    """The package's backend (``auto``), the dense path and the standalone path (no
-    focus_pretrain) give each row of ``seqs``, padded on each of ``sides``, its own logits,
-    alike; the same model with the ``changed`` focus settings gives other logits."""
+def assert_every_path_agrees(
+    monkeypatch, family, seqs, sides, changed, paths=("auto", "dense", "standalone"), **focus
+) -> None:
+    """The package's backend (``auto``; or one named in ``paths``), the dense path and the
+    standalone path (no focus_pretrain) give each row of ``seqs``, padded on each of
+    ``sides``, its own logits, alike; the same model with the ``changed`` focus settings gives
+    other logits."""
     logits = {}
-    for path in ("auto", "dense", "standalone"):
-        backend = "dense" if path == "dense" else "auto"
+    for path in paths:
+        backend = "auto" if path == "standalone" else path
         model = focus_model(family, inference_backend=backend, **focus)
         with monkeypatch.context() as patch:
             if path == "standalone":
@@ -290,8 +293,8 @@ def assert_every_path_agrees(monkeypatch, family, seqs, sides, changed, **focus)
                         real = out[i][mask[i].bool()]
                         torch.testing.assert_close(real, alone[i], rtol=1e-5, atol=1e-5)
         logits[path] = torch.cat(alone)
-    torch.testing.assert_close(logits["auto"], logits["dense"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits["standalone"], logits["dense"], rtol=1e-5, atol=1e-5)
+    for path in paths:
+        torch.testing.assert_close(logits[path], logits["dense"], rtol=1e-5, atol=1e-5, msg=path)
     model.config.focus.update(changed)
     with torch.no_grad():
         other = torch.cat([model(s[None]).logits[0] for s in seqs])
@@ -319,12 +322,13 @@ def test_a_key_in_its_predecessors_groups_runs_alike_on_every_path(
     monkeypatch, family, mode, top_k
 ):
     """``key_groups: own_and_previous`` (a key also counts in the groups of the token before
-    it): every path gives each left- and right-padded row its own logits, alike; the rule
-    changes them."""
+    it): every path (the package's flex too) gives each left- and right-padded row its own
+    logits, alike; the rule changes them."""
     seqs = sequences(7, 20, 13, 1, seed=7)
     assert_every_path_agrees(
         monkeypatch, family, seqs, ["left", "right"], {"key_groups": "own"},
-        inference_mode=mode, top_k=top_k, sinks=1, **KEYS_PREVIOUS,
+        ("auto", "flex", "dense", "standalone"), inference_mode=mode, top_k=top_k, sinks=1,
+        **KEYS_PREVIOUS,
     )  # fmt: skip
 
 
