@@ -338,7 +338,7 @@ def main() -> None:
     args = parser.parse_args()
     # heavy imports after the arguments: --help answers without loading PyTorch
     from focus_pretrain.config import load_config
-    from focus_pretrain.eval.retrofit_report import gap_line, hard_gap, write_report
+    from focus_pretrain.eval.retrofit_report import gap_levers, gap_line, hard_gap, write_report
 
     name = Path(args.hf_dir).resolve().name
     args.out = Path(args.out or f"runs/retrofit-{name}")
@@ -366,7 +366,8 @@ def main() -> None:
         "hf_dir": args.hf_dir, "recipe": str(recipe), "data": ", ".join(args.data),
         "steps": config.train.steps, "precision": config.train.precision,
         "focus": f"K={config.model.focus.num_groups}, window={config.model.focus.window}, "
-        f"sinks={config.model.focus.sinks}, top-{config.model.focus.top_k}",
+        f"sinks={config.model.focus.sinks}, top-{config.model.focus.top_k}"
+        + (", keys own and previous" if config.model.focus.key_groups != "own" else ""),
         "training": f"{config.model.focus.training_mode} pattern, objective "
         + _objective(config.train),
         "seq_length": config.data.seq_length,
@@ -376,7 +377,10 @@ def main() -> None:
         del meta["export"], meta["adapter"]
         meta["no export"] = "the shipped modeling code lacks a setting of this run"
     report_json = json.loads((out / "groups" / "report.json").read_text())
-    quality = hard_gap(evaluations, args.max_hard_gap, far_threshold=args.max_far_gap)
+    levers = gap_levers(config.model.focus, config.train.objective)
+    quality = hard_gap(
+        evaluations, args.max_hard_gap, far_threshold=args.max_far_gap, levers=levers
+    )
     report = write_report(out, meta, evaluations, report_json, quality)
     print(f"retrofit done: {report}")
     print(f"focus-pretrain retrofit: {gap_line(quality)}", flush=True)

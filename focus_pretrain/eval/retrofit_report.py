@@ -22,19 +22,41 @@ REPORT_METRICS = {
 GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
                "loss_far_evidence": "far evidence"}  # fmt: skip
 # what to change when the hard model falls short (the retrofit command's options and keys), in
-# the order E7 (docs/experiments.md) measured them to help: top-2 of 4 met both targets there;
-# more groups helped only with top-2 (top-1 of 8 lost more than top-1 of 4); more steps balance
-# the routers, which removes pairs, and lost quality with top-1; a key also in its
-# predecessor's groups gained the most per kept pair (the reference and flex backends
-# compute it)
+# the order E7 (docs/experiments.md) measured them to help: a key also in its predecessor's
+# groups gained the most per kept pair (the reference and flex backends compute it); top-2 met
+# both targets with it; more groups helped only with top-2 (top-1 of 8 lost more than top-1 of
+# 4); more steps balance the routers, which removes pairs, and lost quality with top-1
 GAP_LEVERS = (
+    "count a key in its predecessor's groups too (--set model.focus.key_groups=own_and_previous), "
     "keep two groups per token (--set model.focus.top_k=2), keep the first tokens visible "
-    "(--sinks 4, if lower), count a key in its predecessor's groups too (--set "
-    "model.focus.key_groups=own_and_previous), widen "
-    "the window (--window), distil the original (--set train.objective=distill); more groups "
-    "(--groups 8) only with two per token; more steps (--steps) balance the routers, which "
-    "keeps fewer pairs"
+    "(--sinks 4, if lower), widen the window (--window), distil the original (--set "
+    "train.objective=distill); more groups (--groups 8) only with two per token; more steps "
+    "(--steps) balance the routers, which keeps fewer pairs"
 )
+RETROFIT_LEVER_SINKS = 4  # E7: 4 sinks closed most of a pretrained model's hard-mode gap
+
+
+def gap_levers(focus: Any, objective: str = "lm") -> str:
+    """:data:`GAP_LEVERS` for a run's ``focus`` settings (a :class:`FocusConfig`) and
+    ``train.objective``: only what the run does not already do, with the values to try."""
+    top_k, groups = focus.top_k, focus.num_groups
+    levers = []
+    if focus.key_groups == "own":
+        levers.append(
+            "count a key in its predecessor's groups too "
+            "(--set model.focus.key_groups=own_and_previous)"
+        )
+    if top_k + 1 < groups:  # top-K keeps every pair: no lever
+        levers.append(f"keep {top_k + 1} groups per token (--set model.focus.top_k={top_k + 1})")
+    if focus.sinks < RETROFIT_LEVER_SINKS:
+        levers.append(f"keep the first tokens visible (--sinks {RETROFIT_LEVER_SINKS})")
+    levers.append(f"widen the window (--window {2 * focus.window})")
+    if objective == "lm":
+        levers.append("distil the original (--set train.objective=distill)")
+    text = ", ".join(levers)
+    if groups < 8:
+        text += "; more groups (--groups 8)" + (" only with two per token" if top_k < 2 else "")
+    return text + "; more steps (--steps) balance the routers, which keeps fewer pairs"
 
 
 # what the losses above do not measure, with the commands that do (E7's needle test)
@@ -50,12 +72,15 @@ RETRIEVAL_NOTE = (
 def hard_gap(
     evaluations: dict, threshold: float, original: str = "original (dense)",
     hard: str = "retrofit, hard", far_threshold: float | None = None,
+    levers: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """How much worse the retrofit is in hard mode (the pattern its export infers with) than
     the original model: ``{"threshold", "far_threshold", "gap": {metric: nats or None},
-    "past": [the thresholds passed], "too_large"}``; ``too_large`` says the validation loss gap
-    is above ``threshold`` nats or (``far_threshold`` given) the far-evidence gap above
-    ``far_threshold`` (the tokens whose evidence lies beyond the window: what routing is for)."""
+    "past": [the thresholds passed], "too_large", "levers"}`` (``levers``: what the verdict
+    suggests, :func:`gap_levers` of the run; default :data:`GAP_LEVERS`); ``too_large`` says
+    the validation loss gap is above ``threshold`` nats or (``far_threshold`` given) the
+    far-evidence gap above ``far_threshold`` (the tokens whose evidence lies beyond the window:
+    what routing is for)."""
     gaps = {}
     for key in GAP_METRICS:
         before, after = evaluations[original].get(key), evaluations[hard].get(key)
@@ -68,7 +93,7 @@ def hard_gap(
         past.append(f"--max-far-gap {far_threshold:g} (far evidence)")
     return {
         "threshold": threshold, "far_threshold": far_threshold, "gap": gaps, "past": past,
-        "too_large": bool(past),
+        "too_large": bool(past), "levers": levers or GAP_LEVERS,
     }  # fmt: skip
 
 
@@ -80,9 +105,8 @@ def gap_line(quality: dict[str, Any]) -> str:
     measured = f"hard-mode loss vs the original: {', '.join(parts) or 'not measured'} nats"
     if quality["too_large"]:
         past = " and ".join(quality.get("past") or [f"--max-hard-gap {threshold:g}"])
-        return (
-            f"the retrofit is not good enough: {measured}, above {past}; to close it, {GAP_LEVERS}"
-        )
+        levers = quality.get("levers") or GAP_LEVERS
+        return f"the retrofit is not good enough: {measured}, above {past}; to close it, {levers}"
     within = f"--max-hard-gap {threshold:g}"
     if quality.get("far_threshold") is not None and gaps.get("loss_far_evidence") is not None:
         within += f", --max-far-gap {quality['far_threshold']:g}"

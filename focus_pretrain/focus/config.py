@@ -66,7 +66,7 @@ class FocusConfig:
             mode's load target).
         balance_rate: step of the balance offsets toward the batch's Sinkhorn column
             potentials after each optimizer step (``causal`` mode), in ``(0, 1]``.
-        top_k: groups kept per token by the hard (inference) pattern, 1 or 2.
+        top_k: groups kept per token by the hard (inference) pattern, 1 to ``num_groups``.
         inference_mode: the pattern a model uses in ``eval()``: ``"hard"`` (default) or
             ``"soft"``.
         training_mode: the pattern a model trains on: ``"soft"`` (default: the soft gate over

@@ -101,6 +101,9 @@ def test_one_command_retrofit(tmp_path, family, precision, objective, key_groups
     assert quality["too_large"] == (gap > 0.05 or (far is not None and far > 0.1))
     verdict = "not good enough" if quality["too_large"] else "within --max-hard-gap 0.05"
     assert verdict in done.stdout.splitlines()[-1] and verdict in (out / "report.md").read_text()
+    rule = key_groups != "own"  # the levers leave out what the run already does
+    assert ("key_groups=own_and_previous" in quality["levers"]) == (not rule)
+    assert ("keys own and previous" in (out / "report.md").read_text()) == rule
 
     originals, exported = load_hf_tensors(hf), load_hf_tensors(out / "export")
     for key, original in originals.items():

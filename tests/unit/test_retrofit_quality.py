@@ -67,3 +67,25 @@ def test_a_far_evidence_gap_within_its_threshold_or_unchecked_passes(far_hard, f
     line = gap_line(quality)
     limits = "--max-hard-gap 0.05" + (f", --max-far-gap {far_threshold:g}" if far_threshold else "")
     assert line.endswith(f"(within {limits})"), line
+
+
+def test_the_levers_name_only_what_the_run_does_not_already_do():
+    """A run at the method's settings gets every lever; one with the keys' rule, top-2 of 8,
+    4 sinks and distillation is not told to do those again, and is told the next values."""
+    from focus_pretrain.eval.retrofit_report import gap_levers
+    from focus_pretrain.focus.config import FocusConfig
+
+    plain = gap_levers(FocusConfig(num_groups=4, window=128, top_k=1, sinks=0), "lm")
+    wanted = ("key_groups=own_and_previous", "model.focus.top_k=2", "--sinks 4", "--window 256",
+              "train.objective=distill", "(--groups 8) only with two")  # fmt: skip
+    for lever in wanted:
+        assert lever in plain, lever
+    tuned = FocusConfig(num_groups=8, window=64, top_k=2, sinks=4, key_groups="own_and_previous")
+    levers = gap_levers(tuned, "distill")
+    assert "model.focus.top_k=3" in levers and "--window 128" in levers
+    for done in ("key_groups", "top_k=2", "--sinks", "objective=distill", "--groups"):
+        assert done not in levers, done
+    # top-K of K keeps every pair: no top-k lever left
+    assert "top_k" not in gap_levers(FocusConfig(num_groups=3, top_k=2, sinks=4), "lm")
+    quality = hard_gap(_evaluations(2.0, 2.5), threshold=0.05, levers=levers)
+    assert gap_line(quality).endswith(f"to close it, {levers}")

@@ -11,7 +11,8 @@ GPT-2 ``attn.router``) and whose attention runs through the ``"focus"`` attentio
   soft gate of `focus_rules.soft_gate` (the training pattern; the rules are in `focus_rules.py`);
 * ``focus["key_groups"] = "own_and_previous"``: a key also counts in the groups of the real
   token before it in its document (queries keep their own; ``focus_rules.key_routing``), on
-  every path below (the package's ``auto`` picks its reference backend for it);
+  every path below (the package's ``auto`` picks its flex backend for it on CUDA, its
+  reference on a CPU);
 * Gemma-2's sliding-window layers keep their window and have no router;
 * ``focus["sinks"] = S`` (attention sinks): the first ``S`` *real* tokens of each row (padding
   skipped, so a left-padded row has the sinks of the same sequence alone), or of each packed

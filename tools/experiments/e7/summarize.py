@@ -8,6 +8,7 @@ standard deviation over the seeds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import statistics
@@ -81,9 +82,19 @@ def over_seeds(table: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    table = rows(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="a run_matrix.sh output directory")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args()
+    if not args.out.is_dir():
+        print(
+            f"summarize.py: {args.out} is not a directory: pass run_matrix.sh's OUT",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    table = rows(args.out)
     seeds = over_seeds(table)
-    if "--json" in sys.argv:
+    if args.json:
         print(json.dumps({"runs": table, "over_seeds": seeds}, indent=1))
         return
     print(
