@@ -106,6 +106,14 @@ def tool_parser(doc: str | None, **kwargs) -> argparse.ArgumentParser:
     return ToolParser(description=doc, formatter_class=HelpFormatter, **kwargs)
 
 
+# import-hf's and retrofit's --key-groups (default: convert.retrofit.RETROFIT_KEY_GROUPS); the
+# choices are focus.pattern_settings.KEY_GROUPS, spelled out so that --help loads no torch
+KEY_GROUPS_CHOICES = ("own", "own_and_previous")
+KEY_GROUPS_HELP = (
+    "the groups a key counts in beyond the window: own_and_previous (default: its own and the "
+    "token's before it, which E7 measured to keep more of a pretrained model's quality; the "
+    "reference and flex backends compute it) or own (the method's symmetric rule; every backend)"
+)
 # import-hf's and retrofit's --sinks (default: focus_pretrain.convert.retrofit.RETROFIT_SINKS)
 SINKS_HELP = (
     "attention sinks: the first N tokens stay visible to every query (default 4: a pretrained "

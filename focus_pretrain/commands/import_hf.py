@@ -18,7 +18,13 @@ import sys
 
 import yaml
 
-from focus_pretrain.cli import SINKS_HELP, at_least, tool_parser
+from focus_pretrain.cli import (
+    KEY_GROUPS_CHOICES,
+    KEY_GROUPS_HELP,
+    SINKS_HELP,
+    at_least,
+    tool_parser,
+)
 from focus_pretrain.errors import as_input_error, exit_on_input_error
 
 BASE = "retrofit.yaml"  # the training knobs: next to the recipe, else the shipped recipe
@@ -30,6 +36,7 @@ def main() -> None:
     parser.add_argument("--groups", type=at_least(1), default=4, help="Focus groups K")
     parser.add_argument("--window", type=at_least(0), default=128, help="Focus local window")
     parser.add_argument("--sinks", type=at_least(0), help=SINKS_HELP)
+    parser.add_argument("--key-groups", choices=KEY_GROUPS_CHOICES, help=KEY_GROUPS_HELP)
     args = parser.parse_args()
     from focus_pretrain.convert.retrofit import retrofit_sections  # heavy: after --help
     from focus_pretrain.focus.config import FocusConfig
@@ -38,7 +45,11 @@ def main() -> None:
         FocusConfig(num_groups=args.groups, window=args.window)  # its rules (at most 64 groups)
         recipe, summary = as_input_error(
             lambda: retrofit_sections(
-                args.hf_dir, groups=args.groups, window=args.window, sinks=args.sinks
+                args.hf_dir,
+                groups=args.groups,
+                window=args.window,
+                sinks=args.sinks,
+                key_groups=args.key_groups,
             )
         )
     print(

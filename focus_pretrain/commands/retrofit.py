@@ -29,8 +29,15 @@ training (say, in the report) costs the report, not the training.
 
 It ends with one line on the hard model (what the export infers with) against the original:
 its loss gap, and past --max-hard-gap (default 0.05 nats) or, on far-evidence tokens,
---max-far-gap (default 0.1) that the retrofit is not good enough, with what to change
-(top-2, attention sinks, a wider window, distillation; more groups with top-2).
+--max-far-gap (default 0.1) that the retrofit is not good enough, with what to change (the
+levers E7 measured that the run does not already use: top-2, more groups with top-2, attention
+sinks, a wider window, distillation).
+
+The Focus section: K = --groups (default 4), --window (128), --sinks (4) and --key-groups
+(default own_and_previous: a key also counts in the groups of the token before it, which in E7
+halved the hard model's gap to the original for more pairs kept; `own` is the method's rule,
+which every backend computes). Within both loss targets in E7: --groups 8 --set
+model.focus.top_k=2.
 
 --data takes what data.sources takes (local .jsonl/.parquet/.txt files or directories, a hub
 dataset name, demo:N). Any recipe key can be changed with --set SECTION.KEY=VALUE, e.g.
@@ -53,7 +60,13 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from focus_pretrain.cli import SINKS_HELP, at_least, tool_parser
+from focus_pretrain.cli import (
+    KEY_GROUPS_CHOICES,
+    KEY_GROUPS_HELP,
+    SINKS_HELP,
+    at_least,
+    tool_parser,
+)
 from focus_pretrain.errors import (
     InputError,
     MissingInputError,
@@ -80,6 +93,7 @@ def _arguments():
     parser.add_argument("--groups", type=int, default=4, help="Focus groups K")
     parser.add_argument("--window", type=int, default=128, help="Focus local window")
     parser.add_argument("--sinks", type=at_least(0), help=SINKS_HELP)
+    parser.add_argument("--key-groups", choices=KEY_GROUPS_CHOICES, help=KEY_GROUPS_HELP)
     parser.add_argument("--base", default="retrofit",
                         help="the base recipe: a path, or a shipped recipe's name")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -135,6 +149,7 @@ def build_recipe(args) -> str:
             window=args.window,
             seq_length=length,
             sinks=args.sinks,
+            key_groups=args.key_groups,
         )
     )
     print(f"{args.hf_dir}: {summary['tensors']} tensors, {summary['parameters']:,} parameters")

@@ -46,7 +46,8 @@ def gap_levers(focus: Any, objective: str = "lm") -> str:
             "count a key in its predecessor's groups too "
             "(--set model.focus.key_groups=own_and_previous)"
         )
-    if top_k + 1 < groups:  # top-K keeps every pair: no lever
+    per_key = 1 if focus.key_groups == "own" else 2  # a key's groups: its own, its predecessor's
+    if per_key * (top_k + 1) < groups:  # else a key would be in every group: no pair removed
         levers.append(f"keep {top_k + 1} groups per token (--set model.focus.top_k={top_k + 1})")
     if focus.sinks < RETROFIT_LEVER_SINKS:
         levers.append(f"keep the first tokens visible (--sinks {RETROFIT_LEVER_SINKS})")
@@ -54,8 +55,10 @@ def gap_levers(focus: Any, objective: str = "lm") -> str:
     if objective == "lm":
         levers.append("distil the original (--set train.objective=distill)")
     text = ", ".join(levers)
-    if groups < 8:
-        text += "; more groups (--groups 8)" + (" only with two per token" if top_k < 2 else "")
+    if groups < 8 and top_k < 2:
+        text += "; more groups only with two per token (--groups 8 --set model.focus.top_k=2)"
+    elif groups < 8:
+        text += "; more groups (--groups 8)"
     return text + "; more steps (--steps) balance the routers, which keeps fewer pairs"
 
 

@@ -77,7 +77,7 @@ def test_the_levers_name_only_what_the_run_does_not_already_do():
 
     plain = gap_levers(FocusConfig(num_groups=4, window=128, top_k=1, sinks=0), "lm")
     wanted = ("key_groups=own_and_previous", "model.focus.top_k=2", "--sinks 4", "--window 256",
-              "train.objective=distill", "(--groups 8) only with two")  # fmt: skip
+              "train.objective=distill", "(--groups 8 --set model.focus.top_k=2)")  # fmt: skip
     for lever in wanted:
         assert lever in plain, lever
     tuned = FocusConfig(num_groups=8, window=64, top_k=2, sinks=4, key_groups="own_and_previous")
@@ -85,7 +85,10 @@ def test_the_levers_name_only_what_the_run_does_not_already_do():
     assert "model.focus.top_k=3" in levers and "--window 128" in levers
     for done in ("key_groups", "top_k=2", "--sinks", "objective=distill", "--groups"):
         assert done not in levers, done
-    # top-K of K keeps every pair: no top-k lever left
+    # top-K of K keeps every pair, and so does top-2 of 4 with the keys' rule: no top-k lever
     assert "top_k" not in gap_levers(FocusConfig(num_groups=3, top_k=2, sinks=4), "lm")
+    rule_of_4 = FocusConfig(num_groups=4, top_k=1, sinks=4, key_groups="own_and_previous")
+    assert "keep 2 groups" not in gap_levers(rule_of_4, "lm")
+    assert "(--groups 8 --set model.focus.top_k=2)" in gap_levers(rule_of_4, "lm")
     quality = hard_gap(_evaluations(2.0, 2.5), threshold=0.05, levers=levers)
     assert gap_line(quality).endswith(f"to close it, {levers}")

@@ -95,6 +95,14 @@ def test_import_hf_tool_prints_a_loadable_retrofit_recipe(tmp_path):
         [sys.executable, str(tool), str(path), "--sinks", "0"], capture_output=True, text=True
     )
     assert sinks.returncode == 0 and "sinks: 0" in sinks.stdout, sinks.stderr[-2000:]
+    # a retrofit's keys count in their predecessor's groups too (E7), the method's by a flag
+    assert config.model.focus.key_groups == "own_and_previous"
+    method = subprocess.run(
+        [sys.executable, str(tool), str(path), "--key-groups", "own"],
+        capture_output=True,
+        text=True,
+    )
+    assert method.returncode == 0 and "key_groups: own\n" in method.stdout, method.stderr[-2000:]
     expected = hf_model_config(path)
     for field in ARCHITECTURE_FIELDS:
         assert getattr(config.model, field) == getattr(expected, field), field
