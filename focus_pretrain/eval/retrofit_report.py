@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 # the validation scalars the report compares (tools/evaluate.py's names), with their headings
@@ -26,31 +27,26 @@ GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
 # groups gained the most per kept pair (the reference and flex backends compute it); top-2 met
 # both targets with it; more groups helped only with top-2 (top-1 of 8 lost more than top-1 of
 # 4); more steps balance the routers, which removes pairs, and lost quality with top-1
-GAP_LEVERS = (
-    "count a key in its predecessor's groups too (--set model.focus.key_groups=own_and_previous), "
-    "keep two groups per token (--set model.focus.top_k=2), keep the first tokens visible "
-    "(--sinks 4, if lower), widen the window (--window), distil the original (--set "
-    "train.objective=distill); more groups (--groups 8) only with two per token; more steps "
-    "(--steps) balance the routers, which keeps fewer pairs"
-)
-RETROFIT_LEVER_SINKS = 4  # E7: 4 sinks closed most of a pretrained model's hard-mode gap
 
 
 def gap_levers(focus: Any, objective: str = "lm") -> str:
-    """:data:`GAP_LEVERS` for a run's ``focus`` settings (a :class:`FocusConfig`) and
-    ``train.objective``: only what the run does not already do, with the values to try."""
-    top_k, groups = focus.top_k, focus.num_groups
+    """What to change when the hard model falls short, for a run's ``focus`` settings (a
+    :class:`FocusConfig`) and ``train.objective``: only what the run does not already do, with
+    the values to try."""
+    from focus_pretrain.convert.retrofit import RETROFIT_SINKS
+
+    top_k, groups, rule = focus.top_k, focus.num_groups, focus.key_groups != "own"
     levers = []
-    if focus.key_groups == "own":
+    if not rule:
         levers.append(
             "count a key in its predecessor's groups too "
             "(--set model.focus.key_groups=own_and_previous)"
         )
-    per_key = 1 if focus.key_groups == "own" else 2  # a key's groups: its own, its predecessor's
+    per_key = 2 if rule else 1  # a key's groups: its own, and its predecessor's under the rule
     if per_key * (top_k + 1) < groups:  # else a key would be in every group: no pair removed
         levers.append(f"keep {top_k + 1} groups per token (--set model.focus.top_k={top_k + 1})")
-    if focus.sinks < RETROFIT_LEVER_SINKS:
-        levers.append(f"keep the first tokens visible (--sinks {RETROFIT_LEVER_SINKS})")
+    if focus.sinks < RETROFIT_SINKS:
+        levers.append(f"keep the first tokens visible (--sinks {RETROFIT_SINKS})")
     levers.append(f"widen the window (--window {2 * focus.window})")
     if objective == "lm":
         levers.append("distil the original (--set train.objective=distill)")
@@ -60,6 +56,10 @@ def gap_levers(focus: Any, objective: str = "lm") -> str:
     elif groups < 8:
         text += "; more groups (--groups 8)"
     return text + "; more steps (--steps) balance the routers, which keeps fewer pairs"
+
+
+# whose levers a verdict without a run's settings names: the method at a retrofit's K = 4
+METHOD_SETTINGS = SimpleNamespace(num_groups=4, top_k=1, sinks=0, window=128, key_groups="own")
 
 
 # what the losses above do not measure, with the commands that do (E7's needle test)
@@ -80,10 +80,10 @@ def hard_gap(
     """How much worse the retrofit is in hard mode (the pattern its export infers with) than
     the original model: ``{"threshold", "far_threshold", "gap": {metric: nats or None},
     "past": [the thresholds passed], "too_large", "levers"}`` (``levers``: what the verdict
-    suggests, :func:`gap_levers` of the run; default :data:`GAP_LEVERS`); ``too_large`` says
-    the validation loss gap is above ``threshold`` nats or (``far_threshold`` given) the
-    far-evidence gap above ``far_threshold`` (the tokens whose evidence lies beyond the window:
-    what routing is for)."""
+    suggests, :func:`gap_levers` of the run; default: those of :data:`METHOD_SETTINGS`);
+    ``too_large`` says the validation loss gap is above ``threshold`` nats or
+    (``far_threshold`` given) the far-evidence gap above ``far_threshold`` (the tokens whose
+    evidence lies beyond the window: what routing is for)."""
     gaps = {}
     for key in GAP_METRICS:
         before, after = evaluations[original].get(key), evaluations[hard].get(key)
@@ -96,7 +96,7 @@ def hard_gap(
         past.append(f"--max-far-gap {far_threshold:g} (far evidence)")
     return {
         "threshold": threshold, "far_threshold": far_threshold, "gap": gaps, "past": past,
-        "too_large": bool(past), "levers": levers or GAP_LEVERS,
+        "too_large": bool(past), "levers": levers or gap_levers(METHOD_SETTINGS),
     }  # fmt: skip
 
 
@@ -108,7 +108,7 @@ def gap_line(quality: dict[str, Any]) -> str:
     measured = f"hard-mode loss vs the original: {', '.join(parts) or 'not measured'} nats"
     if quality["too_large"]:
         past = " and ".join(quality.get("past") or [f"--max-hard-gap {threshold:g}"])
-        levers = quality.get("levers") or GAP_LEVERS
+        levers = quality.get("levers") or gap_levers(METHOD_SETTINGS)
         return f"the retrofit is not good enough: {measured}, above {past}; to close it, {levers}"
     within = f"--max-hard-gap {threshold:g}"
     if quality.get("far_threshold") is not None and gaps.get("loss_far_evidence") is not None:

@@ -92,3 +92,13 @@ def test_the_levers_name_only_what_the_run_does_not_already_do():
     assert "(--groups 8 --set model.focus.top_k=2)" in gap_levers(rule_of_4, "lm")
     quality = hard_gap(_evaluations(2.0, 2.5), threshold=0.05, levers=levers)
     assert gap_line(quality).endswith(f"to close it, {levers}")
+
+
+def test_the_key_groups_flag_offers_every_rule_the_pattern_takes():
+    """import-hf's and retrofit's --key-groups choices (spelled out in cli.py, which loads no
+    torch) are the pattern's own rules."""
+    from focus_pretrain.cli import KEY_GROUPS_CHOICES
+    from focus_pretrain.convert.retrofit import RETROFIT_KEY_GROUPS
+    from focus_pretrain.focus.pattern_settings import KEY_GROUPS
+
+    assert KEY_GROUPS_CHOICES == KEY_GROUPS and RETROFIT_KEY_GROUPS in KEY_GROUPS
