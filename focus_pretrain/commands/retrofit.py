@@ -396,7 +396,7 @@ def main() -> None:
     quality = hard_gap(
         evaluations, args.max_hard_gap, far_threshold=args.max_far_gap, levers=levers
     )
-    report = write_report(out, meta, evaluations, report_json, quality)
+    report = write_report(out, meta, evaluations, report_json, quality, config.model.focus)
     print(f"retrofit done: {report}")
     print(f"focus-pretrain retrofit: {gap_line(quality)}", flush=True)
 

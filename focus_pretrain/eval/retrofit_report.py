@@ -29,6 +29,14 @@ GAP_METRICS = {"loss": "validation", "loss_beyond_window": "beyond the window",
 # 4); more steps balance the routers, which removes pairs, and lost quality with top-1
 
 
+def next_top_k(focus: Any) -> int | None:
+    """``focus.top_k + 1``, or None where a key would then be in every group (top-K of K, or
+    top-2 of 4 with the keys' rule, which counts a key in its predecessor's groups too): a
+    pattern that removes no pair is not a lever."""
+    per_key = 1 if focus.key_groups == "own" else 2  # a key's groups: own (and predecessor's)
+    return focus.top_k + 1 if per_key * (focus.top_k + 1) < focus.num_groups else None
+
+
 def gap_levers(focus: Any, objective: str = "lm") -> str:
     """What to change when the hard model falls short, for a run's ``focus`` settings (a
     :class:`FocusConfig`) and ``train.objective``: only what the run does not already do, with
@@ -42,9 +50,9 @@ def gap_levers(focus: Any, objective: str = "lm") -> str:
             "count a key in its predecessor's groups too "
             "(--set model.focus.key_groups=own_and_previous)"
         )
-    per_key = 2 if rule else 1  # a key's groups: its own, and its predecessor's under the rule
-    if per_key * (top_k + 1) < groups:  # else a key would be in every group: no pair removed
-        levers.append(f"keep {top_k + 1} groups per token (--set model.focus.top_k={top_k + 1})")
+    wider = next_top_k(focus)
+    if wider is not None:
+        levers.append(f"keep {wider} groups per token (--set model.focus.top_k={wider})")
     if focus.sinks < RETROFIT_SINKS:
         levers.append(f"keep the first tokens visible (--sinks {RETROFIT_SINKS})")
     levers.append(f"widen the window (--window {2 * focus.window})")
@@ -62,14 +70,19 @@ def gap_levers(focus: Any, objective: str = "lm") -> str:
 METHOD_SETTINGS = SimpleNamespace(num_groups=4, top_k=1, sinks=0, window=128, key_groups="own")
 
 
-# what the losses above do not measure, with the commands that do (E7's needle test)
-RETRIEVAL_NOTE = (
-    "**Retrieval** is not in these losses: in E7 (docs/experiments.md) hard top-1 retrofits "
-    "within the loss target missed most of RULER's needles, which the original found. Score "
-    "the export and the original on the same samples: `focus-pretrain ruler {export} --tasks "
-    "niah_single_1 --lengths {length}`, then the same with `--focus enabled=false` (the "
-    "original) and `--focus top_k=2`."
-)
+def retrieval_note(export: str, length: int, focus: Any = METHOD_SETTINGS) -> str:
+    """What the losses do not measure, with the commands that do (E7's needle test): the
+    export, the original, and the export with one more group per token where that keeps
+    fewer pairs than dense (:func:`next_top_k`)."""
+    command = f"`focus-pretrain ruler {export} --tasks niah_single_1 --lengths {length}`"
+    wider = next_top_k(focus)
+    also = f" and `--focus top_k={wider}`" if wider is not None else ""
+    return (
+        "**Retrieval** is not in these losses: in E7 (docs/experiments.md) hard top-1 "
+        "retrofits within the loss target missed most of RULER's needles, which the original "
+        f"found. Score the export and the original on the same samples: {command}, then the "
+        f"same with `--focus enabled=false` (the original){also}."
+    )
 
 
 def hard_gap(
@@ -118,7 +131,7 @@ def gap_line(quality: dict[str, Any]) -> str:
 
 def write_report(
     out: Path, meta: dict[str, Any], evaluations: dict, groups: dict | None,
-    quality: dict[str, Any] | None = None,
+    quality: dict[str, Any] | None = None, focus: Any = METHOD_SETTINGS,
 ) -> Path:  # fmt: skip
     """``out/report.md``, ``report.json``, ``loss.png`` and ``loss_by_position.png``: the
     original (dense) model against the retrofit in soft and hard mode (``evaluations``:
@@ -132,7 +145,7 @@ def write_report(
         lines += ["", f"**Quality**: {gap_line(quality)}."]
     if "export" in meta:
         length = max(int(meta.get("seq_length") or 1024), 512)  # room for a RULER prompt
-        lines += ["", RETRIEVAL_NOTE.format(export=meta["export"], length=length)]
+        lines += ["", retrieval_note(meta["export"], length, focus)]
     lines += ["", "## Before and after (validation split of the training data)", ""]
     lines += ["| model | " + " | ".join(REPORT_METRICS.values()) + " |"]
     lines += ["|---|" + "---:|" * len(REPORT_METRICS)]

@@ -102,3 +102,25 @@ def test_the_key_groups_flag_offers_every_rule_the_pattern_takes():
     from focus_pretrain.focus.pattern_settings import KEY_GROUPS
 
     assert KEY_GROUPS_CHOICES == KEY_GROUPS and RETROFIT_KEY_GROUPS in KEY_GROUPS
+
+
+def test_the_needle_note_suggests_one_more_group_only_where_it_removes_pairs():
+    """The report's retrieval note names the run's next top-k (top-3 after a top-2 run), and
+    none where a key would then be in every group (top-2 of 4 with the keys' rule)."""
+    from focus_pretrain.eval.retrofit_report import next_top_k, retrieval_note
+    from focus_pretrain.focus.config import FocusConfig
+
+    cases = [
+        (FocusConfig(num_groups=8, top_k=1), 2),
+        (FocusConfig(num_groups=8, top_k=2, key_groups="own_and_previous"), 3),
+        (FocusConfig(num_groups=4, top_k=1, key_groups="own_and_previous"), None),
+        (FocusConfig(num_groups=3, top_k=2), None),
+    ]
+    for focus, wider in cases:
+        assert next_top_k(focus) == wider, focus
+        note = retrieval_note("runs/r/export", 1024, focus)
+        assert "`focus-pretrain ruler runs/r/export --tasks niah_single_1 --lengths 1024`" in note
+        assert "`--focus enabled=false`" in note
+        assert ("--focus top_k=" in note) == (wider is not None)
+        if wider is not None:
+            assert f"`--focus top_k={wider}`" in note
