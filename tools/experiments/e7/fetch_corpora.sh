@@ -11,7 +11,7 @@ DEST=${1:-/work/e7-models}
 PY=${PY:-python}
 HERE=$(cd "$(dirname "$0")" && pwd)
 CORPORA="$DEST/corpora"
-for name in janeausten jargon linux-doc-6.1-rst python3.11-doc-rst; do
+for name in janeausten jargon linux-doc-6.1-rst python3.11-doc-rst VERSIONS; do
   if [ -e "$CORPORA/$name" ] || [ -L "$CORPORA/$name" ]; then
     echo "fetch_corpora.sh: $CORPORA/$name exists: move it away or give another DEST" >&2
     exit 2
@@ -19,13 +19,20 @@ for name in janeausten jargon linux-doc-6.1-rst python3.11-doc-rst; do
 done
 STAGE=$(mktemp -d)  # this script's own: the .deb files and what they unpack to
 trap 'rm -rf -- "$STAGE"' EXIT
-(cd "$STAGE" && apt-get download r-cran-janeaustenr jargon-text linux-doc-6.1 python3.11-doc)
+# the Python docs pinned to the release E7's runs read (the security update deb12u9 changed 4
+# of the 317 library pages, which moves every validation window: PYTHON_DOC_VERSION= takes the
+# newest); the packages' versions are written to CORPORA/VERSIONS
+PYTHON_DOC_VERSION=${PYTHON_DOC_VERSION-3.11.2-6+deb12u8}
+(cd "$STAGE" && apt-get download r-cran-janeaustenr jargon-text linux-doc-6.1 \
+  "python3.11-doc${PYTHON_DOC_VERSION:+=$PYTHON_DOC_VERSION}")
 for f in "$STAGE"/*.deb; do
   d="$STAGE/x/$(basename "$f" | cut -d_ -f1)"
   mkdir -p "$d"
   dpkg-deb -x "$f" "$d"
 done
 mkdir -p "$CORPORA"
+for f in "$STAGE"/*.deb; do dpkg-deb -f "$f" Package Version | paste -sd' '; done \
+  > "$STAGE/VERSIONS"
 X="$STAGE/x"
 # Jane Austen's 6 novels (R lazy-load DB -> .txt)
 $PY "$HERE/extract_austen.py" "$X/r-cran-janeaustenr/usr/lib/R/site-library/janeaustenr/data" \
@@ -41,3 +48,4 @@ mv "$X/linux-doc-6.1/usr/share/doc/linux-doc-6.1/html/_sources" "$CORPORA/linux-
 mv "$X/python3.11-doc/usr/share/doc/python3.11/html/_sources" "$CORPORA/python3.11-doc-rst"
 cp "$X/python3.11-doc/usr/share/doc/python3.11-doc/copyright" \
   "$CORPORA/python3.11-doc-rst/COPYRIGHT.debian"
+mv "$STAGE/VERSIONS" "$CORPORA/VERSIONS"
