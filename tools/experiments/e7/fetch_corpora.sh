@@ -19,7 +19,7 @@ for name in janeausten jargon linux-doc-6.1-rst python3.11-doc-rst VERSIONS; do
 done
 STAGE=$(mktemp -d)  # this script's own: the .deb files and what they unpack to
 trap 'rm -rf -- "$STAGE"' EXIT
-# the Python docs pinned to the release E7's runs read (the security update deb12u9 changed 4
+# the Python docs pinned to the release E7's runs recorded (the security update deb12u9 changed 4
 # of the 317 library pages, which moves every validation window: PYTHON_DOC_VERSION= takes the
 # newest); the packages' versions are written to CORPORA/VERSIONS
 PYTHON_DOC_VERSION=${PYTHON_DOC_VERSION-3.11.2-6+deb12u8}
