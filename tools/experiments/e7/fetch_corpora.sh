@@ -29,10 +29,9 @@ for f in "$STAGE"/*.deb; do
   d="$STAGE/x/$(basename "$f" | cut -d_ -f1)"
   mkdir -p "$d"
   dpkg-deb -x "$f" "$d"
+  dpkg-deb -f "$f" Package Version | paste -sd' ' >> "$STAGE/VERSIONS"
 done
 mkdir -p "$CORPORA"
-for f in "$STAGE"/*.deb; do dpkg-deb -f "$f" Package Version | paste -sd' '; done \
-  > "$STAGE/VERSIONS"
 X="$STAGE/x"
 # Jane Austen's 6 novels (R lazy-load DB -> .txt)
 $PY "$HERE/extract_austen.py" "$X/r-cran-janeaustenr/usr/lib/R/site-library/janeaustenr/data" \
